@@ -1,0 +1,277 @@
+"""The Curvature-Conditioned Query (CCQ) read operator, in three forms that must agree.
+
+Definition (../shared/design/ccq.md, per layer, head h and position t):
+    kappa_t = k_t / max(||k_t||, 1e-6)                     unit keys
+    w_{i,t} = prod_{j=i+1..t} gamma_j,  n_t = sum_i w_{i,t}  decayed counts
+    mu_t = (1/n_t) sum_i w_{i,t} kappa_i,  M_t = (1/n_t) sum_i w_{i,t} kappa_i kappa_i^T
+    Sigma_t = M_t - mu_t mu_t^T  (centered)   or   M_t  (uncentered)
+    q~_t = sum_{j=0..R} (-lambda_t Sigma_t)^j r_t
+
+Forms:
+- `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
+- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the K x K covariance pass is fla's
+  chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1); on CPU a torch chunk loop
+  applies all orders per chunk in one pass.
+- `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
+
+Shapes: r, kappa [B, T, H, K]; log_gamma, lam [B, T, H]. The state is a `CCQState` of fp32 (or fp64
+when the inputs are fp64) tensors P [B, H, K, K], m [B, H, K], n [B, H]; it covers every position
+before the current call, so chunked prefill and decoding continue exactly where they stopped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class CCQState(NamedTuple):
+    P: torch.Tensor  # [B, H, K, K] decayed sum of kappa kappa^T
+    m: torch.Tensor  # [B, H, K]    decayed sum of kappa
+    n: torch.Tensor  # [B, H]       decayed count
+
+
+def unit_keys(k: torch.Tensor) -> torch.Tensor:
+    """kappa = k / max(||k||, 1e-6): bounds the spectrum of Sigma to [0, 1]."""
+    return k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+
+def _state_dtype(x: torch.Tensor) -> torch.dtype:
+    # The state accumulates over 20K+ tokens: keep it in fp32 at least.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def zero_state(batch: int, heads: int, dim: int, device, dtype=torch.float32) -> CCQState:
+    return CCQState(
+        torch.zeros(batch, heads, dim, dim, device=device, dtype=dtype),
+        torch.zeros(batch, heads, dim, device=device, dtype=dtype),
+        torch.zeros(batch, heads, device=device, dtype=dtype),
+    )
+
+
+def _apply_sigma(Pu: torch.Tensor, m: torch.Tensor, n: torch.Tensor, u: torch.Tensor, centered: bool):
+    """Sigma u from the decayed sums: (P u)/n - mu (mu . u), with mu = m / n. n is [..., 1]."""
+    out = Pu / n
+    if centered:
+        mu = m / n
+        out = out - mu * (mu * u).sum(-1, keepdim=True)
+    return out
+
+
+def _polynomial(r: torch.Tensor, lam: torch.Tensor, order: int, sigma_times) -> torch.Tensor:
+    """q~ = sum_{j=0..R} (-lam Sigma)^j r, one application of Sigma per order."""
+    term, total = r, r
+    for _ in range(order):
+        term = -lam * sigma_times(term)
+        total = total + term
+    return total
+
+
+def _check(r, kappa, log_gamma, lam, order):
+    if r.dim() != 4 or kappa.shape != r.shape:
+        raise ValueError(f"r and kappa must both be [B, T, H, K]; got {tuple(r.shape)} and {tuple(kappa.shape)}")
+    if log_gamma.shape != r.shape[:3] or lam.shape != r.shape[:3]:
+        raise ValueError(
+            f"log_gamma and lam must be [B, T, H] = {tuple(r.shape[:3])}; "
+            f"got {tuple(log_gamma.shape)} and {tuple(lam.shape)}"
+        )
+    if order < 1:
+        raise ValueError(f"ccq_order must be >= 1, got {order}")
+
+
+def ccq_read_reference(
+    r: torch.Tensor,
+    kappa: torch.Tensor,
+    log_gamma: torch.Tensor,
+    lam: torch.Tensor,
+    order: int = 1,
+    centered: bool = True,
+    initial_state: CCQState | None = None,
+) -> tuple[torch.Tensor, CCQState]:
+    """Parallel O(T^2) form: materialises w_{i,t} for all pairs. For tests and small T only."""
+    _check(r, kappa, log_gamma, lam, order)
+    B, T, H, K = r.shape
+    acc = _state_dtype(r)
+    rr, kk, lam_ = r.to(acc), kappa.to(acc), lam.to(acc).unsqueeze(-1)
+    c = log_gamma.to(acc).cumsum(1)  # [B, T, H]: log prod_{j<=t} gamma_j
+    # w[b, h, t, i] = exp(c_t - c_i) for i <= t, else 0
+    diff = c.permute(0, 2, 1).unsqueeze(-1) - c.permute(0, 2, 1).unsqueeze(-2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=r.device).tril()
+    w = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    past = c.exp()  # [B, T, H]: decay of the initial state up to t
+    kh = kk.permute(0, 2, 1, 3)  # [B, H, T, K]
+    n = w.sum(-1)  # [B, H, T]
+    m = w @ kh
+    if initial_state is not None:
+        P0, m0, n0 = (s.to(acc) for s in initial_state)
+        n = n + past.permute(0, 2, 1) * n0.unsqueeze(-1)
+        m = m + past.permute(0, 2, 1).unsqueeze(-1) * m0.unsqueeze(2)
+
+    def sigma_times(u: torch.Tensor) -> torch.Tensor:
+        uh = u.permute(0, 2, 1, 3)  # [B, H, T, K]
+        scores = w * (uh @ kh.transpose(-1, -2))  # [B, H, t, i] = w_{i,t} (kappa_i . u_t)
+        Pu = scores @ kh
+        if initial_state is not None:
+            Pu = Pu + past.permute(0, 2, 1).unsqueeze(-1) * (uh @ P0.transpose(-1, -2))
+        out = _apply_sigma(Pu, m, n.unsqueeze(-1), uh, centered)
+        return out.permute(0, 2, 1, 3)
+
+    q = _polynomial(rr, lam_, order, sigma_times)
+    # Final state: the decayed sums at the last position.
+    wT = w[:, :, -1, :]  # [B, H, T]
+    P = torch.einsum("bhi,bhik,bhil->bhkl", wT, kh, kh)
+    if initial_state is not None:
+        P = P + past[:, -1].reshape(B, H, 1, 1) * P0
+    return q.to(r.dtype), CCQState(P, m[:, :, -1], n[:, :, -1])
+
+
+def ccq_read_recurrent(
+    r: torch.Tensor,
+    kappa: torch.Tensor,
+    log_gamma: torch.Tensor,
+    lam: torch.Tensor,
+    order: int = 1,
+    centered: bool = True,
+    initial_state: CCQState | None = None,
+) -> tuple[torch.Tensor, CCQState]:
+    """Token-by-token recurrence: P_t = gamma_t P_{t-1} + kappa kappa^T, m_t, n_t alike."""
+    _check(r, kappa, log_gamma, lam, order)
+    B, T, H, K = r.shape
+    acc = _state_dtype(r)
+    if initial_state is None:
+        initial_state = zero_state(B, H, K, r.device, acc)
+    P, m, n = (s.to(acc) for s in initial_state)
+    outputs = []
+    for t in range(T):
+        kap = kappa[:, t].to(acc)  # [B, H, K]
+        gamma = log_gamma[:, t].to(acc).exp()  # [B, H]
+        P = gamma[..., None, None] * P + kap.unsqueeze(-1) * kap.unsqueeze(-2)
+        m = gamma[..., None] * m + kap
+        n = gamma * n + 1
+        n_ = n.unsqueeze(-1)
+
+        def sigma_times(u, P=P, m=m, n_=n_):
+            return _apply_sigma((P @ u.unsqueeze(-1)).squeeze(-1), m, n_, u, centered)
+
+        outputs.append(_polynomial(r[:, t].to(acc), lam[:, t].to(acc).unsqueeze(-1), order, sigma_times))
+    q = torch.stack(outputs, 1) if outputs else r.to(acc)
+    return q.to(r.dtype), CCQState(P, m, n)
+
+
+def _decayed_sums_chunk(kappa_c, b, state: CCQState):
+    """Within one chunk: D[t, i] = exp(b_t - b_i) (i <= t), and the running m_t, n_t.
+
+    kappa_c [B, C, H, K] and b [B, C, H] (cumulative log decay inside the chunk) in the accumulation
+    dtype. Returns D [B, H, C, C], m [B, H, C, K], n [B, H, C].
+    """
+    C = b.shape[1]
+    bh = b.permute(0, 2, 1)  # [B, H, C]
+    diff = bh.unsqueeze(-1) - bh.unsqueeze(-2)
+    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
+    D = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    carry = bh.exp()  # decay of the state entering the chunk
+    kh = kappa_c.permute(0, 2, 1, 3)
+    n = carry * state.n.unsqueeze(-1) + D.sum(-1)
+    m = carry.unsqueeze(-1) * state.m.unsqueeze(2) + D @ kh
+    return D, m, n, carry, kh
+
+
+def _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int):
+    B, T, H, K = r.shape
+    acc = state.P.dtype
+    outputs = []
+    P, m_state, n_state = state
+    for start in range(0, T, chunk_size):
+        end = min(start + chunk_size, T)
+        kap = kappa[:, start:end].to(acc)
+        b = log_gamma[:, start:end].to(acc).cumsum(1)
+        D, m, n, carry, kh = _decayed_sums_chunk(kap, b, CCQState(P, m_state, n_state))
+        n_ = n.unsqueeze(-1)
+
+        def sigma_times(uh, D=D, kh=kh, carry=carry, P=P, m=m, n_=n_):
+            # uh [B, H, C, K]: intra-chunk part + the state carried in from earlier chunks.
+            Pu = (D * (uh @ kh.transpose(-1, -2))) @ kh + carry.unsqueeze(-1) * (uh @ P.transpose(-1, -2))
+            return _apply_sigma(Pu, m, n_, uh, centered)
+
+        rh = r[:, start:end].to(acc).permute(0, 2, 1, 3)
+        lam_h = lam[:, start:end].to(acc).permute(0, 2, 1).unsqueeze(-1)
+        outputs.append(_polynomial(rh, lam_h, order, sigma_times).permute(0, 2, 1, 3))
+        # Advance the state to the end of the chunk.
+        w_last = D[:, :, -1, :]  # [B, H, C] = exp(b_last - b_i)
+        P = carry[:, :, -1, None, None] * P + torch.einsum("bhi,bhik,bhil->bhkl", w_last, kh, kh)
+        m_state, n_state = m[:, :, -1], n[:, :, -1]
+    q = torch.cat(outputs, 1) if outputs else r.to(acc)
+    return q.to(r.dtype), CCQState(P, m_state, n_state)
+
+
+def _decayed_mn_chunkwise(kappa, log_gamma, state: CCQState, chunk_size: int):
+    """m_t and n_t for every position (the cheap part of the CUDA path), chunk by chunk."""
+    acc = state.P.dtype
+    m_all, n_all = [], []
+    m_state, n_state = state.m, state.n
+    for start in range(0, kappa.shape[1], chunk_size):
+        end = min(start + chunk_size, kappa.shape[1])
+        b = log_gamma[:, start:end].to(acc).cumsum(1)
+        _, m, n, _, _ = _decayed_sums_chunk(kappa[:, start:end].to(acc), b, CCQState(state.P, m_state, n_state))
+        m_all.append(m)
+        n_all.append(n)
+        m_state, n_state = m[:, :, -1], n[:, :, -1]
+    return torch.cat(m_all, 2), torch.cat(n_all, 2)  # [B, H, T, K], [B, H, T]
+
+
+def _ccq_chunk_cuda(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int):
+    """CUDA: each order is one fla chunk_simple_gla pass (v = k = kappa, scale 1)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    acc = state.P.dtype
+    m, n = _decayed_mn_chunkwise(kappa, log_gamma, state, chunk_size)
+    mu = (m / n.unsqueeze(-1)).permute(0, 2, 1, 3).to(r.dtype)  # [B, T, H, K]
+    inv_n = (1.0 / n).permute(0, 2, 1).unsqueeze(-1)  # [B, T, H, 1]
+    kap = kappa.to(r.dtype)
+    g = log_gamma.float()
+    final_P = state.P
+
+    def sigma_times(u):
+        nonlocal final_P
+        Pu, final_P = chunk_simple_gla(
+            q=u.to(r.dtype), k=kap, v=kap, g=g, scale=1.0,
+            initial_state=state.P.float(), output_final_state=True,
+        )
+        out = Pu.to(acc) * inv_n
+        if centered:
+            mu_acc = mu.to(acc)
+            out = out - mu_acc * (mu_acc * u).sum(-1, keepdim=True)
+        return out
+
+    q = _polynomial(r.to(acc), lam.to(acc).unsqueeze(-1), order, sigma_times)
+    return q.to(r.dtype), CCQState(final_P.to(acc), m[:, :, -1], n[:, :, -1])
+
+
+def ccq_read_chunk(
+    r: torch.Tensor,
+    kappa: torch.Tensor,
+    log_gamma: torch.Tensor,
+    lam: torch.Tensor,
+    order: int = 1,
+    centered: bool = True,
+    initial_state: CCQState | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, CCQState]:
+    """Chunkwise form for training, scoring and prefill. Dispatches on the tensors' device."""
+    _check(r, kappa, log_gamma, lam, order)
+    B, T, H, K = r.shape
+    acc = _state_dtype(r)
+    state = zero_state(B, H, K, r.device, acc) if initial_state is None else CCQState(
+        *(s.to(acc) for s in initial_state)
+    )
+    if r.is_cuda and r.dtype != torch.float64:
+        return _ccq_chunk_cuda(r, kappa, log_gamma, lam, order, centered, state, chunk_size)
+    return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size)
+
+
+def ccq_read(r, kappa, log_gamma, lam, order=1, centered=True, initial_state=None):
+    """What a layer calls: the recurrence for one-token decode steps, the chunk form otherwise."""
+    if r.shape[1] == 1:
+        return ccq_read_recurrent(r, kappa, log_gamma, lam, order, centered, initial_state)
+    return ccq_read_chunk(r, kappa, log_gamma, lam, order, centered, initial_state)

@@ -1,0 +1,196 @@
+"""Our lm-eval tasks (tasks/s_niah, tasks/ppl, tasks/longbench) and the names users type.
+
+    make_task_manager(metadata={...})     -> TaskManager over our folders; lm-eval's built-in
+                                             tasks are indexed only when a name needs them
+    resolve_tasks(["s-niah", "ppl"])      -> ["ccq_s_niah_1", ..., "ccq_ppl_buckets", ...]
+    list_tasks()                          -> {user-facing name: one-line description}
+
+User aliases: s-niah (all three), s-niah-1/2/3, ppl (both protocols), ppl-buckets, ppl-sweep,
+longbench, longbench-e; our lm-eval names (ccq_...) and any lm-eval task name work too.
+Groups of ours resolve to their leaf tasks, so a run can store and resume them one by one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+# tasks/ next to the package in the (editable) checkout; CCQ_EVAL_TASKS_DIR overrides it.
+TASKS_DIR = Path(os.environ.get("CCQ_EVAL_TASKS_DIR") or Path(__file__).resolve().parent.parent / "tasks")
+TASK_FOLDERS = ("s_niah", "ppl", "longbench")
+
+# alias -> (targets in our index, description)
+ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
+    "s-niah": (("ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3"),
+               "RULER single needle-in-a-haystack, all three variants"),
+    "s-niah-1": (("ccq_s_niah_1",), "S-NIAH-1: passkey (7-digit number) in repeated noise"),
+    "s-niah-2": (("ccq_s_niah_2",), "S-NIAH-2: 7-digit number in essays"),
+    "s-niah-3": (("ccq_s_niah_3",), "S-NIAH-3: UUID in essays"),
+    "ppl": (("ccq_ppl_buckets", "ccq_ppl_sweep"), "length-extrapolation perplexity, both protocols"),
+    "ppl-buckets": (("ccq_ppl_buckets",), "perplexity per position bucket of long blocks (fla evals/ppl.py)"),
+    "ppl-sweep": (("ccq_ppl_sweep",), "perplexity of the first L tokens of documents, per L (YaRN)"),
+    "longbench": (("ccq_longbench",), "LongBench v1, 21 datasets"),
+    "longbench-e": (("ccq_longbench_e",), "LongBench-E, 13 English datasets by length bucket"),
+}
+
+
+class UnknownTaskError(KeyError, ValueError):
+    """A task name that is neither an alias, one of our tasks, nor an lm-eval task."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+def task_paths() -> list[str]:
+    """Our task folders that exist (others may not be written yet in a partial checkout)."""
+    if not TASKS_DIR.is_dir():
+        raise FileNotFoundError(f"task folder {TASKS_DIR} not found: install the project editable "
+                                "(pip install -e .) or set CCQ_EVAL_TASKS_DIR to the repo's tasks/ folder")
+    return [str(TASKS_DIR / name) for name in TASK_FOLDERS if (TASKS_DIR / name).is_dir()]
+
+
+@lru_cache(maxsize=1)
+def _our_index() -> dict[str, Any]:
+    from lm_eval.tasks._index import TaskIndex
+
+    return TaskIndex.build([Path(p) for p in task_paths()])
+
+
+@lru_cache(maxsize=1)
+def _default_index() -> dict[str, Any]:
+    """lm-eval's built-in index (about 8 s: built only when a non-ccq name is asked for)."""
+    import lm_eval.tasks
+    from lm_eval.tasks._index import TaskIndex
+
+    return TaskIndex.build([Path(lm_eval.tasks.__file__).parent])
+
+
+def _make_manager_class():
+    from lm_eval.tasks import TaskManager
+
+    class CCQTaskManager(TaskManager):
+        """TaskManager over our folders that indexes lm-eval's built-in tasks on first use of
+        a name it does not know (ours keep precedence), so runs of our tasks skip the 8 s index."""
+
+        def __init__(self, *, include_defaults: bool = False, **kwargs: Any) -> None:
+            super().__init__(include_defaults=include_defaults, **kwargs)
+            self._defaults_loaded = include_defaults
+
+        def _add_defaults(self) -> None:
+            from lm_eval.tasks._index import Kind
+
+            self._index = dict(_default_index()) | self._index
+            self._defaults_loaded = True
+            self._all_tasks = sorted(self._index)
+            kinds: dict[Any, list[str]] = {}
+            for name, entry in self._index.items():
+                kinds.setdefault(entry.kind, []).append(name)
+            self._all_subtasks = sorted(kinds.get(Kind.TASK, []) + kinds.get(Kind.PY_TASK, []))
+            self._all_groups = sorted(kinds.get(Kind.GROUP, []))
+            self._all_tags = sorted(kinds.get(Kind.TAG, []))
+
+        def _entry(self, name: str):
+            entry = self._index.get(name)
+            if entry is None and not self._defaults_loaded and not Path(name).suffix:
+                self._add_defaults()
+                entry = self._index.get(name)
+            return entry
+
+    return CCQTaskManager
+
+
+def make_task_manager(metadata: dict[str, Any] | None = None, *, include_defaults: bool = False,
+                      extra_paths: list[str] | None = None):
+    """A TaskManager over tasks/s_niah, tasks/ppl, tasks/longbench (plus `extra_paths`).
+
+    `metadata` reaches every task (lengths, depths, samples_per_cell, tokenizer, data paths).
+    Built-in lm-eval tasks are indexed lazily when a name outside ours is loaded, or eagerly
+    with include_defaults=True."""
+    manager_class = _make_manager_class()
+    return manager_class(include_path=task_paths() + list(extra_paths or []),
+                         include_defaults=include_defaults, metadata=dict(metadata or {}))
+
+
+def _leaf_tasks(name: str, index: dict[str, Any], seen: set[str] | None = None) -> list[str]:
+    """A group or tag of ours -> its leaf task names (in YAML order); a task -> [name]."""
+    from lm_eval.tasks._index import Kind
+
+    seen = set() if seen is None else seen
+    if name in seen:
+        return []
+    seen.add(name)
+    entry = index.get(name)
+    if entry is None:
+        raise UnknownTaskError(f"task {name!r} is referenced by our task configs but not defined in {TASKS_DIR}")
+    if entry.kind == Kind.GROUP:
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        config = entry.cfg or (load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else {})
+        members = config.get("task") or []
+        leaves: list[str] = []
+        for member in members if isinstance(members, list) else [members]:
+            child = member if isinstance(member, str) else (member.get("task") or member.get("group"))
+            leaves += [leaf for leaf in _leaf_tasks(str(child), index, seen) if leaf not in leaves]
+        return leaves
+    if entry.kind == Kind.TAG:
+        tagged = [n for n, e in index.items() if name in e.tags and e.kind in (Kind.TASK, Kind.PY_TASK)]
+        return sorted(tagged)
+    return [name]
+
+
+def our_task_names() -> list[str]:
+    """Every task, group and tag name defined in our folders."""
+    return sorted(_our_index())
+
+
+def list_tasks() -> dict[str, str]:
+    """User-facing names -> one-line description: aliases first, then our lm-eval names."""
+    from lm_eval.tasks._index import Kind
+
+    index = _our_index()
+    names = {alias: description for alias, (_, description) in ALIASES.items()}
+    for name in sorted(index):
+        kind = {Kind.GROUP: "group", Kind.TAG: "tag"}.get(index[name].kind, "task")
+        folder = Path(index[name].yaml_path).parent.name if index[name].yaml_path else "?"
+        names.setdefault(name, f"lm-eval {kind} in tasks/{folder}")
+    return names
+
+
+def valid_names_message() -> str:
+    return (f"valid names: {', '.join(ALIASES)}; our lm-eval tasks: {', '.join(our_task_names())}; "
+            "or any lm-eval task name (see `lm-eval ls tasks`)")
+
+
+def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list[str]:
+    """User task names -> lm-eval task names, in order, without duplicates.
+
+    Aliases and our groups expand to leaf tasks (unless expand_groups=False); other lm-eval
+    names pass through when lm-eval knows them. Raises UnknownTaskError (a KeyError) naming
+    the valid choices."""
+    if isinstance(names, str):
+        names = [part.strip() for part in names.split(",") if part.strip()]
+    index = _our_index()
+    resolved: list[str] = []
+    for name in names:
+        if name in ALIASES:
+            targets = list(ALIASES[name][0])
+            missing = [t for t in targets if t not in index]
+            if missing:
+                raise UnknownTaskError(f"task alias {name!r} needs {', '.join(missing)}, which {TASKS_DIR} "
+                                       "does not define (is that task family installed?)")
+        elif name in index:
+            targets = [name]
+        elif not name.startswith("ccq_") and name in _default_index():  # ccq_ names are ours only
+            resolved += [name] if name not in resolved else []
+            continue
+        else:
+            close = difflib.get_close_matches(name, list(ALIASES) + our_task_names(), n=3, cutoff=0.7)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UnknownTaskError(f"unknown task {name!r}{hint}; {valid_names_message()}")
+        for target in targets:
+            leaves = _leaf_tasks(target, index) if expand_groups else [target]
+            resolved += [leaf for leaf in leaves if leaf not in resolved]
+    return resolved

@@ -1,0 +1,72 @@
+"""Shared pieces of the adapter tests (tests/test_adapter_*.py): a tiny random causal LM with a
+cache (GPT-2 shape, built offline) and byte-level tokenizers with and without a BOS token."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def byte_tokenizer(with_bos: bool = False):
+    tokenizer = ByT5Tokenizer()
+    if with_bos:
+        tokenizer.add_special_tokens({"bos_token": "<s>"})
+    return tokenizer
+
+
+def tiny_model(tokenizer, dtype: torch.dtype = torch.float64, seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=4096, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return GPT2LMHeadModel(config).to(dtype).eval()
+
+
+def full_token_nll(model, ids: list[int]) -> torch.Tensor:
+    """NLL of tokens 1.. of `ids` from one full forward without a cache (the reference)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0].double()
+    logprob = logits.log_softmax(-1)[:-1]
+    return -logprob.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def greedy_full_recompute(model, ids: list[int], n_new: int, stop_ids: set[int]) -> list[int]:
+    """Greedy decoding that re-runs the whole sequence for every token (no cache)."""
+    sequence = list(ids)
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            token = int(model(torch.tensor([sequence]), use_cache=False).logits[0, -1].argmax())
+            if token in stop_ids:
+                break
+            new.append(token)
+            sequence.append(token)
+    return new
+
+
+def ppl_utils():
+    """tasks/ppl/utils.py as a module (it is loaded by path, as lm-eval does)."""
+    path = REPO / "tasks" / "ppl" / "utils.py"
+    name = "ccq_tasks_ppl_utils"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and a busy 2-core machine makes a second thread
+    spin-wait; restored after each test so other test files keep their setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

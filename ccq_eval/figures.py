@@ -1,0 +1,275 @@
+"""Paper-style figures from the tidy results table (PNG and PDF, matplotlib Agg).
+
+- S-NIAH depth x length heatmaps, one panel per model, one figure per S-NIAH task;
+- accuracy vs length, one panel per S-NIAH task, models overlaid;
+- perplexity vs length for both protocols: the truncated-document sweep (ppl at each
+  evaluated length) and the position-bucketed curve (ppl of each position bucket);
+- LongBench scores per dataset as grouped bars (and LongBench-E per bucket).
+
+Colours: a model's family (its name without a trailing "-ccq") owns one hue of the tab10
+palette, chosen from a hash of the name, so the same model gets the same colour in every
+figure; the CCQ variant takes the full colour with solid lines and round markers, the
+baseline a lighter shade with dashed lines and square markers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
+
+from ccq_eval import tables
+from ccq_eval.results_store import ResultsError
+
+STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "legend.fontsize": 8,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "savefig.bbox": "tight",
+    "pdf.fonttype": 42,  # embed TrueType: editable text in the PDF
+}
+_CCQ_SUFFIX = re.compile(r"[-_]ccq$", re.IGNORECASE)
+_N_HUES = 10
+
+
+def model_family(model: str) -> str:
+    return _CCQ_SUFFIX.sub("", model)
+
+
+def is_ccq(model: str) -> bool:
+    return bool(_CCQ_SUFFIX.search(model)) or "ccq" in model.lower()
+
+
+def model_colors(models: Iterable[str]) -> dict[str, tuple[float, float, float, float]]:
+    """Stable colour per model: family hue from a hash of its name (linear probing on clashes,
+    families taken in sorted order), dark shade for CCQ variants, light for baselines."""
+    palette = plt.get_cmap("tab10").colors
+    families = sorted({model_family(m) for m in models})
+    hue_of: dict[str, int] = {}
+    taken: set[int] = set()
+    for family in families:
+        hue = zlib.crc32(family.encode("utf-8")) % _N_HUES
+        for step in range(_N_HUES):
+            candidate = (hue + step) % _N_HUES
+            if candidate not in taken or len(taken) >= _N_HUES:
+                hue = candidate
+                break
+        taken.add(hue)
+        hue_of[family] = hue
+    colors = {}
+    for model in models:
+        base = np.array(palette[hue_of[model_family(model)]])
+        # baseline: the family hue mixed with white, readable on white but clearly lighter
+        shade = base if is_ccq(model) else 0.6 * base + 0.4
+        colors[model] = (*(float(c) for c in shade), 1.0)
+    return colors
+
+
+def _line_style(model: str) -> dict:
+    return {"linestyle": "-" if is_ccq(model) else "--", "marker": "o" if is_ccq(model) else "s",
+            "markersize": 4, "linewidth": 1.6}
+
+
+def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
+    lengths = sorted({int(x) for x in lengths})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([tables._length_label(x) for x in lengths])
+    ax.minorticks_off()
+
+
+def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
+    paths = []
+    for suffix in (".png", ".pdf"):
+        path = out / f"{stem}{suffix}"
+        fig.savefig(path, dpi=200 if suffix == ".png" else None)
+        paths.append(path)
+    plt.close(fig)
+    return paths
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int = 4):
+    cols = min(count, max_cols)
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), squeeze=False,
+                             layout="constrained")
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:count])
+
+
+def _score_limit(values: pd.Series) -> float:
+    """Scores are 0-100 (RULER, LongBench) or 0-1 (some lm-eval metrics)."""
+    return 1.0 if values.max() <= 1.0 else 100.0
+
+
+def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
+    rows = tidy[(tidy["family"] == "s-niah") & tidy["primary"] & tidy["length"].notna() & tidy["depth"].notna()]
+    paths = []
+    for task, task_rows in rows.groupby("task", sort=True):
+        models = sorted(task_rows["model"].unique())
+        vmax = _score_limit(task_rows["value"])
+        with plt.rc_context(STYLE | {"axes.grid": False}):
+            fig, axes = _panels(len(models), width=3.4, height=2.8)
+            image = None
+            for ax, model in zip(axes, models):
+                grid = task_rows[task_rows["model"] == model].pivot_table(
+                    index="depth", columns="length", values="value", aggfunc="first")
+                grid = grid.sort_index().reindex(sorted(grid.columns), axis=1)
+                image = ax.imshow(grid.to_numpy(dtype=float), cmap="RdYlGn", vmin=0, vmax=vmax,
+                                  aspect="auto", interpolation="nearest")
+                ax.set_xticks(range(grid.shape[1]), [tables._length_label(c) for c in grid.columns])
+                ax.set_yticks(range(grid.shape[0]), [f"{d:g}%" for d in grid.index])
+                ax.set_xlabel("context length (tokens)")
+                ax.set_ylabel("needle depth")
+                ax.set_title(model)
+                for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
+                    if not math.isnan(value):
+                        ax.text(j, i, f"{value:.0f}" if vmax > 1 else f"{value:.2f}", ha="center",
+                                va="center", fontsize=7, color="black")
+            fig.suptitle(f"{tables.display_task(task)}: accuracy by needle depth and context length")
+            fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
+            paths += _save(fig, out, f"sniah_heatmap_{_safe(tables.display_task(task))}")
+    return paths
+
+
+def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, colors: dict,
+            log_y: bool = False, score: bool = False, xlabel: str = "context length (tokens)") -> list[Path]:
+    tasks = sorted(rows["task"].unique())
+    with plt.rc_context(STYLE):
+        fig, axes = _panels(len(tasks))
+        for ax, task in zip(axes, tasks):
+            task_rows = rows[rows["task"] == task]
+            for model in sorted(task_rows["model"].unique()):
+                curve = task_rows[task_rows["model"] == model].sort_values("length")
+                ax.plot(curve["length"].astype(float), curve["value"], color=colors[model], label=model,
+                        **_line_style(model))
+            _length_ticks(ax, task_rows["length"])
+            ax.set_title(tables.display_task(task))
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            if log_y:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            if score:
+                ax.set_ylim(-0.03 * _score_limit(rows["value"]), 1.03 * _score_limit(rows["value"]))
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), frameon=False)
+        fig.suptitle(title)
+        return _save(fig, out, stem)
+
+
+def accuracy_curves(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
+    rows = tidy[(tidy["family"] == "s-niah") & tidy["primary"] & tidy["length"].notna() & tidy["depth"].isna()]
+    if rows.empty:
+        return []
+    return _curves(rows, out, "sniah_accuracy_vs_length", "S-NIAH accuracy vs context length", "accuracy",
+                   colors, score=True)
+
+
+def perplexity_curves(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
+    paths = []
+    ppl = tidy[tidy["family"] == "ppl"]
+    sweep = ppl[ppl["primary"] & ppl["length"].notna() & ppl["depth"].isna() & ppl["bucket"].isna()]
+    if not sweep.empty:
+        paths += _curves(sweep, out, "ppl_vs_length_sweep",
+                         "Perplexity vs length\n(truncated-document sweep: first L tokens of each document)",
+                         "perplexity", colors, log_y=True)
+    position = ppl[ppl["primary"] & ppl["bucket"].notna()]
+    if not position.empty:
+        paths += _curves(position, out, "ppl_vs_position_buckets",
+                         "Perplexity by token position\n(position buckets of long blocks, one pass per block)",
+                         "perplexity of bucket", colors, log_y=True,
+                         xlabel="token position (end of bucket)")
+    return paths
+
+
+def longbench_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
+    pivot = tables.longbench_pivot(tidy)
+    if pivot is None or pivot.empty:
+        return []
+    datasets = [c for c in pivot.columns if not c.endswith(" avg") and not c.startswith("Avg")]
+    averages = [c for c in pivot.columns if c.endswith(" avg") or c.startswith("Avg")]
+    columns = datasets + averages
+    models = list(pivot.index)
+    width = 0.8 / max(len(models), 1)
+    x = np.arange(len(columns))
+    with plt.rc_context(STYLE | {"axes.grid.axis": "y"}):
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(columns) * max(1, len(models) / 2)), 3.2),
+                               layout="constrained")
+        for k, model in enumerate(models):
+            values = pivot.loc[model, columns].to_numpy(dtype=float)
+            ax.bar(x + (k - (len(models) - 1) / 2) * width, values, width, label=model, color=colors[model],
+                   edgecolor="black" if is_ccq(model) else "none", linewidth=0.4)
+        ax.set_xticks(x, columns, rotation=35, ha="right", rotation_mode="anchor")
+        if averages:
+            ax.axvline(len(datasets) - 0.5, color="grey", linewidth=0.8)
+        ax.set_ylabel("score")
+        ax.set_title("LongBench: score per dataset and category averages")
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", ncol=min(len(models), 4),
+                   frameon=False)
+        return _save(fig, out, "longbench_per_dataset")
+
+
+def longbench_e_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
+    rows = tidy[(tidy["family"] == "longbench-e") & tidy["primary"] & tidy["bucket"].notna()]
+    if rows.empty:
+        return []
+    buckets = sorted(rows["bucket"].unique(), key=lambda b: float("".join(c for c in b.split("-")[0] if c.isdigit())
+                                                                  or 0))
+    rows = rows.groupby(["model", "bucket"], as_index=False)["value"].mean()  # mean over datasets
+    models = sorted(rows["model"].unique())
+    width = 0.8 / len(models)
+    x = np.arange(len(buckets))
+    with plt.rc_context(STYLE | {"axes.grid.axis": "y"}):
+        fig, ax = plt.subplots(figsize=(4.5, 3.0), layout="constrained")
+        for k, model in enumerate(models):
+            values = [rows[(rows["model"] == model) & (rows["bucket"] == b)]["value"].mean() for b in buckets]
+            ax.bar(x + (k - (len(models) - 1) / 2) * width, values, width, label=model, color=colors[model])
+        ax.set_xticks(x, buckets)
+        ax.set_xlabel("LongBench-E length bucket (words)")
+        ax.set_ylabel("mean score over datasets")
+        ax.set_title("LongBench-E by length bucket")
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", frameon=False)
+        return _save(fig, out, "longbench_e_per_bucket")
+
+
+def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
+    """Every figure the results support, as PNG and PDF under `out`; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    colors = model_colors(sorted(tidy["model"].unique()))
+    paths = []
+    paths += sniah_heatmaps(tidy, out)
+    paths += accuracy_curves(tidy, out, colors)
+    paths += perplexity_curves(tidy, out, colors)
+    paths += longbench_bars(tidy, out, colors)
+    paths += longbench_e_bars(tidy, out, colors)
+    if not paths:
+        raise ResultsError(
+            "nothing to draw: the results hold no per-length S-NIAH or perplexity values and no LongBench "
+            "scores (figures need the samples_<task>.jsonl logs of S-NIAH / perplexity runs)"
+        )
+    return paths

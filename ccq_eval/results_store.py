@@ -1,0 +1,391 @@
+"""Results on disk: the interface between running and analysing.
+
+One folder per (model, task) unit:
+
+    <output>/<model>/<task>/
+        unit.json              what the unit was asked to compute (written when it starts)
+        responses.sqlite       model responses so far (resume cache, JSON values, no pickle)
+        samples_<task>.jsonl   lm-eval per-sample log, one file per evaluated lm-eval task
+        meta.json              run metadata (versions, seed, device, wall time, ...)
+        results.json           lm-eval results dict; written last, so it marks the unit finished
+
+Every file is written atomically (temporary file in the same folder, then os.replace), so
+a run killed at any moment leaves either the old file or the new one, never half of one.
+Readers (`table`, `compare`, `figures`) only read these files; they never load a model.
+The layout lm-eval's own CLI writes (results_<timestamp>.json next to
+samples_<task>_<timestamp>.jsonl) is read as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_FILE = "results.json"
+META_FILE = "meta.json"
+UNIT_SPEC_FILE = "unit.json"
+RESPONSES_DB = "responses.sqlite"
+
+
+class ResultsError(Exception):
+    """A problem with results on disk that the user can fix (message says what and where)."""
+
+
+def slugify(name: str) -> str:
+    """A folder-safe version of a model or task name ('models/tiny-gla' -> 'models_tiny-gla')."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip()).strip("._")
+    if not slug:
+        raise ValueError(f"cannot make a folder name from {name!r}")
+    return slug
+
+
+def _json_default(obj: Any) -> Any:
+    # Same conversions as lm-eval's handle_non_serializable, without importing lm-eval here.
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.bool_):
+            return bool(obj)
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=str)
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def dumps(obj: Any, *, indent: int | None = 2) -> str:
+    return json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, dumps(obj) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file; a corrupt file raises ResultsError naming it and is left untouched."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ResultsError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"cannot read {path}: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ResultsError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}). "
+            "The file was left as it is: fix or delete it (deleting results.json makes "
+            "`ccq-eval run` redo that unit)."
+        ) from None
+
+
+def sample_to_jsonable(sample: dict[str, Any]) -> dict[str, Any]:
+    """One lm-eval logged sample in the form lm-eval's EvaluationTracker writes it.
+
+    arguments become {"gen_args_i": {"arg_j": ...}}, resps / filtered_resps are stringified,
+    target becomes a string; metric values stay as they are.
+    """
+    out = dict(sample)
+    arguments = sample.get("arguments")
+    if isinstance(arguments, (list, tuple)):
+        out["arguments"] = {
+            f"gen_args_{i}": {f"arg_{j}": arg for j, arg in enumerate(args)}
+            for i, args in enumerate(arguments)
+        }
+    for key in ("resps", "filtered_resps"):
+        if key in sample:
+            out[key] = _stringify_nested(sample[key])
+    if "target" in sample:
+        out["target"] = str(sample["target"])
+    return out
+
+
+def _stringify_nested(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_stringify_nested(item) for item in value]
+    if isinstance(value, tuple):
+        return [_stringify_nested(item) for item in value]
+    return str(value)
+
+
+def task_hash(samples: Iterable[dict[str, Any]]) -> str:
+    """lm-eval's cumulative task hash over doc, prompt and target hashes."""
+    joined = "".join(
+        str(s.get("doc_hash", "")) + str(s.get("prompt_hash", "")) + str(s.get("target_hash", ""))
+        for s in samples
+    )
+    return hashlib.sha256(joined.encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Writing one unit
+
+
+@dataclass(frozen=True)
+class UnitDir:
+    """Paths of one (model, task) unit folder."""
+
+    path: Path
+
+    @property
+    def results(self) -> Path:
+        return self.path / RESULTS_FILE
+
+    @property
+    def meta(self) -> Path:
+        return self.path / META_FILE
+
+    @property
+    def spec(self) -> Path:
+        return self.path / UNIT_SPEC_FILE
+
+    @property
+    def responses_db(self) -> Path:
+        return self.path / RESPONSES_DB
+
+    def samples(self, task: str) -> Path:
+        return self.path / f"samples_{slugify(task)}.jsonl"
+
+    def is_finished(self) -> bool:
+        return self.results.is_file()
+
+
+def unit_dir(output: Path, model: str, task: str) -> UnitDir:
+    return UnitDir(Path(output) / slugify(model) / slugify(task))
+
+
+def write_unit(
+    unit: UnitDir,
+    results: dict[str, Any],
+    samples: dict[str, list[dict[str, Any]]],
+    meta: dict[str, Any],
+) -> None:
+    """Store a finished unit: samples, then metadata, then results.json (the 'finished' mark).
+
+    `results` is the dict lm_eval.simple_evaluate returns (its "samples" entry is ignored;
+    pass the samples separately).
+    """
+    unit.path.mkdir(parents=True, exist_ok=True)
+    for task_name, task_samples in samples.items():
+        lines = [dumps(sample_to_jsonable(s), indent=None) for s in task_samples]
+        atomic_write_text(unit.samples(task_name), "".join(line + "\n" for line in lines))
+    atomic_write_json(unit.meta, meta)
+    stored = {key: value for key, value in results.items() if key != "samples"}
+    stored["task_hashes"] = {name: task_hash(task_samples) for name, task_samples in samples.items()}
+    stored.setdefault("model_name", meta.get("model"))
+    atomic_write_json(unit.results, stored)
+
+
+# --------------------------------------------------------------------------------------------
+# Resume cache: model responses keyed by request, one SQLite row per response.
+
+
+class ResponseCache:
+    """Model responses of one unit, committed as they arrive, so a killed run can resume.
+
+    Values are JSON (never pickle). Keys hash the request type and arguments, computed
+    before the model sees the request.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(self.path))
+        self._conn.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        self._conn.commit()
+
+    @staticmethod
+    def key(request_type: str, args: tuple[Any, ...]) -> str:
+        payload = json.dumps([request_type, list(args)], sort_keys=True, default=_json_default)
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    def get_many(self, keys: list[str]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        unique = list(dict.fromkeys(keys))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            rows = self._conn.execute(f"SELECT key, value FROM responses WHERE key IN ({marks})", chunk)
+            for key, value in rows:
+                found[key] = json.loads(value)
+        return found
+
+    def put_many(self, items: list[tuple[str, Any]]) -> None:
+        with self._conn:  # one transaction: all of a batch or none of it
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO responses (key, value) VALUES (?, ?)",
+                [(key, json.dumps(value, default=_json_default)) for key, value in items],
+            )
+
+    def __len__(self) -> int:
+        return int(self._conn.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class StoredUnit:
+    """One results file and what lies next to it."""
+
+    results_path: Path
+    results: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    samples_paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def folder(self) -> Path:
+        return self.results_path.parent
+
+    @property
+    def model(self) -> str:
+        """The model's display name: run metadata, then lm-eval's config, then the folder."""
+        name = self.meta.get("model") or self.results.get("model_name")
+        if not name:
+            config = self.results.get("config") or {}
+            name = config.get("model") if isinstance(config, dict) else None
+            if name in (None, "", "CUSTOM"):
+                name = None
+        if not name:
+            # <output>/<model>/<task>/results.json or lm-eval's <output>/<model>/results_*.json
+            name = self.folder.parent.name if self.results_path.name == RESULTS_FILE else self.folder.name
+        return str(name)
+
+    @property
+    def task_results(self) -> dict[str, dict[str, Any]]:
+        return dict(self.results.get("results") or {})
+
+    @property
+    def group_names(self) -> set[str]:
+        return set((self.results.get("groups") or {}).keys()) | set(
+            (self.results.get("group_subtasks") or {}).keys()
+        )
+
+    def leaf_tasks(self) -> list[str]:
+        groups = self.group_names
+        return [name for name in self.task_results if name not in groups]
+
+    def samples(self, task: str) -> list[dict[str, Any]]:
+        """The per-sample log of `task` (empty when the run did not log samples)."""
+        path = self.samples_paths.get(task)
+        if path is None:
+            return []
+        return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"cannot read {path}: {exc}") from None
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ResultsError(
+                f"{path} line {line_number} is not valid JSON ({exc.msg}). The file was left as "
+                "it is: fix or delete it (delete the unit's results.json too to redo the unit)."
+            ) from None
+
+
+_LMEVAL_RESULTS = re.compile(r"^results_(?P<stamp>.+)\.json$")
+
+
+def _samples_for(results_path: Path, task_names: Iterable[str]) -> dict[str, Path]:
+    folder = results_path.parent
+    found: dict[str, Path] = {}
+    stamp_match = _LMEVAL_RESULTS.match(results_path.name)
+    for task in task_names:
+        candidates = [folder / f"samples_{slugify(task)}.jsonl", folder / f"samples_{task}.jsonl"]
+        if stamp_match:
+            candidates.insert(0, folder / f"samples_{task}_{stamp_match.group('stamp')}.jsonl")
+        for candidate in candidates:
+            if candidate.is_file():
+                found[task] = candidate
+                break
+    return found
+
+
+def find_results_files(root: Path) -> list[Path]:
+    root = Path(root)
+    files = [p for p in root.rglob("*.json") if p.name == RESULTS_FILE or _LMEVAL_RESULTS.match(p.name)]
+    return sorted(files)
+
+
+def load_results(root: Path) -> list[StoredUnit]:
+    """Every results file under `root` with its metadata and sample logs.
+
+    Raises ResultsError when the folder does not exist, holds no results, or a results /
+    metadata file is corrupt (its path is named; nothing is modified).
+    """
+    root = Path(root)
+    if not root.exists():
+        raise ResultsError(f"results folder {root} does not exist; run `ccq-eval run --output {root}` first")
+    if root.is_file():
+        files = [root]
+    else:
+        files = find_results_files(root)
+    if not files:
+        raise ResultsError(
+            f"{root} holds no results (no results.json below it); run `ccq-eval run --output {root}` first"
+        )
+    units = []
+    for path in files:
+        results = read_json(path)
+        if not isinstance(results, dict) or not isinstance(results.get("results"), dict):
+            raise ResultsError(
+                f"{path} is not an lm-eval results file (no 'results' mapping). The file was left as it is."
+            )
+        meta_path = path.parent / META_FILE
+        meta = read_json(meta_path) if path.name == RESULTS_FILE and meta_path.is_file() else {}
+        if not isinstance(meta, dict):
+            raise ResultsError(f"{meta_path} should hold a JSON object. The file was left as it is.")
+        units.append(
+            StoredUnit(
+                results_path=path,
+                results=results,
+                meta=meta,
+                samples_paths=_samples_for(path, results["results"].keys()),
+            )
+        )
+    return units

@@ -1,0 +1,387 @@
+"""Paired statistics for baseline-vs-variant comparisons over the same samples.
+
+- Paired bootstrap: resample sample indices with replacement (the same indices for both
+  models), recompute each model's statistic, take percentiles of the difference.
+  Seeded (numpy default_rng), so every number is reproducible.
+- Exact McNemar test for binary per-sample scores: two-sided binomial test on the
+  discordant pairs (b = baseline right / variant wrong, c = the reverse), p = min(1,
+  2 P[X <= min(b, c)]), X ~ Bin(b + c, 1/2).
+- Exact sign test for other per-sample scores: the same binomial test on the signs of the
+  non-zero paired differences.
+
+Samples are matched by lm-eval's doc_hash (a hash of the whole document) when both runs
+logged the same documents, else by prompt and target hash (same model input), else by
+doc_id (same position in the task); `pairing` in the output says which.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ccq_eval import tables
+from ccq_eval.results_store import ResultsError, StoredUnit
+
+DEFAULT_BOOTSTRAP = 10_000
+DEFAULT_SEED = 0
+DEFAULT_ALPHA = 0.05
+_CHUNK_ROWS = 1000  # bootstrap resamples drawn per chunk (bounds memory, same stream as one draw)
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics of one model over (resampled) samples. Input rows are samples; for ratio
+# statistics a sample is a pair (numerator, denominator).
+
+
+def mean_statistic(values: np.ndarray) -> np.ndarray:
+    return values.mean(axis=-1)
+
+
+def perplexity_statistic(values: np.ndarray) -> np.ndarray:
+    """lm-eval 'perplexity' aggregation: exp(-mean log-likelihood)."""
+    return np.exp(-values.mean(axis=-1))
+
+
+def weighted_perplexity_statistic(values: np.ndarray) -> np.ndarray:
+    """lm-eval 'weighted_perplexity': exp(-sum log-likelihood / sum token count)."""
+    return np.exp(-values[..., 0].sum(axis=-1) / values[..., 1].sum(axis=-1))
+
+
+def bits_per_byte_statistic(values: np.ndarray) -> np.ndarray:
+    return -values[..., 0].sum(axis=-1) / values[..., 1].sum(axis=-1) / math.log(2)
+
+
+def nll_pairs_statistic(values: np.ndarray) -> np.ndarray:
+    """Perplexity from (nll_sum, n_tokens) pairs (our ppl tasks): exp(sum nll / sum n)."""
+    return np.exp(values[..., 0].sum(axis=-1) / values[..., 1].sum(axis=-1))
+
+
+STATISTICS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "mean": mean_statistic,
+    "perplexity": perplexity_statistic,
+    "weighted_perplexity": weighted_perplexity_statistic,
+    "bits_per_byte": bits_per_byte_statistic,
+    "nll_pairs": nll_pairs_statistic,
+}
+PAIR_STATISTICS = ("weighted_perplexity", "bits_per_byte", "nll_pairs")
+LOWER_IS_BETTER = ("perplexity", "weighted_perplexity", "bits_per_byte", "nll_pairs")
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    delta: float  # statistic(variant) - statistic(baseline) on the observed samples
+    low: float
+    high: float
+    n: int
+    n_boot: int
+    confidence: float
+
+
+def paired_bootstrap(
+    baseline: np.ndarray,
+    variant: np.ndarray,
+    statistic: Callable[[np.ndarray], np.ndarray] = mean_statistic,
+    *,
+    n_boot: int = DEFAULT_BOOTSTRAP,
+    seed: int = DEFAULT_SEED,
+    confidence: float = 0.95,
+) -> BootstrapResult:
+    """Percentile interval of statistic(variant) - statistic(baseline) under paired resampling.
+
+    Resample b draws indices rng.integers(0, n, size=n) (rows of one (n_boot, n) draw from
+    numpy.random.default_rng(seed)) and applies them to both models.
+    """
+    baseline = np.asarray(baseline, dtype=float)
+    variant = np.asarray(variant, dtype=float)
+    if baseline.shape != variant.shape:
+        raise ValueError(f"paired samples differ in shape: {baseline.shape} vs {variant.shape}")
+    n = baseline.shape[0]
+    if n == 0:
+        raise ValueError("no paired samples to compare")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    observed = float(statistic(variant[None])[0] - statistic(baseline[None])[0])
+    rng = np.random.default_rng(seed)
+    deltas = np.empty(n_boot)
+    for start in range(0, n_boot, _CHUNK_ROWS):
+        rows = min(_CHUNK_ROWS, n_boot - start)
+        index = rng.integers(0, n, size=(rows, n))
+        deltas[start : start + rows] = statistic(variant[index]) - statistic(baseline[index])
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(deltas, [tail, 1 - tail])
+    return BootstrapResult(observed, float(low), float(high), n, n_boot, confidence)
+
+
+def _binomial_two_sided(k_small: int, total: int) -> float:
+    """P-value of the exact two-sided binomial test with p = 1/2 (min(1, 2 P[X <= k]))."""
+    if total == 0:
+        return 1.0
+    tail = sum(math.comb(total, k) for k in range(k_small + 1))
+    return min(1.0, 2 * tail / 2**total)
+
+
+def mcnemar_exact(baseline: np.ndarray, variant: np.ndarray) -> tuple[int, int, float]:
+    """(b, c, p): b = baseline right & variant wrong, c = baseline wrong & variant right."""
+    baseline = np.asarray(baseline).astype(bool)
+    variant = np.asarray(variant).astype(bool)
+    b = int(np.sum(baseline & ~variant))
+    c = int(np.sum(~baseline & variant))
+    return b, c, _binomial_two_sided(min(b, c), b + c)
+
+
+def sign_test(differences: np.ndarray) -> tuple[int, int, float]:
+    """(positives, negatives, p) of the exact sign test; zero differences are dropped."""
+    differences = np.asarray(differences, dtype=float)
+    positives = int(np.sum(differences > 0))
+    negatives = int(np.sum(differences < 0))
+    return positives, negatives, _binomial_two_sided(min(positives, negatives), positives + negatives)
+
+
+def is_binary(*arrays: np.ndarray) -> bool:
+    """Per-sample scores that are right/wrong: values all in {0, 1} or all in {0, 100}."""
+    values = np.concatenate([np.asarray(a, dtype=float).ravel() for a in arrays])
+    return bool(np.isin(values, (0.0, 1.0)).all() or np.isin(values, (0.0, 100.0)).all())
+
+
+def significance_mark(p_value: float, alpha: float = DEFAULT_ALPHA) -> str:
+    if p_value < alpha / 50:
+        return "***"
+    if p_value < alpha / 5:
+        return "**"
+    if p_value < alpha:
+        return "*"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing two models in stored results
+
+
+def _ppl_group(suffix_length: int | None, bucket: str | None) -> Any:
+    if bucket is not None:
+        return bucket
+    return "all" if suffix_length is None else suffix_length
+
+
+def _comparison_metric(unit: StoredUnit, task: str, metric: str | None) -> tables.MetricInfo:
+    """The metric compared for `task`: --metric, else the task's primary one."""
+    infos = tables.metric_infos(unit, task)
+    family = tables.task_family(task)
+    name = metric or tables.primary_metric(task, infos)
+    if name is None:
+        raise ResultsError(f"task {task} in {unit.results_path} declares no metric")
+    if family == "ppl":
+        # Per-document (nll_sum, n_tokens) pairs; perplexity = exp(sum nll / sum n).
+        return tables.MetricInfo(name, "nll_pairs", False)
+    for info in infos:
+        if info.name == name:
+            return info
+    valid = ", ".join(sorted({tables.split_metric(i.name)[0] for i in infos}))
+    raise ResultsError(f"task {task} has no metric {name!r}; its metrics: {valid}")
+
+
+def _sample_entries(unit: StoredUnit, task: str, info: tables.MetricInfo) -> dict[Any, list[dict[str, Any]]]:
+    """group -> [{doc_id, doc_hash, value}] for one model's samples of `task`.
+
+    Groups: "all", plus the length (S-NIAH: the document's length; perplexity: the "@L"
+    metric), the position bucket ("@start-end") or the LongBench-E bucket."""
+    family = tables.task_family(task)
+    groups: dict[Any, list[dict[str, Any]]] = {}
+
+    def add(group: Any, sample: dict[str, Any], value: Any) -> None:
+        prompt = sample.get("prompt_hash")
+        groups.setdefault(group, []).append({
+            "doc_id": sample.get("doc_id"), "doc_hash": sample.get("doc_hash"),
+            "prompt_hash": None if prompt is None else f"{prompt}:{sample.get('target_hash')}", "value": value})
+
+    for sample in unit.samples(task):
+        if family == "ppl":
+            for key in sample.get("metrics") or [k for k in sample if "@" in k or k == info.name]:
+                base, length, bucket = tables.split_metric(key)
+                value = tables._stored_value(sample.get(key))
+                if base == info.name and isinstance(value, tuple):
+                    add(_ppl_group(length, bucket), sample, value)
+            continue
+        value = tables._stored_value(sample.get(info.name))
+        if value is None:
+            continue
+        add("all", sample, value)
+        if family in tables.CELL_FAMILIES:
+            length, _ = tables.doc_cell(sample.get("doc"))
+            if length is not None:
+                add(int(length), sample, value)
+        elif family == "longbench-e":  # the bucket is the one score_<bucket> the sample carries
+            buckets = [m.removeprefix(f"{info.name}_") for m in sample.get("metrics", [])
+                       if m.startswith(f"{info.name}_")]
+            if len(buckets) == 1:
+                add(buckets[0], sample, value)
+    return groups
+
+
+def _pairing_mode(base: list[dict], var: list[dict]) -> str:
+    """How to match samples: by document hash when both logs hold the same documents, else by
+    prompt (+ target) hash when the model inputs are the same (documents may differ in
+    bookkeeping fields such as the tokenizer path), else by doc_id (same position in the task)."""
+    for mode in ("doc_hash", "prompt_hash"):
+        base_keys = [s[mode] for s in base]
+        var_keys = [s[mode] for s in var]
+        unique = None not in base_keys and len(set(base_keys)) == len(base_keys) and len(set(var_keys)) == len(
+            var_keys)
+        if unique and set(base_keys) == set(var_keys):
+            return mode
+    return "doc_id"
+
+
+def _pair(base: list[dict], var: list[dict], mode: str) -> tuple[list[tuple[dict, dict]], int]:
+    base_by = {s[mode]: s for s in base}
+    var_by = {s[mode]: s for s in var}
+    pairs = [(base_by[k], var_by[k]) for k in base_by if k in var_by]
+    return pairs, len(base) + len(var) - 2 * len(pairs)
+
+
+def _group_seed(seed: int, *parts: Any) -> int:
+    # Each comparison gets its own stream, independent of the order groups are visited in.
+    return (seed * 1_000_003 + zlib.crc32("|".join(map(str, parts)).encode())) % 2**32
+
+
+def _units_of(units: list[StoredUnit], model: str) -> list[StoredUnit]:
+    found = [u for u in units if u.model == model]
+    if not found:
+        models = sorted({u.model for u in units})
+        raise ResultsError(f"no results for model {model!r}; models with results: {', '.join(models)}")
+    return found
+
+
+def compare_models(
+    units: list[StoredUnit],
+    baseline: str,
+    variant: str,
+    *,
+    metric: str | None = None,
+    n_boot: int = DEFAULT_BOOTSTRAP,
+    seed: int = DEFAULT_SEED,
+    alpha: float = DEFAULT_ALPHA,
+) -> pd.DataFrame:
+    """Per task (and per length / bucket where the task has them): baseline, variant, delta,
+    paired bootstrap CI, McNemar / sign-test p-value and a significance mark."""
+    if baseline == variant:
+        raise ResultsError("--baseline and --variant name the same model; give two different models")
+    base_units = {t: u for u in _units_of(units, baseline) for t in u.leaf_tasks()}
+    var_units = {t: u for u in _units_of(units, variant) for t in u.leaf_tasks()}
+    shared_tasks = [t for t in base_units if t in var_units]
+    if not shared_tasks:
+        raise ResultsError(
+            f"{baseline!r} and {variant!r} have no task in common "
+            f"({baseline}: {', '.join(sorted(base_units))}; {variant}: {', '.join(sorted(var_units))})"
+        )
+    rows = []
+    for task in sorted(shared_tasks):
+        info = _comparison_metric(base_units[task], task, metric)
+        base_groups = _sample_entries(base_units[task], task, info)
+        var_groups = _sample_entries(var_units[task], task, info)
+        for group in base_groups:
+            if group not in var_groups:
+                continue
+            mode = _pairing_mode(base_groups[group], var_groups[group])
+            pairs, unpaired = _pair(base_groups[group], var_groups[group], mode)
+            if not pairs:
+                continue
+            rows.append(_compare_group(task, group, info, pairs, mode, unpaired, n_boot,
+                                       _group_seed(seed, task, group, info.name), alpha))
+    if not rows:
+        raise ResultsError(
+            f"no per-sample logs to pair for {baseline!r} and {variant!r}: the comparison needs the "
+            "samples_<task>.jsonl files that `ccq-eval run` writes, with the same documents for both"
+        )
+    frame = pd.DataFrame(rows)
+    frame["_order"] = frame["length"].map(_group_order)
+    frame = frame.sort_values(["task", "metric", "_order"], kind="stable").drop(columns="_order")
+    return frame.reset_index(drop=True)
+
+
+def _group_order(group: Any) -> float:
+    if group == "all":
+        return -1.0
+    if isinstance(group, int):
+        return float(group)
+    # LongBench-E buckets "0-4k" < "4-8k" < "8k+", after any numeric length
+    digits = "".join(ch for ch in str(group).split("-")[0] if ch.isdigit())
+    return 1e12 + float(digits or 0)
+
+
+def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[tuple[dict, dict]],
+                   pairing: str, unpaired: int, n_boot: int, seed: int, alpha: float) -> dict:
+    base = np.array([b["value"] for b, _ in pairs], dtype=float)
+    var = np.array([v["value"] for _, v in pairs], dtype=float)
+    aggregation = info.aggregation if info.aggregation in STATISTICS else "mean"
+    if base.ndim == 2 and aggregation not in PAIR_STATISTICS:
+        aggregation = "weighted_perplexity"  # lm-eval's (log-likelihood, count) pairs
+    statistic = STATISTICS[aggregation]
+    boot = paired_bootstrap(base, var, statistic, n_boot=n_boot, seed=seed)
+    if base.ndim == 1 and aggregation == "mean" and is_binary(base, var):
+        b, c, p_value = mcnemar_exact(base, var)
+        test = f"McNemar exact (b={b}, c={c})"
+    else:
+        if base.ndim == 2:  # per-document NLL (or log-likelihood) per token
+            per_doc_base, per_doc_var = base[:, 0] / base[:, 1], var[:, 0] / var[:, 1]
+        else:
+            per_doc_base, per_doc_var = base, var
+        plus, minus, p_value = sign_test(per_doc_var - per_doc_base)
+        test = f"sign test (+{plus}/-{minus})"
+    if aggregation in LOWER_IS_BETTER:
+        higher_is_better = False
+    elif info.higher_is_better is None:
+        higher_is_better = True
+    else:
+        higher_is_better = bool(info.higher_is_better)
+    mark = significance_mark(p_value, alpha)
+    verdict = ""
+    if mark and boot.delta != 0:
+        verdict = "variant better" if (boot.delta > 0) == higher_is_better else "variant worse"
+    return {
+        "task": task,
+        "length": group,
+        "metric": info.name,
+        "statistic": aggregation,
+        "n": boot.n,
+        "baseline": float(statistic(base[None])[0]),
+        "variant": float(statistic(var[None])[0]),
+        "delta": boot.delta,
+        "ci_low": boot.low,
+        "ci_high": boot.high,
+        "p_value": p_value,
+        "test": test,
+        "sig": mark,
+        "verdict": verdict,
+        "pairing": pairing,
+        "unpaired": unpaired,
+    }
+
+
+def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str = "markdown",
+                      confidence: float = 0.95, alpha: float = DEFAULT_ALPHA) -> str:
+    shown = frame.copy()
+    shown["task"] = shown["task"].map(tables.display_task)
+    shown = shown.rename(columns={"baseline": baseline, "variant": variant})
+    level = f"{confidence * 100:g}%"
+    shown[f"{level} CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in zip(frame["ci_low"], frame["ci_high"])]
+    shown["p_value"] = [f"{p:.3g}" for p in frame["p_value"]]
+    columns = ["task", "length", "metric", "n", baseline, variant, "delta", f"{level} CI", "p_value", "sig",
+               "verdict", "test"]
+    if fmt == "csv":
+        return frame.to_csv(index=False)
+    table = shown[columns].set_index(["task", "length"])
+    note = ("delta = variant - baseline; CI: paired bootstrap over the same samples; "
+            f"sig: * p<{alpha:g}, ** p<{alpha / 5:g}, *** p<{alpha / 50:g} "
+            "(exact McNemar for right/wrong scores, exact sign test otherwise)")
+    if fmt == "latex":
+        return tables.to_latex(table, 3, f"{variant} vs {baseline}") + "\n"
+    if fmt != "markdown":
+        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
+    return f"### {variant} vs {baseline}\n\n" + tables.to_markdown(table, 3) + f"\n\n_{note}_\n"

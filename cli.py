@@ -1,0 +1,221 @@
+"""ccq-eval: evaluate linear-attention LMs with and without CCQ on long-context tasks.
+
+Thin typer front end; the work happens in ccq_eval (runner, results_store, tables, stats,
+figures). `table`, `compare` and `figures` read results from disk and never load a model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="ccq-eval",
+    help="Long-context evaluation of linear-attention LMs (GLA, Gated DeltaNet) with and without CCQ.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ResultsArg = Annotated[Path, typer.Argument(help="Results folder written by `ccq-eval run` (or lm-eval).")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="markdown, csv or latex.")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"Error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _check_format(fmt: str) -> None:
+    from ccq_eval.tables import FORMATS
+
+    if fmt not in FORMATS:
+        _fail(f"--format {fmt!r}: valid choices are {', '.join(FORMATS)}")
+
+
+def _emit(text: str, output: Path | None) -> None:
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        from ccq_eval.results_store import atomic_write_text
+
+        atomic_write_text(output, text)
+        typer.echo(f"wrote {output}", err=True)
+
+
+@app.command()
+def run(
+    model: Annotated[list[str], typer.Option(
+        "--model", "-m", help="Registered model name or checkpoint folder; repeat for several. "
+        "Default: the registry's default models.")] = [],  # noqa: B006 (typer needs a literal default)
+    task: Annotated[list[str], typer.Option(
+        "--task", "-t", help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e) or lm-eval task "
+        "name; repeat for several. Default: s-niah and ppl.")] = [],  # noqa: B006
+    lengths: Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")] = None,
+    depths: Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")] = None,
+    samples_per_cell: Annotated[int | None, typer.Option(help="Samples per (length, depth) cell.")] = None,
+    limit: Annotated[float | None, typer.Option(
+        help="lm-eval limit: first N documents of each task (a fraction if < 1). Not with --samples-per-cell.")]
+    = None,
+    device: Annotated[str, typer.Option(help="Torch device, e.g. cpu or cuda:0.")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16, ... (default: float32).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Requests per forward (equal-length prompts only).")] = 1,
+    max_length: Annotated[int | None, typer.Option(
+        help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")] = Path("results"),
+    lm_eval_arg: Annotated[list[str], typer.Option(
+        "--lm-eval-arg", help="Extra lm_eval.simple_evaluate argument as key=value (repeatable), "
+        "e.g. bootstrap_iters=0.")] = [],  # noqa: B006
+    longbench_dir: Annotated[Path | None, typer.Option(
+        help="Folder with LongBench jsonl files (<dataset>.jsonl, the original format).")] = None,
+    keep_going: Annotated[bool, typer.Option(
+        help="Continue with the next unit when one fails (default: stop).")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Evaluate models on tasks; each (model, task) unit is stored as soon as it finishes.
+
+    Re-running the same command skips finished units and resumes an interrupted one
+    without re-asking the model what it already answered.
+    """
+    from ccq_eval import runner
+
+    options = runner.RunOptions(
+        models=list(model), tasks=list(task), lengths=lengths, depths=depths,
+        samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype,
+        batch_size=batch_size, max_length=max_length, seed=seed, output=output,
+        lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, keep_going=keep_going,
+    )
+    try:
+        plan = runner.plan_run(options)
+    except runner.PlanError as exc:
+        _fail(str(exc))
+    done = len(plan.units) - len(plan.pending)
+    typer.echo(
+        f"{len(plan.units)} units ({len({u.model for u in plan.units})} models x "
+        f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}", err=True
+    )
+    reporter = runner.SilentReporter() if quiet else runner.RichReporter()
+    try:
+        summary = runner.execute_plan(plan, reporter=reporter)
+    except KeyboardInterrupt:
+        _fail("interrupted. Finished units and every answered request are saved; rerun the same command "
+              "to resume.", code=130)
+    except Exception as exc:  # noqa: BLE001  (any failure of a unit: say which, and that nothing is lost)
+        _fail(f"{type(exc).__name__}: {exc}\nFinished units are saved; fix the cause and rerun the same "
+              "command to resume.", code=1)
+    for unit, detail in summary.failed:
+        typer.echo(f"failed: {unit.model} / {unit.task}: {detail}", err=True)
+    typer.echo(f"done: {len(summary.done)} evaluated, {len(summary.skipped)} skipped (already finished), "
+               f"{len(summary.failed)} failed. Results in {output}", err=True)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def table(
+    results: ResultsArg,
+    format: FormatOpt = "markdown",
+    view: Annotated[str, typer.Option(help="paper: the papers' pivots; tidy: one row per value.")] = "paper",
+    digits: Annotated[int, typer.Option(help="Decimals shown (markdown / latex).")] = 2,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+) -> None:
+    """Tables from results on disk: S-NIAH accuracy and perplexity per length, LongBench per dataset."""
+    from ccq_eval import tables
+    from ccq_eval.results_store import ResultsError
+
+    _check_format(format)
+    if view not in ("paper", "tidy"):
+        _fail(f"--view {view!r}: valid choices are paper, tidy")
+    try:
+        tidy = tables.load_tidy(results)
+        text = tables.render_tables(tidy, format, view, digits)
+    except ResultsError as exc:
+        _fail(str(exc))
+    _emit(text, output)
+
+
+@app.command()
+def compare(
+    results: ResultsArg,
+    baseline: Annotated[str, typer.Option(help="Model name of the baseline (as in the results).")],
+    variant: Annotated[str, typer.Option(help="Model name of the variant.")],
+    metric: Annotated[str | None, typer.Option(help="Metric to compare (default: each task's first).")] = None,
+    format: FormatOpt = "markdown",
+    n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
+    seed: Annotated[int, typer.Option(help="Bootstrap seed.")] = 0,
+    alpha: Annotated[float, typer.Option(help="Significance level.")] = 0.05,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+) -> None:
+    """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
+    from ccq_eval import results_store, stats
+
+    _check_format(format)
+    if n_boot < 100:
+        _fail("--n-boot must be at least 100")
+    if not 0 < alpha < 1:
+        _fail("--alpha must lie in (0, 1)")
+    try:
+        units = results_store.load_results(results)
+        frame = stats.compare_models(units, baseline, variant, metric=metric, n_boot=n_boot, seed=seed,
+                                     alpha=alpha)
+    except results_store.ResultsError as exc:
+        _fail(str(exc))
+    _emit(stats.render_comparison(frame, baseline, variant, format, alpha=alpha), output)
+
+
+@app.command()
+def figures(
+    results: ResultsArg,
+    out: Annotated[Path, typer.Option("--out", help="Folder for the PNG and PDF files.")] = Path("figures"),
+) -> None:
+    """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars."""
+    from ccq_eval import figures as figure_module
+    from ccq_eval import tables
+    from ccq_eval.results_store import ResultsError
+
+    try:
+        paths = figure_module.draw_all(tables.load_tidy(results), out)
+    except ResultsError as exc:
+        _fail(str(exc))
+    for path in paths:
+        typer.echo(str(path))
+
+
+@app.command()
+def tasks() -> None:
+    """List the tasks `run --task` accepts."""
+    from ccq_eval import runner
+
+    try:
+        listing = runner.default_task_catalog().aliases()
+    except runner.PlanError as exc:
+        _fail(str(exc))
+    width = max((len(name) for name in listing), default=0)
+    for name, description in listing.items():
+        typer.echo(f"{name:<{width}}  {description}")
+    typer.echo("\nAny lm-eval task name is accepted as well.", err=True)
+
+
+@app.command()
+def models() -> None:
+    """List the registered models `run --model` accepts (checkpoint folders work too)."""
+    from ccq_eval import runner
+
+    try:
+        registry = runner.load_model_registry()
+    except runner.PlanError as exc:
+        _fail(str(exc))
+    if not registry:
+        _fail(f"no models registered in {runner.MODEL_REGISTRY_PATH}; pass a checkpoint folder to --model", 1)
+    width = max(len(name) for name in registry)
+    for entry in registry.values():
+        mark = " (default)" if entry.default else ""
+        typer.echo(f"{entry.name:<{width}}  {entry.description}{mark}")
+
+
+if __name__ == "__main__":
+    sys.exit(app())

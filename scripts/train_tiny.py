@@ -1,0 +1,756 @@
+#!/usr/bin/env python
+"""Train the embedded demonstration checkpoints tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq.
+
+Within a family (GLA, Gated DeltaNet) the two models share everything but the CCQ flag: shape,
+initial backbone weights (same seed; CCQ's gate parameters consume no random numbers), data
+stream, token budget, context length and optimiser. Data: scripts/tiny_data.py (embedded corpora,
+train split only, plus about a third synthetic in-context recall documents in our own wording).
+
+GPU (fla's triton kernels, bf16 autocast; the four models one after another):
+    python scripts/train_tiny.py --device cuda --out models --steps 2000 --batch-size 32
+One model per process (e.g. four processes sharing one GPU):
+    python scripts/train_tiny.py --models tiny-gla-ccq --device cuda --out models ...
+CPU smoke run (tiny shape, a few steps on repeated data, writes to a temporary folder):
+    python scripts/train_tiny.py --smoke
+Rewrite models/registry.json entries for folders already trained:
+    python scripts/train_tiny.py --register-only --out models
+
+Each model is written to <out>/<name>/ (config.json, model.safetensors in bf16, tokenizer files,
+README.md model card, train_log.json) through a temporary folder renamed into place, so a killed
+run leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+# Deterministic cuBLAS needs this before CUDA initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SCRIPTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = SCRIPTS_DIR.parent
+for _path in (str(SCRIPTS_DIR), str(REPO_ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import tiny_data
+import torch
+import torch.nn.functional as F
+
+import ccq_eval  # installs the CPU backend for fla and registers the CCQ model types
+from ccq_eval.modeling_ccq import (
+    CCQGatedDeltaNetConfig,
+    CCQGatedDeltaNetForCausalLM,
+    CCQGLAConfig,
+    CCQGLAForCausalLM,
+)
+
+MAX_CHECKPOINT_BYTES = 10 * 1000 * 1000  # the issue's limit: at most 10 MB per checkpoint
+VOCAB_SIZE = 384  # ByT5: 3 specials + 256 bytes + 125 extra ids
+CONTEXT = 2048
+
+# Family shapes: fla's defaults for everything not listed (GLA: expand_k 0.5, expand_v 1, no short
+# conv; Gated DeltaNet: expand_v 2, short conv; both: MLP ratio 4, untied embeddings).
+SHAPES = {
+    "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4},
+    "gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4, "head_dim": 64},
+}
+SMOKE_SHAPES = {
+    "gla": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2},
+    "gdn": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16},
+}
+FAMILY_NAMES = {"gla": "GLA (gated linear attention)", "gdn": "Gated DeltaNet"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # "gla" | "gdn"
+    ccq: bool
+
+
+MODEL_SPECS = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("tiny-gla", "gla", False),
+        ModelSpec("tiny-gla-ccq", "gla", True),
+        ModelSpec("tiny-gdn", "gdn", False),
+        ModelSpec("tiny-gdn-ccq", "gdn", True),
+    )
+}
+
+
+@dataclass
+class TrainSettings:
+    steps: int
+    batch_size: int
+    context: int
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    grad_clip: float
+    seed: int
+    synthetic_fraction: float
+    repeat: int
+    log_every: int
+    eval_windows: int
+    recall_docs: int
+    device: str
+    save_dtype: str
+    smoke: bool
+    data_workers: int
+    code_commit: str | None = None
+
+
+# ---------------------------------------------------------------------------------------- models
+def model_config(spec: ModelSpec, context: int, smoke: bool):
+    """The CCQ-class config of a model (baselines: ccq=False, i.e. exactly fla's model)."""
+    shape = (SMOKE_SHAPES if smoke else SHAPES)[spec.family]
+    common = {
+        "vocab_size": VOCAB_SIZE, "pad_token_id": tiny_data.PAD_ID, "eos_token_id": tiny_data.EOS_ID,
+        "bos_token_id": None,
+        # Linear attention has no positional limit; this records the training context only.
+        "max_position_embeddings": context,
+        "ccq": spec.ccq,
+    }
+    config_cls = CCQGLAConfig if spec.family == "gla" else CCQGatedDeltaNetConfig
+    return config_cls(**shape, **common)
+
+
+def build_model(spec: ModelSpec, context: int, smoke: bool, seed: int):
+    """Fresh model in fp32; the backbone's initial weights depend only on the seed and the shape."""
+    config = model_config(spec, context, smoke)
+    torch.manual_seed(seed)
+    model_cls = CCQGLAForCausalLM if spec.family == "gla" else CCQGatedDeltaNetForCausalLM
+    return model_cls(config)
+
+
+def count_parameters(model, ccq: bool) -> int:
+    # A baseline is saved without the (unused) CCQ gate parameters, so they are not counted.
+    return sum(p.numel() for n, p in model.named_parameters() if ccq or "ccq_" not in n)
+
+
+def trainable_groups(model, ccq: bool, weight_decay: float):
+    """AdamW groups: decay on the matrices of linear layers only (not embeddings, norms, biases,
+    gates' small vectors or CCQ's gate); the baseline's unused CCQ parameters are left out."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if "ccq_" in name and not ccq:
+            continue
+        if param.ndim == 2 and "embeddings" not in name and "ccq_" not in name:
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def learning_rate(step: int, settings: TrainSettings) -> float:
+    """Linear warmup to lr, then cosine to lr * min_lr_ratio at the last step."""
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    span = max(1, settings.steps - settings.warmup_steps - 1)
+    progress = min(1.0, (step - settings.warmup_steps) / span)
+    floor = settings.lr * settings.min_lr_ratio
+    return floor + 0.5 * (settings.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------ data
+class BatchDataset(torch.utils.data.Dataset):
+    """Item s = the batch of step s (a pure function of seed and s), for prefetching workers."""
+
+    def __init__(self, stream: tiny_data.TrainStream, steps: int, batch_size: int):
+        self.stream, self.steps, self.batch_size = stream, steps, batch_size
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int):
+        rows, synthetic = [], 0
+        for i in range(self.batch_size):
+            ids, segments = self.stream.sequence(step * self.batch_size + i)
+            rows.append(ids)
+            synthetic += sum(s.end - s.start for s in segments if s.kind == "synthetic")
+        return torch.tensor(rows, dtype=torch.long), synthetic
+
+
+def batch_loader(settings: TrainSettings):
+    stream = tiny_data.TrainStream(settings.seed, settings.context, settings.synthetic_fraction, settings.repeat)
+    dataset = BatchDataset(stream, settings.steps, settings.batch_size)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=None, shuffle=False, num_workers=settings.data_workers,
+        pin_memory=settings.device.startswith("cuda"), prefetch_factor=4 if settings.data_workers else None,
+        persistent_workers=False,
+    )
+
+
+# ------------------------------------------------------------------------------------- training
+def autocast_context(device: str):
+    if device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()  # CPU: fp32
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte NLL (nats) of tokens[:, 1:] given tokens[:, :-1], computed in fp32."""
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, dict]:
+    device = settings.device
+    torch.manual_seed(settings.seed)
+    model = build_model(spec, settings.context, settings.smoke, settings.seed).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        trainable_groups(model, spec.ccq, settings.weight_decay), lr=settings.lr,
+        betas=(settings.beta1, settings.beta2), eps=1e-8,
+    )
+    tokens_per_step = settings.batch_size * settings.context
+    step_losses: list[torch.Tensor] = []  # kept on the device: no host sync except when logging
+    losses: list[float] = []
+    log: list[dict] = []
+    synthetic_tokens = total_tokens = 0
+    print(f"[{spec.name}] {count_parameters(model, spec.ccq):,} parameters, {settings.steps} steps x "
+          f"{settings.batch_size} x {settings.context} tokens on {device}", flush=True)
+    synchronize(device)
+    start = interval_start = time.perf_counter()
+    first_interval_end = None
+    for step, (batch, synthetic) in enumerate(batch_loader(settings)):
+        lr = learning_rate(step, settings)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = batch.to(device, non_blocking=True)
+        with autocast_context(device):
+            loss = lm_loss(model, batch)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_losses.append(loss.detach())
+        synthetic_tokens += synthetic
+        total_tokens += batch.numel()
+        done = step + 1
+        if done % settings.log_every == 0 or done == settings.steps:
+            synchronize(device)
+            now = time.perf_counter()
+            new = torch.stack(step_losses).float().cpu().tolist()
+            step_losses.clear()
+            if not all(math.isfinite(x) for x in new):
+                raise FloatingPointError(f"[{spec.name}] non-finite training loss by step {done}: {new}")
+            steps_in_interval = len(new)
+            losses.extend(new)
+            throughput = steps_in_interval * tokens_per_step / (now - interval_start)
+            record = {
+                "step": done, "loss": sum(new) / len(new), "lr": lr, "grad_norm": float(grad_norm),
+                "tokens_seen": done * tokens_per_step, "elapsed_s": now - start, "tokens_per_s": throughput,
+            }
+            log.append(record)
+            print(f"[{spec.name}] step {done}/{settings.steps} loss {record['loss']:.4f} lr {lr:.2e} "
+                  f"grad_norm {record['grad_norm']:.3f} {throughput:,.0f} tok/s "
+                  f"elapsed {record['elapsed_s']:.1f}s", flush=True)
+            if first_interval_end is None:
+                first_interval_end = (done, now)
+            interval_start = now
+    synchronize(device)
+    train_seconds = time.perf_counter() - start
+    # Throughput after the first logging interval (it includes triton's kernel compilation).
+    steady = None
+    if first_interval_end is not None and first_interval_end[0] < settings.steps:
+        steady = (settings.steps - first_interval_end[0]) * tokens_per_step / (start + train_seconds
+                                                                                - first_interval_end[1])
+    tail = max(1, settings.steps // 20)
+    summary = {
+        "step_losses": losses,
+        "log": log,
+        "final_train_loss": sum(losses[-tail:]) / len(losses[-tail:]),
+        "final_train_loss_steps": tail,
+        "first_train_loss": losses[0],
+        "train_seconds": train_seconds,
+        "tokens_seen": settings.steps * tokens_per_step,
+        "tokens_per_s_overall": settings.steps * tokens_per_step / train_seconds,
+        "tokens_per_s_steady": steady,
+        "synthetic_token_fraction": synthetic_tokens / max(1, total_tokens),
+    }
+    print(f"[{spec.name}] trained in {train_seconds:.1f}s: {summary['tokens_per_s_overall']:,.0f} tok/s overall"
+          + (f", {steady:,.0f} tok/s after the first {settings.log_every} steps" if steady else "")
+          + f"; final train loss {summary['final_train_loss']:.4f} (mean of last {tail} steps); "
+          f"synthetic token fraction {summary['synthetic_token_fraction']:.3f}", flush=True)
+    return model, summary
+
+
+# ------------------------------------------------------------------------------------ evaluation
+@torch.no_grad()
+def heldout_metrics(model, settings: TrainSettings) -> dict:
+    """Held-out NLL per byte (nats) on fixed eval-split windows and teacher-forced recall on fixed
+    held-out recall documents. Run on the weights as saved, in fp32 (no autocast)."""
+    device = settings.device
+    model.eval()
+    windows, where = tiny_data.heldout_windows(settings.context, settings.eval_windows)
+    nll_sum, count = 0.0, 0
+    for chunk in windows.split(8):
+        chunk = chunk.to(device)
+        logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()
+        nll = F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+        nll_sum += float(nll)
+        count += chunk[:, 1:].numel()
+    nll_per_byte = nll_sum / count
+
+    docs = tiny_data.heldout_recall_docs(settings.context, settings.recall_docs)
+    exact, value_nll, value_bytes = 0, 0.0, 0
+    for first in range(0, len(docs), 8):
+        group = docs[first : first + 8]
+        rows = [tiny_data.encode_bytes(d.text) for d in group]
+        width = max(len(r) for r in rows)
+        # Right padding cannot change causal predictions at earlier positions.
+        batch = torch.tensor([r + [tiny_data.PAD_ID] * (width - len(r)) for r in rows], device=device)
+        logits = model(input_ids=batch, use_cache=False).logits.float()
+        for i, doc in enumerate(group):
+            begin = doc.prompt_len + 1  # every answer is " " + value (+ "." for some templates)
+            end = begin + len(doc.value.encode())
+            targets = batch[i, begin:end]
+            predicted = logits[i, begin - 1 : end - 1]
+            exact += bool((predicted.argmax(-1) == targets).all())
+            value_nll += float(F.cross_entropy(predicted, targets, reduction="sum"))
+            value_bytes += end - begin
+    return {
+        "heldout_nll_per_byte": nll_per_byte,
+        "heldout_bits_per_byte": nll_per_byte / math.log(2),
+        "heldout_perplexity": math.exp(nll_per_byte),
+        "heldout_windows": where,
+        "heldout_scored_bytes": count,
+        "recall_exact_match": exact / len(docs),
+        "recall_value_nll_per_byte": value_nll / value_bytes,
+        "recall_docs": len(docs),
+    }
+
+
+# ---------------------------------------------------------------------------------------- saving
+def software_versions() -> dict:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("flash-linear-attention", "fla-core", "transformers", "triton", "safetensors"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    versions["ccq-eval"] = ccq_eval.__version__
+    if torch.cuda.is_available():
+        versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def hardware(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
+    return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "scripts", "ccq_eval"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        return head + (" (with uncommitted changes in scripts/ or ccq_eval/)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+
+
+def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
+    """config.json + model.safetensors. Baselines are saved as plain fla models (model_type gla /
+    gated_deltanet, no CCQ parameters): fla alone loads them, and ccq_eval loads them with ccq off."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
+    model = copy.deepcopy(model).to("cpu", dtype)
+    if spec.ccq:
+        model.config.architectures = [type(model).__name__]
+        model.save_pretrained(folder)  # transformers 5 writes safetensors only
+        return
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
+
+    config_cls, model_cls = ((GLAConfig, GLAForCausalLM) if spec.family == "gla"
+                             else (GatedDeltaNetConfig, GatedDeltaNetForCausalLM))
+    fields = {k: v for k, v in model.config.to_dict().items()
+              if not k.startswith("ccq") and k not in ("model_type", "architectures", "transformers_version")}
+    plain = model_cls(config_cls(**fields)).to(dtype)
+    state = {k: v for k, v in model.state_dict().items() if "ccq_" not in k}
+    plain.load_state_dict(state, strict=True)
+    plain.config.architectures = [model_cls.__name__]
+    plain.save_pretrained(folder)  # transformers 5 writes safetensors only
+
+
+def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dict | None = None) -> str:
+    kind = "with CCQ on the read" if spec.ccq else "baseline, no CCQ"
+    text = (f"{FAMILY_NAMES[spec.family]}, {kind}; {params / 1e6:.1f}M parameters, byte-level, trained at "
+            f"{settings.context} tokens on the embedded corpora + synthetic recall (demonstration model)")
+    if metrics:
+        text += f"; held-out perplexity {metrics['heldout_perplexity']:.2f} per byte"
+    return text
+
+
+def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
+    tm, mm = info["train"], info["heldout"]
+    partner = spec.name[:-4] if spec.ccq else spec.name + "-ccq"
+    fmt = info["config_summary"]
+    steady = tm["tokens_per_s_steady"]
+    lines = [
+        f"# {spec.name}",
+        "",
+        f"A small {FAMILY_NAMES[spec.family]} language model "
+        + ("with the Curvature-Conditioned Query (CCQ) on the state read" if spec.ccq else "without CCQ (baseline)")
+        + f", trained by this project as an embedded default for `ccq-eval`. Its twin `{partner}` shares "
+        "the shape, initial backbone weights, data, seed, token budget, context and optimiser; only the "
+        "CCQ flag differs.",
+        "",
+        "**A demonstration model, not the paper's.** It has a few million parameters, reads bytes, and was "
+        "trained for minutes on a few megabytes of public-domain English. Numbers from it show how the harness "
+        "behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B models."
+        + (" Smoke-test run: tiny shape, a few steps on repeated data; not a usable model." if settings.smoke
+           else ""),
+        "",
+        "## Model",
+        "",
+        f"- Architecture: `{info['model_type']}` ({fmt}); CCQ: "
+        + (f"on ({info['ccq_settings']})" if spec.ccq
+           else "off; saved as a plain fla model (loads with fla alone; `ccq_eval` loads it with ccq off)"),
+        f"- Parameters: {info['parameters']:,}; weights stored in {settings.save_dtype} "
+        f"(model.safetensors, {info['weights_bytes'] / 1e6:.2f} MB)"
+        + ("; trained in fp32 master weights, rounded to bf16 on saving to stay under 10 MB"
+           if settings.save_dtype == "bf16" else ""),
+        ("- Tokenizer: byte-level ByT5 (`transformers.ByT5Tokenizer`, vocab 384: pad 0, eos 1, unk 2, byte b -> "
+        "b + 3); no BOS."),
+        (f"- Training context: {settings.context} tokens (bytes). Linear attention has no positional limit; "
+        "`max_position_embeddings` records the training context only."),
+        "",
+        "## Training",
+        "",
+        "- Data: a deterministic stream of sequences of "
+        f"{settings.context} + 1 byte tokens, each packed from whole documents (EOS after each, the last one cut): "
+        "spans of the train split of the embedded corpora sotu, kjv and austen (every train byte equally likely as "
+        "a start), and synthetic in-context recall documents: key-value records hidden in train-split filler "
+        "(or a repeated line of plain sentences), one key asked for at the end, then its value "
+        "(e.g. `Record: the code word for <key> equals <value>.` ... `Question: which value was given for <key>? "
+        "Answer: <value>`). Their wording differs from RULER's S-NIAH templates on purpose, so S-NIAH measures "
+        f"transfer. Synthetic share of the training tokens: {tm['synthetic_token_fraction']:.1%}. "
+        "Held-out (eval-split) documents are never trained on."
+        + (f" Smoke run: the first {settings.repeat} sequence(s) repeated every step." if settings.repeat else ""),
+        f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}.",
+        f"- Optimiser: AdamW (lr {settings.lr:g}, betas ({settings.beta1}, {settings.beta2}), eps 1e-8, weight decay "
+        f"{settings.weight_decay} on linear-layer matrices), {settings.warmup_steps} warmup steps then cosine to "
+        f"{settings.min_lr_ratio:g} x lr, gradient clipping at {settings.grad_clip}; "
+        + ("bf16 autocast with fp32 master weights (fla's triton kernels)" if settings.device.startswith("cuda")
+           else "fp32") + f"; seed {settings.seed}.",
+        (f"- Final train loss: {tm['final_train_loss']:.4f} nats/byte (mean of the last {tm['final_train_loss_steps']} "
+        f"steps; first step {tm['first_train_loss']:.4f})."),
+        f"- Wall time: {tm['train_seconds']:.1f} s training ({tm['tokens_per_s_overall']:,.0f} tokens/s overall"
+        + (f", {steady:,.0f} tokens/s after the first {settings.log_every} steps" if steady else "")
+        + f"), {info['total_seconds']:.1f} s in all with evaluation and saving.",
+        f"- Hardware: {info['hardware']}.",
+        "- Software: " + ", ".join(f"{k} {v}" for k, v in info["software"].items()) + ".",
+        f"- Code: commit {info['git_commit']}.",
+        "",
+        "## Held-out evaluation (the saved weights, fp32)",
+        "",
+        (f"- Held-out loss: {mm['heldout_nll_per_byte']:.4f} nats/byte ({mm['heldout_bits_per_byte']:.3f} bits/byte), "
+        f"perplexity {mm['heldout_perplexity']:.2f} per byte; a uniform byte model has 256. "
+        f"{settings.eval_windows} windows of {settings.context} + 1 bytes from the eval split of sotu, kjv and "
+        f"austen, spread evenly over each corpus, the same for all four models ({mm['heldout_scored_bytes']:,} "
+        "scored bytes; list in train_log.json)."),
+        (f"- In-distribution recall: {mm['recall_exact_match']:.1%} of {mm['recall_docs']} held-out synthetic "
+        "recall documents (our training wording, eval-split filler, about the training context long) have every "
+        "byte of the value predicted correctly (teacher-forced argmax); value NLL "
+        f"{mm['recall_value_nll_per_byte']:.3f} nats/byte. This is not S-NIAH; see the project's results."),
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        info["command"],
+        "```",
+        "",
+        ("Same seed on the same hardware and software: identical data and initial weights; on CPU the losses are "
+        "bit-identical, on GPU fla's triton kernels (autotuned) may change the last bits, well within 1% of the "
+        "held-out loss. Full loss curve: train_log.json."),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def config_summary(model) -> str:
+    c = model.config
+    parts = [f"hidden {c.hidden_size}", f"{c.num_hidden_layers} layers", f"{c.num_heads} heads"]
+    layer = model.model.layers[0].attn
+    parts.append(f"head_k {layer.head_k_dim}, head_v {layer.head_v_dim}")
+    parts.append(f"MLP {model.model.layers[0].mlp.intermediate_size}")
+    return ", ".join(parts)
+
+
+def replace_folder(tmp: Path, final: Path) -> None:
+    """Move a finished temporary folder into place: an old folder is renamed aside first and deleted last."""
+    old = final.with_name(f".old-{final.name}.{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def remove_leftovers(out: Path, name: str) -> None:
+    """Temporary folders of this model left by a killed run (never the finished <out>/<name>)."""
+    if out.is_dir():
+        for path in out.glob(f".tmp-{name}.*"):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in out.glob(f".old-{name}.*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def write_model(spec: ModelSpec, model, settings: TrainSettings, summary: dict, out: Path, command: str,
+                started: float) -> dict:
+    from transformers import ByT5Tokenizer
+
+    from ccq_eval.loading import load_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}.", dir=out))
+    try:
+        save_weights(model, spec, tmp, settings.save_dtype)
+        ByT5Tokenizer().save_pretrained(tmp)
+        weights_bytes = (tmp / "model.safetensors").stat().st_size
+        if weights_bytes > MAX_CHECKPOINT_BYTES:
+            raise ValueError(f"{spec.name}: model.safetensors is {weights_bytes / 1e6:.2f} MB, over the 10 MB limit; "
+                             "use --save-dtype bf16 or a smaller shape")
+        # Evaluate exactly what is shipped: reload the folder as users will.
+        saved, _ = load_model(str(tmp), device=settings.device)
+        metrics = heldout_metrics(saved, settings)
+        del saved
+        config = json.loads((tmp / "config.json").read_text())
+        info = {
+            "name": spec.name, "family": spec.family, "ccq": spec.ccq, "model_type": config["model_type"],
+            "parameters": count_parameters(model, spec.ccq), "weights_bytes": weights_bytes,
+            "config_summary": config_summary(model), "settings": asdict(settings), "train": summary,
+            "heldout": metrics, "hardware": hardware(settings.device), "software": software_versions(),
+            "git_commit": settings.code_commit or git_commit(), "command": command, "total_seconds": time.perf_counter() - started,
+            "ccq_settings": ", ".join(f"{k} {v}" for k, v in config.items() if k.startswith("ccq_")),
+        }
+        (tmp / "README.md").write_text(model_card(spec, settings, info), encoding="utf-8")
+        (tmp / "train_log.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        replace_folder(tmp, out / spec.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"[{spec.name}] wrote {out / spec.name}: held-out {metrics['heldout_nll_per_byte']:.4f} nats/byte, "
+          f"perplexity {metrics['heldout_perplexity']:.2f} (uniform: 256), recall exact match "
+          f"{metrics['recall_exact_match']:.1%}, weights {weights_bytes / 1e6:.2f} MB", flush=True)
+    return info
+
+
+# -------------------------------------------------------------------------------------- registry
+def register_models(out: Path, names: list[str], default: bool = True) -> Path:
+    """(Re)write the entries of `names` in <out>/registry.json (models/registry.json's format:
+    {name: {"path", "description", "default"}}), keeping other entries. Locked, then atomic rename,
+    so parallel training processes cannot lose each other's entries."""
+    import fcntl
+    import hashlib
+
+    registry = out / "registry.json"
+    out.mkdir(parents=True, exist_ok=True)
+    # The lock lives outside <out> so that committing models/ cannot pick it up.
+    lock_name = "ccq-tiny-registry-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16] + ".lock"
+    with open(Path(tempfile.gettempdir()) / lock_name, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = json.loads(registry.read_text(encoding="utf-8")) if registry.exists() else {}
+        for name in names:
+            folder = out / name
+            log_file = folder / "train_log.json"
+            if not (folder / "config.json").exists() or not log_file.exists():
+                raise FileNotFoundError(f"cannot register {name}: {folder} has no trained checkpoint "
+                                        "(config.json and train_log.json); train it first")
+            info = json.loads(log_file.read_text(encoding="utf-8"))
+            spec = MODEL_SPECS[name]
+            settings = TrainSettings(**info["settings"])
+            entries[name] = {
+                "path": name,
+                "description": describe(spec, info["parameters"], settings, info["heldout"]),
+                "default": default,
+            }
+        tmp = registry.with_name(f".registry.json.{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, registry)
+    return registry
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODEL_SPECS),
+                        help=f"comma-separated subset of {', '.join(MODEL_SPECS)} (default: all four, in turn)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for <name>/ checkpoints and registry.json (default: models/ of the repo; "
+                             "--smoke: a new temporary folder)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; --smoke: cpu)")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default 2000; --smoke 8)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32; --smoke 2)")
+    parser.add_argument("--context", type=int, default=None,
+                        help=f"training context in tokens (default {CONTEXT}; --smoke 320)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; --smoke 1e-2)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1)
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of the steps (at least 1)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--beta1", type=float, default=0.9)
+    parser.add_argument("--beta2", type=float, default=0.95)
+    parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--synthetic-fraction", type=float, default=tiny_data.SYNTHETIC_FRACTION,
+                        help="probability that a drawn document is a synthetic recall document "
+                             f"(default {tiny_data.SYNTHETIC_FRACTION}: about a third of the tokens at ctx 2048)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="cycle over the first N sequences only (default 0 = fresh data; --smoke: 2)")
+    parser.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50; --smoke 1)")
+    parser.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default 32; --smoke 3)")
+    parser.add_argument("--recall-docs", type=int, default=None,
+                        help="held-out recall documents (default 64; --smoke 2)")
+    parser.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="dtype of the saved weights (default bf16: keeps every checkpoint under 10 MB)")
+    parser.add_argument("--data-workers", type=int, default=None,
+                        help="batch-building worker processes (default 2 on CUDA, 0 on CPU)")
+    parser.add_argument("--code-commit", default=None,
+                        help="commit to name in the model cards (default: git rev-parse HEAD, when in a checkout)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI smoke mode: CPU, tiny shapes, a few steps on repeated data, temporary output")
+    parser.add_argument("--register", action=argparse.BooleanOptionalAction, default=None,
+                        help="write the trained models into <out>/registry.json (default: yes, except --smoke)")
+    parser.add_argument("--register-only", action="store_true",
+                        help="only (re)write <out>/registry.json entries for already trained --models")
+    return parser.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    smoke = args.smoke
+
+    def pick(value, normal, smoke_value):
+        return value if value is not None else (smoke_value if smoke else normal)
+
+    device = pick(args.device, "cuda" if torch.cuda.is_available() else "cpu", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for, but CUDA is not available here; use --device cpu")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise SystemExit(f"unknown --device {device!r}: use cuda, cuda:N or cpu")
+    steps = pick(args.steps, 2000, 8)
+    settings = TrainSettings(
+        steps=steps,
+        batch_size=pick(args.batch_size, 32, 2),
+        context=pick(args.context, CONTEXT, 320),
+        lr=pick(args.lr, 2e-3, 1e-2),
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, steps // 20),
+        weight_decay=args.weight_decay,
+        beta1=args.beta1,
+        beta2=args.beta2,
+        grad_clip=args.grad_clip,
+        seed=args.seed,
+        synthetic_fraction=args.synthetic_fraction,
+        repeat=pick(args.repeat, 0, 2),
+        log_every=pick(args.log_every, 50, 1),
+        eval_windows=pick(args.eval_windows, 32, 3),
+        recall_docs=pick(args.recall_docs, 64, 2),
+        device=device,
+        save_dtype=args.save_dtype,
+        smoke=smoke,
+        data_workers=args.data_workers if args.data_workers is not None else (2 if device.startswith("cuda") else 0),
+        code_commit=args.code_commit,
+    )
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}"
+                for name in ("steps", "batch_size", "log_every", "eval_windows", "recall_docs")
+                if getattr(settings, name) < 1]
+    if settings.context < 64:
+        problems.append(f"--context must be >= 64, got {settings.context}")
+    if settings.warmup_steps < 1 or settings.warmup_steps > settings.steps:
+        problems.append(f"--warmup-steps must be between 1 and --steps ({settings.steps}), got {settings.warmup_steps}")
+    if problems:
+        raise SystemExit("; ".join(problems))
+    return settings
+
+
+def parse_models(text: str) -> list[ModelSpec]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODEL_SPECS]
+    if unknown or not names:
+        raise SystemExit(f"unknown model(s) {unknown or text!r}: choose from {', '.join(MODEL_SPECS)} "
+                         "(comma-separated)")
+    return [MODEL_SPECS[name] for name in dict.fromkeys(names)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    args = parse_args(argv)
+    specs = parse_models(args.models)
+    out = args.out
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="ccq-tiny-smoke-")) if args.smoke else REPO_ROOT / "models"
+    if args.register_only:
+        registry = register_models(out, [s.name for s in specs])
+        print(f"registered {', '.join(s.name for s in specs)} in {registry}")
+        return {}
+    settings = settings_from_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if settings.device.startswith("cuda"):
+        # Deterministic where torch offers it; fla's triton kernels are outside this switch.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # That switch would also NaN-fill every torch.empty (fla allocates its outputs so): not needed.
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    command = "python " + shlex.join(["scripts/train_tiny.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {}
+    for spec in specs:
+        started = time.perf_counter()
+        remove_leftovers(out, spec.name)
+        model, summary = train(spec, settings)
+        results[spec.name] = write_model(spec, model, settings, summary, out, command, started)
+        del model
+        if settings.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.register if args.register is not None else not settings.smoke:
+        registry = register_models(out, [s.name for s in specs])
+        print(f"registered {', '.join(results)} in {registry}")
+    print("summary: " + json.dumps({name: {
+        "heldout_nll_per_byte": round(info["heldout"]["heldout_nll_per_byte"], 5),
+        "heldout_perplexity": round(info["heldout"]["heldout_perplexity"], 3),
+        "recall_exact_match": info["heldout"]["recall_exact_match"],
+        "final_train_loss": round(info["train"]["final_train_loss"], 5),
+        "train_seconds": round(info["train"]["train_seconds"], 1),
+        "tokens_per_s_steady": info["train"]["tokens_per_s_steady"],
+        "weights_mb": round(info["weights_bytes"] / 1e6, 3),
+    } for name, info in results.items()}), flush=True)
+    print(f"output: {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""scripts/train_tiny.py: CPU smoke runs, determinism, the saved folders, and the training data."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import tiny_data
+import train_tiny
+
+from ccq_eval.corpora import load_corpus
+from ccq_eval.loading import load_model
+
+# Small enough for a loaded 2-core CI machine; 320 tokens leave room for synthetic recall docs.
+SMOKE_ARGS = ["--smoke", "--steps", "6", "--batch-size", "1", "--context", "320", "--repeat", "1",
+              "--eval-windows", "2", "--recall-docs", "1", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke_a")
+    results = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-gla,tiny-gla-ccq", "--out", str(out), "--register"])
+    return out, results
+
+
+@pytest.mark.parametrize("name, model_type, ccq", [("tiny-gla", "gla", False), ("tiny-gla-ccq", "ccq_gla", True)])
+def test_smoke_folder_is_a_complete_loadable_checkpoint(smoke_run, name, model_type, ccq):
+    out, _ = smoke_run
+    folder = out / name
+    for file in ("config.json", "model.safetensors", "tokenizer_config.json", "README.md", "train_log.json"):
+        assert (folder / file).is_file(), f"{file} missing from {folder}"
+    assert not list(folder.glob("*.bin")), "weights must be safetensors only"
+    assert not [p for p in out.iterdir() if p.name.startswith((".tmp-", ".old-"))], "temporary folder left behind"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == model_type
+    if ccq:
+        assert config["ccq"] is True
+    else:  # baselines are plain fla checkpoints
+        assert not any(key.startswith("ccq") for key in config)
+    assert (folder / "model.safetensors").stat().st_size <= train_tiny.MAX_CHECKPOINT_BYTES
+
+    model, tokenizer = load_model(str(folder))
+    assert model.config.ccq is ccq
+    assert next(model.parameters()).dtype == torch.float32
+    text = "Record: the code word for quiet-harbor equals 1234567."
+    assert tokenizer(text, add_special_tokens=False).input_ids == tiny_data.encode_bytes(text)
+    assert tokenizer.decode(tiny_data.encode_bytes(text)) == text
+
+    log = json.loads((folder / "train_log.json").read_text())
+    losses = log["train"]["step_losses"]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    # Repeated data: the loss must fall clearly within six steps.
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert log["train"]["tokens_seen"] == 6 * 1 * 320
+
+    # The reported held-out loss is what the saved weights give on the eval-split windows.
+    windows, _ = tiny_data.heldout_windows(320, 2)
+    with torch.no_grad():
+        logits = model(input_ids=windows[:, :-1], use_cache=False).logits.float()
+    nll = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    assert nll == pytest.approx(log["heldout"]["heldout_nll_per_byte"], rel=1e-4)
+    assert log["heldout"]["heldout_perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+    # Trained, even this briefly, it beats a uniform distribution over its 384 tokens (initial ~ln 384).
+    assert nll < math.log(384) - 0.3
+
+    card = (folder / "README.md").read_text()
+    for needle in ("tokens seen: 1,920", "Steps: 6", "batch: 1", "Final train loss", "Held-out loss",
+                   "perplexity", "Wall time", "Hardware", "torch", "scripts/train_tiny.py --smoke",
+                   "demonstration model"):
+        assert needle in card, f"model card lacks {needle!r}"
+
+    entry = json.loads((out / "registry.json").read_text())[name]
+    assert entry["path"] == name and entry["default"] is True and entry["description"]
+
+
+def test_baseline_is_a_plain_fla_checkpoint_with_the_same_logits(smoke_run):
+    from fla.models import GLAForCausalLM
+
+    out, _ = smoke_run
+    ours, _ = load_model(str(out / "tiny-gla"))
+    plain = GLAForCausalLM.from_pretrained(out / "tiny-gla", dtype=torch.float32).eval()
+    ids = torch.tensor([tiny_data.encode_bytes("Note for later: the lamp is lit.")])
+    with torch.no_grad():
+        assert torch.equal(ours(ids, use_cache=False).logits, plain(ids, use_cache=False).logits)
+
+
+def test_smoke_is_deterministic_for_a_seed(smoke_run, tmp_path):
+    out, first = smoke_run
+    again = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-gla-ccq", "--out", str(tmp_path)])
+    a, b = first["tiny-gla-ccq"], again["tiny-gla-ccq"]
+    assert a["train"]["step_losses"] == b["train"]["step_losses"]
+    assert a["heldout"]["heldout_nll_per_byte"] == b["heldout"]["heldout_nll_per_byte"]
+    assert (out / "tiny-gla-ccq" / "model.safetensors").read_bytes() == \
+        (tmp_path / "tiny-gla-ccq" / "model.safetensors").read_bytes()
+    assert not (tmp_path / "registry.json").exists(), "--smoke must not register unless asked"
+
+
+def test_twins_share_initial_backbone_and_seed_matters():
+    specs = train_tiny.MODEL_SPECS
+    for base, ccq in (("tiny-gla", "tiny-gla-ccq"), ("tiny-gdn", "tiny-gdn-ccq")):
+        plain = dict(train_tiny.build_model(specs[base], 320, smoke=True, seed=5).named_parameters())
+        with_ccq = dict(train_tiny.build_model(specs[ccq], 320, smoke=True, seed=5).named_parameters())
+        other = dict(train_tiny.build_model(specs[base], 320, smoke=True, seed=6).named_parameters())
+        assert with_ccq.keys() == plain.keys()  # CCQ gate parameters exist (unused) in the baseline class
+        for name, param in plain.items():
+            assert torch.equal(param, with_ccq[name]), name
+        assert not torch.equal(plain["model.embeddings.weight"], other["model.embeddings.weight"])
+
+
+def test_full_shapes_fit_the_checkpoint_limit():
+    # The real shapes (not smoke): bf16 weights of every model stay under 10 MB; twins have equal
+    # backbone sizes.
+    sizes = {}
+    for name, spec in train_tiny.MODEL_SPECS.items():
+        model = train_tiny.build_model(spec, train_tiny.CONTEXT, smoke=False, seed=0)
+        sizes[name] = train_tiny.count_parameters(model, spec.ccq)
+        assert sizes[name] * 2 < train_tiny.MAX_CHECKPOINT_BYTES - 100_000, (name, sizes[name])
+        assert model.config.hidden_size == 256 and model.config.num_hidden_layers == 4
+    # CCQ adds only its gate per head: a_h (head_k numbers) and b_h.
+    assert sizes["tiny-gla-ccq"] - sizes["tiny-gla"] == 4 * 4 * (32 + 1)  # GLA head_k = 256 * 0.5 / 4
+    assert sizes["tiny-gdn-ccq"] - sizes["tiny-gdn"] == 4 * 4 * (64 + 1)
+
+
+def test_training_stream_is_deterministic_mixed_and_train_only():
+    stream = tiny_data.TrainStream(seed=0, ctx=2048)
+    train_ids = {f"{name}/{doc.id}" for name in tiny_data.CORPUS_NAMES for doc in load_corpus(name, "train")}
+    eval_ids = {f"{name}/{doc.id}" for name in tiny_data.CORPUS_NAMES for doc in load_corpus(name, "eval")}
+    synthetic = total = 0
+    for index in range(48):
+        ids, segments = stream.sequence(index)
+        assert len(ids) == 2049
+        assert (ids, segments) == tiny_data.TrainStream(seed=0, ctx=2048).sequence(index)
+        text = tiny_data.decode_bytes(ids)
+        for phrase in tiny_data.FORBIDDEN_PHRASES:
+            assert phrase.lower() not in text.lower(), f"RULER wording {phrase!r} in training sequence {index}"
+        for seg in segments:
+            sources = [] if seg.source in ("noise", "none") else seg.source.split("+")
+            assert all(s in train_ids and s not in eval_ids for s in sources), seg
+            if seg.kind == "synthetic":
+                synthetic += seg.end - seg.start
+                assert ids[seg.end - 1] == tiny_data.EOS_ID  # a recall doc is never cut before its answer
+        total += len(ids)
+    assert 0.25 <= synthetic / total <= 0.40, synthetic / total
+    assert stream.sequence(0) != tiny_data.TrainStream(seed=1, ctx=2048).sequence(0)
+
+
+def test_recall_documents_hide_the_asked_value_and_use_our_wording():
+    import random
+
+    pool, vocab = tiny_data.text_pool("train"), tiny_data.key_vocabulary("train")
+    rng = random.Random(0)
+    for _ in range(50):
+        target = rng.randint(256, 2048)
+        doc = tiny_data.make_recall_doc(rng, pool, vocab, target)
+        assert doc is not None and len(doc.text.encode()) <= target
+        raw = doc.text.encode()
+        prompt, answer = raw[: doc.prompt_len].decode(), raw[doc.prompt_len :].decode()
+        assert answer.startswith(" " + doc.value)
+        assert doc.key in prompt.rsplit("\n", 1)[1]  # the question names the key
+        body = prompt.rsplit("\n", 1)[0]
+        assert doc.value in body and doc.key in body  # its record is in the text before the question
+    for template in tiny_data.RECALL_NEEDLES + tuple(q + a for q, a in tiny_data.RECALL_QUESTIONS):
+        for phrase in tiny_data.FORBIDDEN_PHRASES:
+            assert phrase.lower() not in template.lower()
+
+
+def test_heldout_data_comes_from_the_eval_split():
+    windows, where = tiny_data.heldout_windows(2048, 32)
+    assert windows.shape == (32, 2049) and len(set(where)) == 32
+    assert {w.split("/")[0] for w in where} == set(tiny_data.CORPUS_NAMES)
+    eval_text = {f"{name}/{doc.id}": doc.text for name in tiny_data.CORPUS_NAMES for doc in load_corpus(name, "eval")}
+    for row, origin in zip(windows.tolist(), where):
+        doc_id = origin.rsplit("@", 1)[0]
+        assert bytes(i - 3 for i in row) in eval_text[doc_id].encode()
+    docs = tiny_data.heldout_recall_docs(2048, 4)
+    assert docs == tiny_data.heldout_recall_docs(2048, 4)
+    assert all(s in eval_text for d in docs if d.filler_source != "noise" for s in d.filler_source.split("+"))
+
+
+def test_bad_model_name_is_refused_with_the_choices():
+    with pytest.raises(SystemExit, match="tiny-gla-ccq"):
+        train_tiny.parse_models("tiny-gla,tiny-foo")
+
+
+@pytest.mark.slow
+def test_smoke_gated_deltanet_twins(tmp_path):
+    results = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-gdn,tiny-gdn-ccq", "--out", str(tmp_path)])
+    for name, model_type in (("tiny-gdn", "gated_deltanet"), ("tiny-gdn-ccq", "ccq_gated_deltanet")):
+        losses = results[name]["train"]["step_losses"]
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5
+        assert json.loads((tmp_path / name / "config.json").read_text())["model_type"] == model_type
+        model, _ = load_model(str(tmp_path / name))
+        assert model.config.ccq is name.endswith("-ccq")
+
+
+def test_failed_save_leaves_the_previous_checkpoint_untouched(smoke_run, tmp_path, monkeypatch):
+    import shutil
+
+    out, results = smoke_run
+    shutil.copytree(out / "tiny-gla", tmp_path / "tiny-gla")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "tiny-gla").iterdir()}
+
+    def broken_eval(*args, **kwargs):
+        raise RuntimeError("simulated crash during evaluation")
+
+    monkeypatch.setattr(train_tiny, "heldout_metrics", broken_eval)
+    settings = train_tiny.TrainSettings(**results["tiny-gla"]["settings"])
+    model = train_tiny.build_model(train_tiny.MODEL_SPECS["tiny-gla"], 320, smoke=True, seed=9)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_tiny.write_model(train_tiny.MODEL_SPECS["tiny-gla"], model, settings, results["tiny-gla"]["train"],
+                               tmp_path, "python scripts/train_tiny.py", 0.0)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tiny-gla").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-gla"]
+
+
+def test_register_only_rewrites_entries_and_refuses_untrained(smoke_run):
+    out, _ = smoke_run
+    registry = out / "registry.json"
+    entries = json.loads(registry.read_text())
+    entries["tiny-gla"]["description"] = "stale"
+    entries["someone-else"] = {"path": "elsewhere", "description": "kept", "default": False}
+    registry.write_text(json.dumps(entries))
+    train_tiny.main(["--register-only", "--models", "tiny-gla", "--out", str(out)])
+    entries = json.loads(registry.read_text())
+    assert entries["tiny-gla"]["description"].startswith("GLA") and "held-out perplexity" in entries["tiny-gla"]["description"]
+    assert entries["someone-else"]["description"] == "kept"
+    with pytest.raises(FileNotFoundError, match="tiny-gdn"):
+        train_tiny.main(["--register-only", "--models", "tiny-gdn", "--out", str(out)])

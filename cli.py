@@ -78,8 +78,7 @@ def run(
 ) -> None:
     """Evaluate models on tasks; each (model, task) unit is stored as soon as it finishes.
 
-    Re-running the same command skips finished units and resumes an interrupted one
-    without re-asking the model what it already answered.
+    Re-running the same command skips finished units and resumes an interrupted one without re-asking the model what it already answered.
     """
     from ccq_eval import runner
 

@@ -100,13 +100,14 @@ def task_family(task: str) -> str:
 
 
 def display_task(task: str) -> str:
-    """'ccq_s_niah_1' -> 'S-NIAH-1', 'ccq_longbench_qasper' -> 'qasper', others unchanged."""
+    """'ccq_s_niah_1' -> 'S-NIAH-1', 'ccq_longbench_e_qasper' -> 'LongBench-E qasper', 'ccq_ppl_sweep'
+    -> 'ppl_sweep'; other names unchanged."""
     name = task.removeprefix("ccq_")
     if name.startswith("s_niah_"):
         return "S-NIAH-" + name.removeprefix("s_niah_")
-    for prefix in ("longbench_e_", "longbench_"):
+    for prefix, label in (("longbench_e_", "LongBench-E"), ("longbench_", "LongBench")):
         if name.startswith(prefix):
-            return name.removeprefix(prefix)
+            return f"{label} {name.removeprefix(prefix)}"
     return name
 
 

@@ -16,6 +16,7 @@ from test_cli_fakes import (
     SWEEP_BASE,
     baseline_correct,
     write_all,
+    write_longbench_e,
     write_sniah,
 )
 from typer.testing import CliRunner
@@ -251,3 +252,20 @@ def test_per_length_values_are_recomputed_from_samples_when_results_lack_them(tm
     assert _value(tidy, metric="acc", length=1024, depth=None) == 100.0
     assert _value(tidy, metric="acc", length=2048, depth=None) == pytest.approx(100 / 3)
     assert _value(tidy, metric="acc", length=None, depth=None) == pytest.approx(200 / 3)
+
+
+def test_longbench_e_buckets_in_table_and_compare(tmp_path):
+    folder = tmp_path / "r"
+    write_longbench_e(folder, "a", "qasper", [("0-4k", 10.0), ("0-4k", 30.0), ("4-8k", 0.0), ("8k+", 50.0)])
+    write_longbench_e(folder, "b", "qasper", [("0-4k", 20.0), ("0-4k", 30.0), ("4-8k", 10.0), ("8k+", 40.0)])
+    tidy = tables.load_tidy(folder)
+    assert _value(tidy, model="a", metric="score", bucket="0-4k") == 20.0
+    assert _value(tidy, model="a", metric="score", bucket=None) == 22.5
+    result = invoke("table", folder)
+    assert "### LongBench-E per length bucket" in result.output
+    assert "| qasper | a | 20.00 | 0.00 | 50.00 |" in result.output
+    result = invoke("compare", folder, "--baseline", "a", "--variant", "b", "--format", "csv", "--n-boot", 200)
+    frame = pd.read_csv(io.StringIO(result.output))
+    assert list(frame["length"]) == ["all", "0-4k", "4-8k", "8k+"]
+    assert list(frame["n"]) == [4, 2, 1, 1]
+    assert frame.iloc[0]["delta"] == pytest.approx(2.5) and frame.iloc[0]["test"] == "sign test (+2/-1)"

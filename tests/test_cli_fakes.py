@@ -163,6 +163,23 @@ def write_longbench(output: Path, model: str, scores: dict[str, list[float]]) ->
     return paths
 
 
+def write_longbench_e(output: Path, model: str, dataset: str, scored: list[tuple[str, float]]) -> Path:
+    """LongBench-E unit: (bucket, score) per sample; metrics score and score_<bucket>, as the task logs."""
+    task = f"ccq_longbench_e_{dataset}"
+    samples = [
+        make_sample(i, {"input": f"q{i}", "answers": ["a"], "length": {"0-4k": 1000, "4-8k": 5000, "8k+": 9000}[b],
+                        "ccq_dataset": dataset}, "['a']", f"prompt {i}", "a", {"score": v, f"score_{b}": v})
+        for i, (b, v) in enumerate(scored)
+    ]
+    values = {"score": sum(v for _, v in scored) / len(scored)}
+    for bucket in ("0-4k", "4-8k", "8k+"):
+        in_bucket = [v for b, v in scored if b == bucket]
+        if in_bucket:
+            values[f"score_{bucket}"] = sum(in_bucket) / len(in_bucket)
+    metric_list = [("score", "mean", True)] + [(f"score_{b}", "mean", True) for b in ("0-4k", "4-8k", "8k+")]
+    return write(output, model, task, results_dict(task, values, metric_list, len(samples)), samples)
+
+
 def baseline_correct(length: int, depth: int, index: int) -> bool:
     """Right at 1K everywhere; at 2K only at depth 0: acc 100 at 1K, 33.3 at 2K."""
     return length == 1024 or depth == 0

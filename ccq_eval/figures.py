@@ -7,8 +7,8 @@
 - LongBench scores per dataset as grouped bars (and LongBench-E per bucket).
 
 Colours: a model's family (its name without a trailing "-ccq") owns one hue of the tab10
-palette, chosen from a hash of the name, so the same model gets the same colour in every
-figure; the CCQ variant takes the full colour with solid lines and round markers, the
+palette (fixed for known architectures such as GLA and Gated DeltaNet, else from a hash of
+the name), so the same model gets the same colour in every figure; the CCQ variant takes the full colour with solid lines and round markers, the
 baseline a lighter shade with dashed lines and square markers.
 """
 
@@ -57,15 +57,34 @@ def is_ccq(model: str) -> bool:
     return bool(_CCQ_SUFFIX.search(model)) or "ccq" in model.lower()
 
 
+# Architectures papers compare get fixed tab10 hues (first match wins); other names hash to one.
+_KNOWN_FAMILY_HUES = (
+    (re.compile(r"gdn|gated[-_ ]?delta", re.IGNORECASE), 1),  # orange
+    (re.compile(r"deltanet", re.IGNORECASE), 3),  # red
+    (re.compile(r"gla", re.IGNORECASE), 0),  # blue
+    (re.compile(r"mamba", re.IGNORECASE), 2),  # green
+    (re.compile(r"retnet|hgrn|rwkv", re.IGNORECASE), 4),  # purple
+    (re.compile(r"llama|transformer|gpt", re.IGNORECASE), 7),  # grey
+)
+
+
+def _preferred_hue(family: str) -> int:
+    for pattern, hue in _KNOWN_FAMILY_HUES:
+        if pattern.search(family):
+            return hue
+    return zlib.crc32(family.encode("utf-8")) % _N_HUES
+
+
 def model_colors(models: Iterable[str]) -> dict[str, tuple[float, float, float, float]]:
-    """Stable colour per model: family hue from a hash of its name (linear probing on clashes,
-    families taken in sorted order), dark shade for CCQ variants, light for baselines."""
+    """Stable colour per model: its family's hue (fixed for known architectures, else from a
+    hash of the name; linear probing on clashes, families in sorted order), full colour for
+    CCQ variants, a lighter shade for baselines."""
     palette = plt.get_cmap("tab10").colors
     families = sorted({model_family(m) for m in models})
     hue_of: dict[str, int] = {}
     taken: set[int] = set()
     for family in families:
-        hue = zlib.crc32(family.encode("utf-8")) % _N_HUES
+        hue = _preferred_hue(family)
         for step in range(_N_HUES):
             candidate = (hue + step) % _N_HUES
             if candidate not in taken or len(taken) >= _N_HUES:
@@ -119,9 +138,11 @@ def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int =
     return fig, list(axes.flat[:count])
 
 
-def _score_limit(values: pd.Series) -> float:
-    """Scores are 0-100 (RULER, LongBench) or 0-1 (some lm-eval metrics)."""
-    return 1.0 if values.max() <= 1.0 else 100.0
+def _score_limit(rows: pd.DataFrame) -> float:
+    """Our S-NIAH and LongBench tasks score in percent; other tasks in 0-1 unless a value says otherwise."""
+    if rows["family"].isin(["s-niah", "longbench", "longbench-e"]).all():
+        return 100.0
+    return 1.0 if rows["value"].max() <= 1.0 else 100.0
 
 
 def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
@@ -129,7 +150,7 @@ def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
     paths = []
     for task, task_rows in rows.groupby("task", sort=True):
         models = sorted(task_rows["model"].unique())
-        vmax = _score_limit(task_rows["value"])
+        vmax = _score_limit(task_rows)
         with plt.rc_context(STYLE | {"axes.grid": False}):
             fig, axes = _panels(len(models), width=3.4, height=2.8)
             image = None
@@ -174,7 +195,7 @@ def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, c
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
                 ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             if score:
-                ax.set_ylim(-0.03 * _score_limit(rows["value"]), 1.03 * _score_limit(rows["value"]))
+                ax.set_ylim(-0.03 * _score_limit(rows), 1.03 * _score_limit(rows))
         handles, labels = axes[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), frameon=False)
         fig.suptitle(title)

@@ -313,7 +313,9 @@ class StoredUnit:
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        # split on "\n" only: JSON strings may hold U+2028, U+0085 and the like unescaped, which
+        # str.splitlines() would also break at
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultsError(f"cannot read {path}: {exc}") from None
     for line_number, line in enumerate(lines, start=1):

@@ -446,7 +446,7 @@ def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
     pivots = []
     candidates = [
         ("S-NIAH accuracy per length", sniah_pivot(tidy),
-         "primary metric of each task, recomputed per length from the sample logs"),
+         "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`"),
         ("Perplexity per length (truncated-document sweep)", ppl_pivot(tidy), "lower is better"),
         ("Perplexity per position bucket (position-bucketed protocol)", ppl_position_pivot(tidy),
          "column = end of the bucket in tokens; lower is better"),

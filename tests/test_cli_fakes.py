@@ -83,7 +83,8 @@ def write_sniah(output: Path, model: str, correct: Callable[[int, int, int], boo
                        "depth": depth, "sample": index}
                 score = 100.0 if correct(length, depth, index) else 0.0
                 by_length[length].append(score)
-                samples.append(make_sample(doc_id, doc, value, doc["input"], value if score else "no",
+                # generated text may hold line separators other than \n (U+2028, NEL): JSONL keeps them raw
+                samples.append(make_sample(doc_id, doc, value, doc["input"], value if score else "no\u2028\x85",
                                            {"acc": score, f"acc_{length}": score}))
                 doc_id += 1
     all_scores = [s for scores in by_length.values() for s in scores]
@@ -219,7 +220,7 @@ def test_written_samples_follow_lm_eval_tracker_format(tmp_path):
     from lm_eval.loggers.evaluation_tracker import EvaluationTracker
 
     folder = write_sniah(tmp_path / "ours", "m", baseline_correct)
-    ours = [json.loads(line) for line in (folder / f"samples_{SNIAH_TASK}.jsonl").read_text().splitlines()]
+    ours = [json.loads(line) for line in (folder / f"samples_{SNIAH_TASK}.jsonl").read_text().split("\n") if line]
 
     tracker = EvaluationTracker(output_path=str(tmp_path / "lmeval"))
     tracker.general_config_tracker.model_name_sanitized = "m"
@@ -233,12 +234,12 @@ def test_written_samples_follow_lm_eval_tracker_format(tmp_path):
                 doc = {"input": f"haystack {length} {depth} {index}", "outputs": [value], "length": length,
                        "depth": depth, "sample": index}
                 score = 100.0 if baseline_correct(length, depth, index) else 0.0
-                samples.append(make_sample(doc_id, doc, value, doc["input"], value if score else "no",
+                samples.append(make_sample(doc_id, doc, value, doc["input"], value if score else "no\u2028\x85",
                                            {"acc": score, f"acc_{length}": score}))
                 doc_id += 1
     tracker.save_results_samples(SNIAH_TASK, samples)
     theirs_path = tmp_path / "lmeval" / "m" / f"samples_{SNIAH_TASK}_stamp.jsonl"
-    theirs = [json.loads(line) for line in theirs_path.read_text().splitlines()]
+    theirs = [json.loads(line) for line in theirs_path.read_text().split("\n") if line]
     assert ours == theirs
 
 

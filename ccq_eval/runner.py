@@ -486,9 +486,8 @@ def plan_run(
     for model in models:
         fingerprint = _checkpoint_fingerprint(model.source)
         for task, requested_as in resolved:
-            spec = {
+            spec = {  # what the unit computes; a folder's location is not part of it (meta.json has it)
                 "model": model.name,
-                "model_source": model.source,
                 "checkpoint": fingerprint,
                 "task": task,
                 "task_metadata": metadata_for_task(task, task_metadata),

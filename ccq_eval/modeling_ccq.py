@@ -114,6 +114,17 @@ class CCQReadMixin:
             if not getattr(self.ccq_gate_bias, "_is_hf_initialized", False):
                 self.ccq_gate_bias.fill_(self.ccq_gate_bias_init)
 
+    def short_conv_qkv(self, hidden_states, last_state, use_cache):
+        """q, k, v through the layer's short convolutions, continuing from the cached conv states."""
+        states = last_state["conv_state"] if last_state is not None else (None, None, None)
+        outputs, new_states = [], []
+        for proj, conv, state in zip((self.q_proj, self.k_proj, self.v_proj),
+                                     (self.q_conv1d, self.k_conv1d, self.v_conv1d), states):
+            x, state = conv(x=proj(hidden_states), cache=state, output_final_state=use_cache)
+            outputs.append(x)
+            new_states.append(state)
+        return (*outputs, tuple(new_states))
+
     def ccq_lambda(self, r: torch.Tensor) -> torch.Tensor:
         """lambda_t = lambda_max * sigmoid(a_h . r_t + b_h), [B, T, H] in fp32."""
         bias = self.ccq_gate_bias.float()
@@ -163,16 +174,9 @@ class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
             hidden_states, kwargs.get("cu_seqlens"), attention_mask, q_len)
         _reject_varlen(cu_seqlens)
 
-        conv_state_q = conv_state_k = conv_state_v = None
+        conv_states = None
         if self.use_short_conv:
-            if last_state is not None:
-                conv_state_q, conv_state_k, conv_state_v = last_state["conv_state"]
-            q, conv_state_q = self.q_conv1d(x=self.q_proj(hidden_states), cache=conv_state_q,
-                                            output_final_state=use_cache)
-            k, conv_state_k = self.k_conv1d(x=self.k_proj(hidden_states), cache=conv_state_k,
-                                            output_final_state=use_cache)
-            v, conv_state_v = self.v_conv1d(x=self.v_proj(hidden_states), cache=conv_state_v,
-                                            output_final_state=use_cache)
+            q, k, v, conv_states = self.short_conv_qkv(hidden_states, last_state, use_cache)
         else:
             q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         gk = self.gk_proj(hidden_states)
@@ -205,7 +209,7 @@ class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
         update_layer_cache(
             self, past_key_values,
             recurrent_state=(S, *ccq_state) if use_cache else None,
-            conv_state=(conv_state_q, conv_state_k, conv_state_v) if self.use_short_conv else None,
+            conv_state=conv_states,
             offset=q_len,
         )
         if self.use_output_gate:
@@ -251,16 +255,9 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
             q_len=q_len)
         _reject_varlen(cu_seqlens)
 
-        conv_state_q = conv_state_k = conv_state_v = None
+        conv_states = None
         if self.use_short_conv:
-            if last_state is not None:
-                conv_state_q, conv_state_k, conv_state_v = last_state["conv_state"]
-            q, conv_state_q = self.q_conv1d(x=self.q_proj(hidden_states), cache=conv_state_q,
-                                            output_final_state=use_cache)
-            k, conv_state_k = self.k_conv1d(x=self.k_proj(hidden_states), cache=conv_state_k,
-                                            output_final_state=use_cache)
-            v, conv_state_v = self.v_conv1d(x=self.v_proj(hidden_states), cache=conv_state_v,
-                                            output_final_state=use_cache)
+            q, k, v, conv_states = self.short_conv_qkv(hidden_states, last_state, use_cache)
         else:
             q, k, v = (F.silu(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = (rearrange(x, "... (h d) -> ... h d", d=self.head_k_dim) for x in (q, k))
@@ -286,7 +283,7 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
         update_layer_cache(
             module=self, past_key_values=past_key_values,
             recurrent_state=(S, *ccq_state) if use_cache else None,
-            conv_state=(conv_state_q, conv_state_k, conv_state_v) if self.use_short_conv else None,
+            conv_state=conv_states,
             offset=q_len,
         )
         if self.use_gate:

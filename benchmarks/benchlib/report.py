@@ -1,0 +1,417 @@
+"""Environment record, the issue-6 targets checked against the results, and the markdown rendering."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from typing import Any
+
+import torch
+
+from benchlib.workload import REPO
+
+GiB = 1024**3
+PACKAGES = (
+    "torch",
+    "triton",
+    "fla-core",
+    "flash-linear-attention",
+    "transformers",
+    "lm_eval",
+    "accelerate",
+    "tokenizers",
+)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git() -> dict[str, Any]:
+    def run(*args):
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = run("rev-parse", "HEAD")
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "packages": {name: _version(name) for name in PACKAGES},
+        "git": _git(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu_memory_bytes"] = int(props.total_memory)
+        env["gpu_multiprocessors"] = int(props.multi_processor_count)
+    return env
+
+
+# ------------------------------------------------------------------------------------------ targets
+def _target(
+    name: str, threshold: str, value: float | None, passed: bool | None, detail: str
+) -> dict[str, Any]:
+    return {"name": name, "threshold": threshold, "value": value, "passed": passed, "detail": detail}
+
+
+def targets(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 6's 'done when' figures that this run measured. With other lengths than the issue's
+    (e.g. --smoke) the longest / shortest measured length stands in, and `detail` says which."""
+    out = []
+    model_rows = results.get("model", [])
+    for arch in settings["archs"]:
+        for mode, pick, limit in (("forward", max, 1.15), ("train", min, 1.25)):
+            rows = [
+                r for r in model_rows if r["arch"] == arch and r["mode"] == mode and "ratio_vs_baseline" in r
+            ]
+            if not rows:
+                continue
+            T = pick(r["T"] for r in rows)
+            row = next(r for r in rows if r["T"] == T)
+            label = "forward" if mode == "forward" else "forward+backward"
+            out.append(
+                _target(
+                    f"{arch} {label} CCQ/baseline time at T={T}",
+                    f"<= {limit}",
+                    row["ratio_vs_baseline"],
+                    row["ratio_vs_baseline"] <= limit,
+                    "issue: forward at 20K <= 1.15 (goal 1.05); forward+backward at 4K <= 1.25",
+                )
+            )
+    for row in results.get("harness", []):
+        if row["method"].startswith("ccq_adapter") and "throughput_vs_bare" in row:
+            out.append(
+                _target(
+                    f"{row['arch']} ccq={row['ccq']} {row['method']} tokens/s vs bare forward "
+                    f"({row['tokens']} tokens)",
+                    ">= 0.90",
+                    row["throughput_vs_bare"],
+                    row["throughput_vs_bare"] >= 0.90,
+                    "issue: harness scoring at 20K",
+                )
+            )
+        if row["method"].startswith("ccq_adapter") and row.get("peak_mem_bytes"):
+            gib = row["peak_mem_bytes"] / GiB
+            out.append(
+                _target(
+                    f"{row['arch']} ccq={row['ccq']} {row['method']} peak memory, {row['tokens']} tokens",
+                    "< 8 GiB",
+                    gib,
+                    gib < 8.0,
+                    "issue: scoring one 20K document, weights included",
+                )
+            )
+    gen = [r for r in results.get("generation", []) if r.get("decode_tokens_per_s")]
+    for key in sorted({(r["arch"], r["ccq"], r["method"]) for r in gen}):
+        rows = sorted(
+            (r for r in gen if (r["arch"], r["ccq"], r["method"]) == key), key=lambda r: r["length"]
+        )
+        if len(rows) < 2:
+            continue
+        ratio = rows[-1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+        out.append(
+            _target(
+                f"{key[0]} ccq={key[1]} {key[2]} decode tokens/s at {rows[-1]['length']} vs "
+                f"{rows[0]['length']}",
+                ">= 0.90",
+                ratio,
+                ratio >= 0.90,
+                "issue: decode at 20K within 10% of decode at 1K",
+            )
+        )
+    for row in results.get("sniah", []):
+        if "speedup_vs_hflm" in row:
+            ok = row["speedup_vs_hflm"] >= 10 and row.get("same_text_fraction") == 1.0
+            out.append(
+                _target(
+                    f"{row['arch']} ccq={row['ccq']} S-NIAH-1 at {row['length']}: HFLM s/sample / "
+                    "adapter s/sample (same text)",
+                    ">= 10 and same text",
+                    row["speedup_vs_hflm"],
+                    ok,
+                    f"same_text_fraction={row.get('same_text_fraction')}",
+                )
+            )
+    out.append(
+        _target(
+            "2 GPUs: same per-sample results, >= 1.8x throughput",
+            ">= 1.8",
+            None,
+            None,
+            "not measured by bench.py (see benchmarks/README.md)",
+        )
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ markdown
+def _f(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _gib(value: int | None) -> str:
+    return "–" if not value else f"{value / GiB:.2f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env, settings, results = report["environment"], report["settings"], report["results"]
+    pk = env["packages"]
+    parts = [
+        "# ccq-eval benchmark"
+        + (" (SMOKE: tiny shapes, numbers are not meaningful)" if settings["smoke"] else ""),
+        "",
+        (
+            f"- device: {env['device_name']} ({env['device_type']}), dtype {env['dtype']}, "
+            f"torch threads {env['torch_threads']}"
+        ),
+        f"- CPU: {env['cpu']} ({env['cpu_count']} cores)",
+        (
+            f"- versions: python {env['python']}, torch {pk['torch']} (CUDA {env['cuda']}), "
+            f"triton {pk['triton']}, fla {pk['fla-core'] or pk['flash-linear-attention']}, "
+            f"transformers {pk['transformers']}, lm_eval {pk['lm_eval']}"
+        ),
+        f"- ccq-eval commit {env['git']['commit']}{' (uncommitted changes)' if env['git']['dirty'] else ''}",
+        f"- command: `{report['command']}`",
+        (
+            f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls "
+            f"({'CUDA events' if env['device_type'] == 'cuda' else 'perf_counter'}); generation median of "
+            f"{settings['gen_repeats']}"
+        ),
+    ]
+    if report.get("matmul"):
+        mm = report["matmul"]
+        parts.append(
+            f"- measured {mm['dtype']} matmul ({mm['size']}^3): {mm['flops_per_s'] / 1e12:.1f} TFLOP/s "
+            "(the MFU denominator)"
+        )
+    for arch, info in report.get("models", {}).items():
+        parts.append(f"- {arch}: {info['parameters'] / 1e6:.1f}M parameters")
+    parts.append("")
+
+    model_rows = results.get("model", [])
+    if model_rows:
+        parts.append("## Model forward / forward+backward (CCQ off = fla's layers, on = CCQ; same weights)\n")
+        keyed = {(r["arch"], r["mode"], r["T"], r["ccq"]): r for r in model_rows}
+        rows = []
+        for arch, mode, T in dict.fromkeys((r["arch"], r["mode"], r["T"]) for r in model_rows):
+            base, ccq = keyed.get((arch, mode, T, False)), keyed.get((arch, mode, T, True))
+
+            def g(row, key, fmt=_f):
+                return fmt(row[key]) if row and row.get(key) is not None else "–"
+
+            rows.append(
+                [
+                    arch,
+                    "fwd+bwd" if mode == "train" else "fwd",
+                    str(T),
+                    g(base, "median_ms"),
+                    g(ccq, "median_ms"),
+                    g(ccq, "ratio_vs_baseline", lambda v: f"{v:.3f}"),
+                    g(base, "tokens_per_s", lambda v: f"{v:,.0f}"),
+                    g(ccq, "tokens_per_s", lambda v: f"{v:,.0f}"),
+                    g(base, "peak_mem_bytes", _gib),
+                    g(ccq, "peak_mem_bytes", _gib),
+                    g(base, "mfu", lambda v: f"{100 * v:.1f}%"),
+                    g(ccq, "mfu", lambda v: f"{100 * v:.1f}%"),
+                    g(base, "first_call_ms", lambda v: f"{v / 1000:.1f}"),
+                    g(ccq, "first_call_ms", lambda v: f"{v / 1000:.1f}"),
+                ]
+            )
+        parts.append(
+            _table(
+                [
+                    "arch",
+                    "mode",
+                    "T",
+                    "base ms",
+                    "CCQ ms",
+                    "CCQ/base",
+                    "base tok/s",
+                    "CCQ tok/s",
+                    "base peak GiB",
+                    "CCQ peak GiB",
+                    "base MFU",
+                    "CCQ MFU",
+                    "base 1st call s",
+                    "CCQ 1st call s",
+                ],
+                rows,
+            )
+        )
+
+    if results.get("ops"):
+        parts.append("## Kernels (forward, no grad)\n")
+        parts.append(
+            _table(
+                ["op", "T x H x K (V)", "median ms", "first call ms"],
+                [
+                    [
+                        r["op"],
+                        f"{r['T']} x {r['H']} x {r['K']} ({r['V']})",
+                        _f(r["median_ms"], 3),
+                        _f(r["first_call_ms"], 0),
+                    ]
+                    for r in results["ops"]
+                ],
+            )
+        )
+
+    if results.get("harness"):
+        parts.append("## Harness: perplexity scoring of one document\n")
+        parts.append(
+            _table(
+                [
+                    "arch",
+                    "CCQ",
+                    "method",
+                    "tokens",
+                    "median ms",
+                    "tok/s",
+                    "vs bare",
+                    "peak GiB",
+                    "logprob sum",
+                ],
+                [
+                    [
+                        r["arch"],
+                        _f(r["ccq"]),
+                        r["method"],
+                        str(r["tokens"]),
+                        _f(r["median_ms"]),
+                        f"{r['tokens_per_s']:,.0f}",
+                        _f(r.get("throughput_vs_bare"), 3),
+                        _gib(r.get("peak_mem_bytes")),
+                        _f(r.get("logprob_sum"), 1),
+                    ]
+                    for r in results["harness"]
+                ],
+            )
+        )
+
+    if results.get("generation"):
+        parts.append("## Generation (greedy, S-NIAH-1 prompts)\n")
+        parts.append(
+            _table(
+                [
+                    "arch",
+                    "CCQ",
+                    "method",
+                    "length",
+                    "prompt tok",
+                    "prefill ms",
+                    "decode steps",
+                    "decode ms/tok",
+                    "decode tok/s",
+                    "total ms",
+                    "peak GiB",
+                    "same text",
+                ],
+                [
+                    [
+                        r["arch"],
+                        _f(r["ccq"]),
+                        r["method"],
+                        str(r["length"]),
+                        str(r["prompt_tokens"]),
+                        _f(r["prefill_ms"]),
+                        _f(r["decode_steps"], 0),
+                        _f(r["decode_ms_per_token"], 3),
+                        _f(r["decode_tokens_per_s"], 1),
+                        _f(r["total_ms"]),
+                        _gib(r.get("peak_mem_bytes")),
+                        _f(r.get("same_text_as_other_method")),
+                    ]
+                    for r in results["generation"]
+                ],
+            )
+        )
+
+    if results.get("sniah"):
+        parts.append("## S-NIAH-1 through generate_until: adapter vs stock lm-eval HFLM\n")
+        parts.append(
+            _table(
+                [
+                    "arch",
+                    "CCQ",
+                    "method",
+                    "length",
+                    "samples",
+                    "s/sample",
+                    "speedup vs HFLM",
+                    "same text",
+                    "peak GiB",
+                ],
+                [
+                    [
+                        r["arch"],
+                        _f(r["ccq"]),
+                        r["method"],
+                        str(r["length"]),
+                        str(r["samples"]),
+                        _f(r["seconds_per_sample"], 3),
+                        _f(r.get("speedup_vs_hflm"), 1),
+                        _f(r.get("same_text_fraction")),
+                        _gib(r.get("peak_mem_bytes")),
+                    ]
+                    for r in results["sniah"]
+                ],
+            )
+        )
+
+    if report.get("targets"):
+        parts.append("## Issue 6 targets\n")
+        parts.append(
+            _table(
+                ["target", "threshold", "measured", "met"],
+                [[t["name"], t["threshold"], _f(t["value"], 3), _f(t["passed"])] for t in report["targets"]],
+            )
+        )
+
+    if report.get("errors"):
+        parts.append("## Errors\n")
+        for error in report["errors"]:
+            parts.append(f"- {error['section']} {error['case']}: `{error['error'][:300]}`")
+        parts.append("")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,230 @@
+"""What the benchmark runs: model shapes, random-init CCQ models with CCQ switchable in place (so the
+baseline and CCQ share every weight), a FLOP model for MFU, tokenizers, a long document, and S-NIAH
+prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+MISTRAL_TOKENIZER = REPO / "tests" / "fixtures" / "tokenizers" / "mistral_v1"
+ARCHS = ("gla", "gated_deltanet")
+
+# fla's 340M shapes, as flame's configs/gla_340M.json and configs/gated_deltanet_340M.json give
+# them (hidden 1024; GLA 24 layers x 4 heads, expand_k 0.5; Gated DeltaNet 21 layers x 6 heads x 256,
+# expand_v 2, short conv). Everything else stays at fla 0.6.0's config defaults (fused norm, swiglu
+# and cross entropy on).
+SHAPES_340M: dict[str, dict[str, Any]] = {
+    "gla": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_heads": 4,
+        "expand_k": 0.5,
+        "expand_v": 1,
+        "hidden_ratio": 4,
+        "attn_mode": "chunk",
+        "tie_word_embeddings": True,
+        "initializer_range": 0.006,
+        "norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "gated_deltanet": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 21,
+        "num_heads": 6,
+        "head_dim": 256,
+        "expand_v": 2,
+        "hidden_ratio": 4,
+        "use_short_conv": True,
+        "conv_size": 4,
+        "use_gate": True,
+        "attn_mode": "chunk",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+# CPU smoke shapes: the same model classes, a few seconds for everything.
+SHAPES_SMOKE: dict[str, dict[str, Any]] = {
+    "gla": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2},
+    "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
+}
+
+# fla's chunked kernels work on blocks of this many tokens (BT = 64 in chunk_gla / chunk_simple_gla /
+# chunk_gated_delta_rule); only the FLOP estimate uses it.
+KERNEL_CHUNK = 64
+
+
+def model_classes(arch: str):
+    from ccq_eval.modeling_ccq import (
+        CCQGatedDeltaNetConfig,
+        CCQGatedDeltaNetForCausalLM,
+        CCQGLAConfig,
+        CCQGLAForCausalLM,
+    )
+
+    classes = {
+        "gla": (CCQGLAConfig, CCQGLAForCausalLM),
+        "gated_deltanet": (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM),
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    return classes[arch]
+
+
+def build_model(
+    arch: str, shape: dict[str, Any], vocab_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> torch.nn.Module:
+    """A random-init CCQ model (CCQ layers attached, enabled). Built directly on `device`."""
+    config_cls, model_cls = model_classes(arch)
+    config = config_cls(vocab_size=vocab_size, ccq=True, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+    # A query-dependent gate, as after training (a = 0 would make lambda constant); costs the same.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("ccq_gate_weight"):
+                param.normal_(0.0, 0.02)
+    return model.to(dtype).eval()
+
+
+def ccq_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from ccq_eval.modeling_ccq import CCQReadMixin
+
+    return [m for m in model.modules() if isinstance(m, CCQReadMixin)]
+
+
+def set_ccq(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch CCQ on or off in every layer. Off runs fla's own layer forward (the baseline)."""
+    layers = ccq_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no CCQ layers to switch")
+    for layer in layers:
+        layer.ccq_enabled = enabled
+    model.config.ccq = enabled
+
+
+@contextmanager
+def ccq_mode(model: torch.nn.Module, enabled: bool):
+    previous = [layer.ccq_enabled for layer in ccq_layers(model)]
+    previous_config = model.config.ccq
+    set_ccq(model, enabled)
+    try:
+        yield model
+    finally:
+        for layer, flag in zip(ccq_layers(model), previous, strict=True):
+            layer.ccq_enabled = flag
+        model.config.ccq = previous_config
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def forward_flops_per_token(model: torch.nn.Module, ccq_enabled: bool) -> dict[str, float]:
+    """Estimated forward FLOPs per token (multiply-add = 2 FLOPs).
+
+    - dense: every nn.Linear (the LM head included: logits for every position) and conv weights;
+    - sequence mixing, per layer and head, for fla's chunked form with chunk C: intra-chunk
+      scores and their product with values, 2C(d_k + d_v), plus the read and the write of the
+      d_k x d_v state, 4 d_k d_v. Gated DeltaNet adds the WY/UT correction, about 2C(d_k + d_v) +
+      2 d_k d_v more;
+    - CCQ, per order: one more such pass with v = k (2C * 2 d_k + 4 d_k^2).
+    Training is counted as 3x forward (backward = 2x forward). Embedding lookups, norms, gates and
+    the loss are not counted. An estimate for MFU, not an operation count of the kernels.
+    """
+    dense = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            dense += 2.0 * module.in_features * module.out_features
+        elif isinstance(module, torch.nn.Conv1d):
+            dense += 2.0 * module.weight.numel()
+    mixing = 0.0
+    ccq = 0.0
+    C = KERNEL_CHUNK
+    for module in model.modules():
+        if not all(hasattr(module, name) for name in ("num_heads", "head_k_dim", "head_v_dim", "q_proj")):
+            continue
+        heads = getattr(module, "num_v_heads", None) or module.num_heads
+        dk, dv = module.head_k_dim, module.head_v_dim
+        per_head = 2 * C * (dk + dv) + 4 * dk * dv
+        if hasattr(module, "b_proj"):  # Gated DeltaNet: the delta-rule correction
+            per_head += 2 * C * (dk + dv) + 2 * dk * dv
+        mixing += heads * per_head
+        if ccq_enabled and getattr(module, "ccq_order", None):
+            ccq += module.num_heads * module.ccq_order * (2 * C * 2 * dk + 4 * dk * dk)
+    return {"dense": dense, "mixing": mixing, "ccq": ccq, "total": dense + mixing + ccq}
+
+
+# ------------------------------------------------------------------------------------------ tokens
+def load_tokenizer(spec: str):
+    """'mistral' (the 32K SentencePiece fixture in tests/fixtures), 'byt5', or a tokenizer folder."""
+    s_niah = s_niah_utils()
+    if spec == "mistral":
+        spec = str(MISTRAL_TOKENIZER)
+    return s_niah.load_tokenizer(spec), spec
+
+
+def s_niah_utils():
+    """tasks/s_niah/utils.py as a module (lm-eval loads it by path; so do we)."""
+    name = "ccq_bench_s_niah_utils"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tasks" / "s_niah" / "utils.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def prefix_ids(tokenizer) -> list[int]:
+    """What the ccq adapter puts before every text: BOS when the tokenizer has one."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if bos is not None else []
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def long_document(tokenizer, n_tokens: int, corpus: str = "austen") -> str:
+    """Natural text that the adapter feeds as about n_tokens tokens (its BOS included): the start of
+    the embedded corpus' eval documents, cut at a token boundary."""
+    from ccq_eval.corpora import load_corpus
+
+    docs = load_corpus(corpus, split="eval")
+    text = "\n\n".join(doc.text for doc in docs)
+    want = n_tokens - len(prefix_ids(tokenizer))
+    chars = 8 * want
+    while True:
+        ids = encode(tokenizer, text[:chars])
+        if len(ids) > want or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < want:
+        raise ValueError(f"corpus {corpus!r} has only {len(ids)} tokens of this tokenizer; {want} needed")
+    return tokenizer.decode(ids[:want])
+
+
+def sniah_docs(tokenizer_spec: str, lengths: list[int], depths: list[float], seed: int = 42) -> list[dict]:
+    """S-NIAH-1 docs (RULER niah_single_1 construction, this project's port) sized in the
+    tokenizer's tokens; a doc's nominal length includes the 128-token generation budget."""
+    return s_niah_utils().generate_docs(
+        "s_niah_1", lengths=lengths, depths=depths, samples_per_cell=1, seed=seed, tokenizer=tokenizer_spec
+    )
+
+
+def random_tokens(
+    n_rows: int, n_tokens: int, vocab_size: int, device: torch.device, seed: int = 1
+) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (n_rows, n_tokens), generator=generator).to(device)

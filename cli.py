@@ -75,6 +75,9 @@ def run(
     keep_going: Annotated[bool, typer.Option(
         help="Continue with the next unit when one fails (default: stop).")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    report: Annotated[bool, typer.Option(
+        help="After the run, write the paper-style table (table.md) and figures (figures/) into the "
+        "results folder.")] = True,
 ) -> None:
     """Evaluate models on tasks; each (model, task) unit is stored as soon as it finishes.
 
@@ -112,6 +115,20 @@ def run(
                f"{len(summary.failed)} failed. Results in {output}", err=True)
     if summary.failed:
         raise typer.Exit(1)
+    if report:
+        _write_report(output)
+
+
+def _write_report(results: Path) -> None:
+    """The table and figures of everything in `results`, as `table` and `figures` would write them."""
+    from ccq_eval import figures as figure_module
+    from ccq_eval import tables
+    from ccq_eval.results_store import atomic_write_text
+
+    tidy = tables.load_tidy(results)
+    atomic_write_text(results / "table.md", tables.render_tables(tidy, "markdown", "paper", 2))
+    paths = figure_module.draw_all(tidy, results / "figures")
+    typer.echo(f"table: {results / 'table.md'}; figures: {results / 'figures'} ({len(paths)} files)", err=True)
 
 
 @app.command()
@@ -214,6 +231,21 @@ def models() -> None:
     for entry in registry.values():
         mark = " (default)" if entry.default else ""
         typer.echo(f"{entry.name:<{width}}  {entry.description}{mark}")
+
+
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                          "help_option_names": []})
+def lm_eval_cli(ctx: typer.Context) -> None:
+    """lm-eval's own CLI with the `ccq` model registered, e.g. `ccq-eval lm-eval run --model ccq
+    --model_args pretrained=tiny-gla-ccq,max_length=4096 --tasks ccq_s_niah_1 --include_path tasks/s_niah`.
+
+    lm-eval has no plugin discovery, so its plain `lm-eval` command does not know the `ccq` model.
+    """
+    import ccq_eval.lm_adapter  # noqa: F401  (registers the "ccq" model with lm-eval)
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval", *ctx.args]
+    cli_evaluate()
 
 
 if __name__ == "__main__":

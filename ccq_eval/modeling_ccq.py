@@ -151,6 +151,14 @@ def _split_state(last_state):
     return S, CCQState(P, m, n)
 
 
+def _without_trivial_mask(attention_mask):
+    """An all-ones mask (what lm-eval's HFLM always passes) pads nothing: drop it, or fla would pack the
+    batch into variable-length form, which CCQ layers do not support."""
+    if attention_mask is not None and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
 def _reject_varlen(cu_seqlens):
     if cu_seqlens is not None:
         raise ValueError(
@@ -168,6 +176,7 @@ class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
             return GatedLinearAttention.forward(self, hidden_states, attention_mask, past_key_values, use_cache,
                                                 output_attentions, **kwargs)
         batch_size, q_len, _ = hidden_states.shape
+        attention_mask = _without_trivial_mask(attention_mask)
         mode = "fused_recurrent" if q_len <= 64 else self.mode
         last_state = get_layer_cache(self, past_key_values)
         hidden_states, indices, cu_seqlens = unpad_hidden_states(
@@ -243,6 +252,7 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
             return GatedDeltaNet.forward(self, hidden_states, attention_mask, past_key_values, use_cache,
                                          output_attentions, **kwargs)
         batch_size, q_len, _ = hidden_states.shape
+        attention_mask = _without_trivial_mask(attention_mask)
         if torch.is_grad_enabled() or self.training:
             mode = "chunk"
         elif q_len <= 64:

@@ -272,3 +272,17 @@ def test_gpu_20k_forward_runs(kind):
     with torch.no_grad():
         logits = model(_tokens(20480).cuda(), use_cache=False).logits
     assert logits.shape[1] == 20480 and torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_all_ones_attention_mask_is_accepted_and_padding_is_refused(kind):
+    """lm-eval's HFLM always passes an all-ones mask; real padding is refused with a clear error."""
+    model = _ccq_model(kind)
+    x = _tokens(90)
+    with torch.no_grad():
+        expected = model(x).logits
+        torch.testing.assert_close(model(x, attention_mask=torch.ones_like(x)).logits, expected, rtol=0, atol=0)
+        padded = torch.ones(2, 90, dtype=torch.long)
+        padded[1, :10] = 0
+        with pytest.raises(ValueError, match="padded batches"):
+            model(x.repeat(2, 1), attention_mask=padded)

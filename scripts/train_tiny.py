@@ -69,8 +69,8 @@ CONTEXT = 2048
 # Family shapes: fla's defaults for everything not listed (GLA: expand_k 0.5, expand_v 1, no short
 # conv; Gated DeltaNet: expand_v 2, short conv; both: MLP ratio 4, untied embeddings).
 SHAPES = {
-    "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4},
-    "gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 4, "head_dim": 64},
+    "gla": {"hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2},
+    "gdn": {"hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
 }
 SMOKE_SHAPES = {
     "gla": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2},
@@ -425,7 +425,7 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "the shape, initial backbone weights, data, seed, token budget, context and optimiser; only the "
         "CCQ flag differs.",
         "",
-        "**A demonstration model, not the paper's.** It has a few million parameters, reads bytes, and was "
+        "**A demonstration model, not the paper's.** It has under a million parameters, reads bytes, and was "
         "trained for minutes on a few megabytes of public-domain English. Numbers from it show how the harness "
         "behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B models."
         + (" Smoke-test run: tiny shape, a few steps on repeated data; not a usable model." if settings.smoke

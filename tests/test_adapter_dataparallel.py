@@ -53,6 +53,11 @@ def test_two_processes_match_one(tmp_path) -> None:
         target = tmp_path / f"{label}.json"
         done = subprocess.run([*launcher, str(script), str(target)], check=False, env=env,
                               capture_output=True, text=True, timeout=900)
+        if done.returncode != 0 and "terminate called without an active exception" in done.stderr:
+            # Seen once in 5 runs on a loaded 2-core machine: a gloo worker aborted (SIGABRT) inside
+            # torchrun; any other failure, or a second abort, fails the test.
+            done = subprocess.run([*launcher, str(script), str(target)], check=False, env=env,
+                                  capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         outputs[label] = json.loads(target.read_text())
 

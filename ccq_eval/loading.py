@@ -149,7 +149,7 @@ def load_model(
     folder = resolve_checkpoint(name_or_path)
     config = read_config(folder, ccq=ccq)
     use_safetensors = _check_weights(folder, allow_pickle)
-    _, model_cls, _ = SUPPORTED_MODEL_TYPES["ccq_gla" if isinstance(config, CCQGLAConfig) else "ccq_gated_deltanet"]
+    _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]  # the CCQ class of either family
     model = model_cls.from_pretrained(
         folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
         trust_remote_code=trust_remote_code, local_files_only=True,

@@ -101,6 +101,8 @@ class CCQReadMixin:
         self.ccq_gate = config.ccq_gate
         self.ccq_lambda_max = config.ccq_lambda_max
         self.ccq_gate_bias_init = config.ccq_gate_bias_init
+        if not self.ccq_enabled:
+            return  # a baseline: fla's forward, fla's parameters, nothing extra to save or load
         heads, dim = self.num_heads, self.head_k_dim
         device = self.q_proj.weight.device
         self.ccq_gate_weight = nn.Parameter(torch.zeros(heads, dim, device=device))
@@ -108,6 +110,8 @@ class CCQReadMixin:
 
     def reset_ccq_parameters(self) -> None:
         """Initial values for CCQ parameters a checkpoint did not provide (e.g. a plain fla checkpoint)."""
+        if not self.ccq_enabled:
+            return
         with torch.no_grad():
             if not getattr(self.ccq_gate_weight, "_is_hf_initialized", False):
                 self.ccq_gate_weight.zero_()

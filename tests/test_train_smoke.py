@@ -110,7 +110,9 @@ def test_twins_share_initial_backbone_and_seed_matters():
         plain = dict(train_tiny.build_model(specs[base], 320, smoke=True, seed=5).named_parameters())
         with_ccq = dict(train_tiny.build_model(specs[ccq], 320, smoke=True, seed=5).named_parameters())
         other = dict(train_tiny.build_model(specs[base], 320, smoke=True, seed=6).named_parameters())
-        assert with_ccq.keys() == plain.keys()  # CCQ gate parameters exist (unused) in the baseline class
+        # The baseline has no CCQ parameters; the CCQ twin adds only its gate.
+        assert set(with_ccq) - set(plain) == {n for n in with_ccq if ".ccq_gate_" in n} != set()
+        assert set(plain) <= set(with_ccq)
         for name, param in plain.items():
             assert torch.equal(param, with_ccq[name]), name
         assert not torch.equal(plain["model.embeddings.weight"], other["model.embeddings.weight"])

@@ -66,7 +66,7 @@ def run(
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")] = Path("results"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")] = Path("results/latest"),
     lm_eval_arg: Annotated[list[str], typer.Option(
         "--lm-eval-arg", help="Extra lm_eval.simple_evaluate argument as key=value (repeatable), "
         "e.g. bootstrap_iters=0.")] = [],  # noqa: B006

@@ -261,7 +261,7 @@ class RunOptions:
     batch_size: int = 1
     max_length: int | None = None
     seed: int = 0
-    output: Path = Path("results")
+    output: Path = Path("results/latest")
     lm_eval_args: list[str] = field(default_factory=list)
     longbench_dir: Path | None = None
     keep_going: bool = False

@@ -272,6 +272,20 @@ def _chunked_linear_attention(
     return o, state
 
 
+def _chunk_op(q, k, v, g, scale, initial_state, output_final_state, state_v_first, dtype, per_channel):
+    """What chunk_gla and chunk_simple_gla share: [B, T, H, *] layout in and out, the initial and
+    final state in fla's layout, o in v.dtype."""
+    B, _, H, K = q.shape
+    state = _to_k_first(initial_state, state_v_first, dtype)
+    if state is None:
+        state = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype)
+    o, state = _chunked_linear_attention(
+        _heads_first(q, dtype) * scale, _heads_first(k, dtype), _heads_first(v, dtype), _heads_first(g, dtype),
+        state, per_channel=per_channel,
+    )
+    return o.transpose(1, 2).to(v.dtype), (_from_k_first(state, state_v_first) if output_final_state else None)
+
+
 def torch_chunk_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -305,20 +319,7 @@ def torch_chunk_gla(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, initial_state)
-    B, _, H, K = q.shape
-    state = _to_k_first(initial_state, state_v_first, dtype)
-    if state is None:
-        state = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype)
-    o, state = _chunked_linear_attention(
-        _heads_first(q, dtype) * scale,
-        _heads_first(k, dtype),
-        _heads_first(v, dtype),
-        _heads_first(g, dtype),
-        state,
-        per_channel=True,
-    )
-    o = o.transpose(1, 2).to(v.dtype)
-    return o, (_from_k_first(state, state_v_first) if output_final_state else None)
+    return _chunk_op(q, k, v, g, scale, initial_state, output_final_state, state_v_first, dtype, per_channel=True)
 
 
 def torch_chunk_simple_gla(
@@ -355,19 +356,7 @@ def torch_chunk_simple_gla(
     B, T, H, K = q.shape
     if g is None:
         g = q.new_zeros(B, T, H, dtype=dtype) if g_gamma is None else g_gamma.to(dtype).expand(B, T, H)
-    state = _to_k_first(initial_state, state_v_first, dtype)
-    if state is None:
-        state = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype)
-    o, state = _chunked_linear_attention(
-        _heads_first(q, dtype) * scale,
-        _heads_first(k, dtype),
-        _heads_first(v, dtype),
-        _heads_first(g, dtype),
-        state,
-        per_channel=False,
-    )
-    o = o.transpose(1, 2).to(v.dtype)
-    return o, (_from_k_first(state, state_v_first) if output_final_state else None)
+    return _chunk_op(q, k, v, g, scale, initial_state, output_final_state, state_v_first, dtype, per_channel=False)
 
 
 def torch_fused_recurrent_gla(

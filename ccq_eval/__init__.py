@@ -5,8 +5,10 @@ device; CUDA keeps fla's kernels) and registers the model types ccq_gla and ccq_
 transformers' Auto classes.
 """
 
+from ccq_eval import autotune as _autotune
 from ccq_eval import backend as _backend
 
+_autotune.install_limit_from_env()
 _backend.install()
 
 from ccq_eval.modeling_ccq import register as _register_models  # noqa: E402  (after the backend patches fla)

@@ -10,8 +10,8 @@ Definition (../shared/design/ccq.md, per layer, head h and position t):
 Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
 - `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the K x K covariance pass is fla's
-  chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1); on CPU a torch chunk loop
-  applies all orders per chunk in one pass.
+  chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1) and m, n are batched decayed
+  sums; on CPU a torch chunk loop applies all orders per chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
 Shapes: r, kappa [B, T, H, K]; log_gamma, lam [B, T, H]. The state is a `CCQState` of fp32 (or fp64
@@ -205,43 +205,65 @@ def _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state: CCQState,
     return q.to(r.dtype), CCQState(P, m_state, n_state)
 
 
-def _decayed_mn_chunkwise(kappa, log_gamma, state: CCQState, chunk_size: int):
-    """m_t and n_t for every position (the cheap part of the CUDA path), chunk by chunk."""
+def decayed_sums(kappa, log_gamma, state: CCQState, chunk_size: int):
+    """m_t = sum_i w_{i,t} kappa_i and n_t = sum_i w_{i,t} (plus the decayed initial m, n) for every t,
+    all chunks at once: dense decays inside a chunk, an NC x NC matrix of chunk-to-chunk decays across
+    chunks (no Python loop over chunks, so autograd and CUDA see a handful of batched kernels).
+
+    kappa [B, T, H, K], log_gamma [B, T, H]; returns m [B, H, T, K], n [B, H, T] in the state dtype.
+    """
     acc = state.P.dtype
-    m_all, n_all = [], []
-    m_state, n_state = state.m, state.n
-    for start in range(0, kappa.shape[1], chunk_size):
-        end = min(start + chunk_size, kappa.shape[1])
-        b = log_gamma[:, start:end].to(acc).cumsum(1)
-        _, m, n, _, _ = _decayed_sums_chunk(kappa[:, start:end].to(acc), b, CCQState(state.P, m_state, n_state))
-        m_all.append(m)
-        n_all.append(n)
-        m_state, n_state = m[:, :, -1], n[:, :, -1]
-    return torch.cat(m_all, 2), torch.cat(n_all, 2)  # [B, H, T, K], [B, H, T]
+    B, T, H, K = kappa.shape
+    C = chunk_size
+    NC = -(-T // C)
+    pad = NC * C - T
+    # Padded steps (zero key, log decay 0) sit after the last real position and are cut off below.
+    kap = torch.nn.functional.pad(kappa.to(acc), (0, 0, 0, 0, 0, pad)).view(B, NC, C, H, K)
+    lg = torch.nn.functional.pad(log_gamma.to(acc), (0, 0, 0, pad)).view(B, NC, C, H)
+    kh = kap.permute(0, 3, 1, 2, 4)  # [B, H, NC, C, K]
+    b = lg.permute(0, 3, 1, 2).cumsum(-1)  # [B, H, NC, C]: log decay from the chunk start to t
+    causal = torch.ones(C, C, dtype=torch.bool, device=kappa.device).tril()
+    D = (b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [B, H, NC, C, C]
+    m_local, n_local = D @ kh, D.sum(-1)
+    # Sums entering chunk c: L[c, c'] = decay from the end of chunk c' to the start of chunk c (c' < c).
+    ends = b[..., -1].cumsum(-1)  # [B, H, NC]: log decay from position 0 to the end of chunk c
+    starts = ends - b[..., -1]  # ... to the start of chunk c
+    strict = torch.ones(NC, NC, dtype=torch.bool, device=kappa.device).tril(-1)
+    L = (starts.unsqueeze(-1) - ends.unsqueeze(-2)).masked_fill(~strict, float("-inf")).exp()
+    carry0 = starts.exp()  # decay of the initial state to each chunk start
+    m_in = L @ m_local[..., -1, :] + carry0.unsqueeze(-1) * state.m.unsqueeze(2)  # [B, H, NC, K]
+    n_in = (L @ n_local[..., -1].unsqueeze(-1)).squeeze(-1) + carry0 * state.n.unsqueeze(-1)  # [B, H, NC]
+    into = b.exp()  # decay from the chunk start to t
+    m = m_local + into.unsqueeze(-1) * m_in.unsqueeze(-2)
+    n = n_local + into * n_in.unsqueeze(-1)
+    return m.reshape(B, H, NC * C, K)[:, :, :T], n.reshape(B, H, NC * C)[:, :, :T]
 
 
-def _ccq_chunk_cuda(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int):
-    """CUDA: each order is one fla chunk_simple_gla pass (v = k = kappa, scale 1)."""
-    from fla.ops.simple_gla import chunk_simple_gla
+def _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int,
+                      from_zero: bool):
+    """The kernel path (CUDA): each order is one scalar-decay linear attention pass (q = u, k = v = kappa,
+    scale 1), fla's chunk_simple_gla on CUDA; m and n come from `decayed_sums`. Device-agnostic through
+    the backend's dispatch, so CPU tests check it (and its gradients) against the reference in fp64."""
+    from ccq_eval.backend import chunk_simple_gla
 
     acc = state.P.dtype
-    m, n = _decayed_mn_chunkwise(kappa, log_gamma, state, chunk_size)
-    mu = (m / n.unsqueeze(-1)).permute(0, 2, 1, 3).to(r.dtype)  # [B, T, H, K]
+    m, n = decayed_sums(kappa, log_gamma, state, chunk_size)
+    mu = (m / n.unsqueeze(-1)).permute(0, 2, 1, 3)  # [B, T, H, K]
     inv_n = (1.0 / n).permute(0, 2, 1).unsqueeze(-1)  # [B, T, H, 1]
     kap = kappa.to(r.dtype)
-    g = log_gamma.float()
+    g = log_gamma.float() if r.dtype != torch.float64 else log_gamma
+    # A zero initial state is skipped: no state read in the kernel, and no state gradient to form.
+    P0 = None if from_zero else state.P.to(torch.float32 if r.dtype != torch.float64 else acc)
     final_P = state.P
 
     def sigma_times(u):
         nonlocal final_P
         Pu, final_P = chunk_simple_gla(
-            q=u.to(r.dtype), k=kap, v=kap, g=g, scale=1.0,
-            initial_state=state.P.float(), output_final_state=True,
+            q=u.to(r.dtype), k=kap, v=kap, g=g, scale=1.0, initial_state=P0, output_final_state=True,
         )
         out = Pu.to(acc) * inv_n
         if centered:
-            mu_acc = mu.to(acc)
-            out = out - mu_acc * (mu_acc * u).sum(-1, keepdim=True)
+            out = out - mu * (mu * u).sum(-1, keepdim=True)
         return out
 
     q = _polynomial(r.to(acc), lam.to(acc).unsqueeze(-1), order, sigma_times)
@@ -266,7 +288,8 @@ def ccq_read_chunk(
         *(s.to(acc) for s in initial_state)
     )
     if r.is_cuda and r.dtype != torch.float64:
-        return _ccq_chunk_cuda(r, kappa, log_gamma, lam, order, centered, state, chunk_size)
+        return _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state, chunk_size,
+                                 from_zero=initial_state is None)
     return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size)
 
 

@@ -68,9 +68,10 @@ CONTEXT = 2048
 
 # Family shapes: fla's defaults for everything not listed (GLA: expand_k 0.5, expand_v 1, no short
 # conv; Gated DeltaNet: expand_v 2, short conv; both: MLP ratio 4, untied embeddings).
+# Sized for the lent GPU (GLA: d_k 64, d_v 128 per head; GDN: d_k 64, d_v 128) and the 10 MB limit.
 SHAPES = {
-    "gla": {"hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2},
-    "gdn": {"hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
+    "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2},
+    "gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
 }
 SMOKE_SHAPES = {
     "gla": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2},

@@ -126,10 +126,10 @@ def test_full_shapes_fit_the_checkpoint_limit():
         model = train_tiny.build_model(spec, train_tiny.CONTEXT, smoke=False, seed=0)
         sizes[name] = train_tiny.count_parameters(model, spec.ccq)
         assert sizes[name] * 2 < train_tiny.MAX_CHECKPOINT_BYTES - 100_000, (name, sizes[name])
-        assert model.config.hidden_size == 128 and model.config.num_hidden_layers == 2
+        assert model.config.hidden_size == 256 and model.config.num_hidden_layers == 4
     # CCQ adds only its gate per head and layer: a_h (head_k numbers) and b_h.
-    assert sizes["tiny-gla-ccq"] - sizes["tiny-gla"] == 2 * 2 * (32 + 1)  # GLA head_k = 128 * 0.5 / 2
-    assert sizes["tiny-gdn-ccq"] - sizes["tiny-gdn"] == 2 * 2 * (32 + 1)  # GDN head_dim 32
+    assert sizes["tiny-gla-ccq"] - sizes["tiny-gla"] == 4 * 2 * (64 + 1)  # GLA head_k = 256 * 0.5 / 2
+    assert sizes["tiny-gdn-ccq"] - sizes["tiny-gdn"] == 4 * 2 * (64 + 1)  # GDN head_dim 64
 
 
 def test_training_stream_is_deterministic_mixed_and_train_only():

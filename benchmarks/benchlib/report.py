@@ -12,6 +12,8 @@ import torch
 
 from benchlib.workload import REPO
 
+from ccq_eval import autotune
+
 GiB = 1024**3
 PACKAGES = (
     "torch",
@@ -53,6 +55,8 @@ def _git() -> dict[str, Any]:
             return None
 
     commit = run("rev-parse", "HEAD")
+    if commit is None:  # a copy without .git (the device machine): the caller may name the commit
+        return {"commit": os.environ.get("CCQ_EVAL_GIT_COMMIT"), "dirty": None}
     status = run("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
@@ -69,6 +73,8 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "packages": {name: _version(name) for name in PACKAGES},
         "git": _git(),
+        # A cap on triton's autotuning candidates (ccq_eval/autotune.py) can make kernels slower.
+        "autotune_configs_per_kernel": autotune.configured_limit(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -214,6 +220,9 @@ def markdown(report: dict[str, Any]) -> str:
         ),
         f"- ccq-eval commit {env['git']['commit']}{' (uncommitted changes)' if env['git']['dirty'] else ''}",
         f"- command: `{report['command']}`",
+        "- triton autotuning: "
+        + (f"at most {env['autotune_configs_per_kernel']} candidate configs per kernel (CCQ_EVAL_AUTOTUNE_CONFIGS)"
+           if env.get("autotune_configs_per_kernel") else "fla's full candidate lists"),
         (
             f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls "
             f"({'CUDA events' if env['device_type'] == 'cuda' else 'perf_counter'}); generation median of "

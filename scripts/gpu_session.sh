@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One GPU lease, planned as a pipeline that runs on its own on the device machine while short `run`
+# calls collect what it has made (a lease is 30 minutes of device time, one command at most 10, and
+# the machine goes back 30 s after a call ends, so the work must not depend on the gaps between calls).
+#
+#   bash scripts/gpu_session.sh start            # first call: snapshot the repo, start the pipeline
+#   bash scripts/gpu_session.sh wait SECONDS     # later calls: wait (or until done), then collect
+#   bash scripts/gpu_session.sh collect          # pack what exists into $OUT
+#
+# Stages (each bounded by `timeout`; a failed stage is logged and the next one still runs):
+#   1. the four embedded checkpoints trained at once, plus a second tiny-gla-ccq run with the same
+#      seed (the reproducibility check), beside the GPU tests (pytest -m gpu);
+#   2. the default suite at the larger grid on the freshly trained models (one process per model);
+#   3. the issue-6 benchmark sections (model, then harness and generation).
+# Environment knobs: STEPS (training steps), COMMIT (recorded in model cards and bench reports).
+set -uo pipefail
+WORK=/tmp/gpu
+cmd=${1:-}
+
+collect() {
+  [ -n "${OUT:-}" ] || { echo "collect: OUT is not set"; return 1; }
+  cd "$WORK" || return 1
+  for d in models/*/; do
+    [ -d "$d" ] || continue
+    name=$(basename "$d")
+    tar czf "$OUT/model-$name.tgz" -C models "$name"
+  done
+  # Autotune winners only (small JSON): a later lease can carry them and skip autotuning.
+  find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$OUT/triton-autotune.tgz" -T - 2>/dev/null
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs results bench repro 2>/dev/null
+  cp pipeline.log status "$OUT/" 2>/dev/null
+  ls -la "$OUT"
+  tail -n 5 logs/*.log 2>/dev/null | tail -n 60
+  cat status
+}
+
+stage() { echo "$(date +%T) $*" | tee -a "$WORK/status"; }
+
+pipeline() {
+  cd "$WORK/repo" || exit 1
+  export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+    CCQ_EVAL_AUTOTUNE_CONFIGS=${CCQ_EVAL_AUTOTUNE_CONFIGS:-4} CCQ_EVAL_GIT_COMMIT=${COMMIT:-unknown}
+  mkdir -p "$WORK/logs" "$WORK/models" "$WORK/repro" "$WORK/results" "$WORK/bench"
+  stage "install wheels"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    > "$WORK/logs/install.log" 2>&1 || stage "install FAILED"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$WORK/logs/gpu.log" 2>&1
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+    >> "$WORK/logs/gpu.log" 2>&1
+  [ -d "$WORK/autotune-seed" ] && cp -rn "$WORK/autotune-seed/." /tmp/triton-cache/ 2>/dev/null
+
+  stage "1: training (${STEPS:-1200} steps) + GPU tests"
+  train=(python3 scripts/train_tiny.py --device cuda --steps "${STEPS:-1200}" --batch-size 32 --context 2048
+         --data-workers 1 --no-register --code-commit "${COMMIT:-unknown}")
+  pids=()
+  for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
+    timeout 660 "${train[@]}" --models "$m" --out "$WORK/models" > "$WORK/logs/train-$m.log" 2>&1 & pids+=($!)
+  done
+  timeout 660 "${train[@]}" --models tiny-gla-ccq --out "$WORK/repro" > "$WORK/logs/train-repro-tiny-gla-ccq.log" 2>&1 &
+  pids+=($!)
+  timeout 840 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_models_ccq.py tests/test_ccq_operator.py \
+    "tests/test_backend_gpu.py::test_chunk_gated_delta_rule_backward" "tests/test_backend_gpu.py::test_chunk_gla_backward" \
+    "tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu" > "$WORK/logs/gpu-tests.log" 2>&1 &
+  tests_pid=$!
+  for p in "${pids[@]}"; do wait "$p" || stage "a training process failed (rc $?)"; done
+  stage "1: training done"
+
+  stage "2: evaluation of the new checkpoints"
+  for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
+    [ -f "$WORK/models/$m/model.safetensors" ] && rm -rf "models/$m" && cp -r "$WORK/models/$m" "models/$m"
+  done
+  run=(python3 cli.py run --device cuda --dtype float32 --no-report --quiet --keep-going -o "$WORK/results/gpu-grid")
+  pids=()
+  for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
+    ( timeout 330 "${run[@]}" -m "$m" -t s-niah --lengths 1k,2k,4k,8k --depths 0,25,50,75,100 --samples-per-cell 4 ;\
+      timeout 150 "${run[@]}" -m "$m" -t ppl --lengths 1k,2k,4k,8k,16k,20k ;\
+      timeout 150 "${run[@]}" -m "$m" -t longbench --longbench-dir tests/fixtures/longbench --max-length 8192 \
+    ) > "$WORK/logs/eval-$m.log" 2>&1 & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || stage "an evaluation process failed (rc $?)"; done
+  wait "$tests_pid"; stage "GPU tests finished (rc $?)"
+  stage "2: evaluation done"
+
+  stage "3: benchmarks"
+  timeout 300 python3 benchmarks/bench.py --sections model --archs gla,gated_deltanet --lengths 4096,20480 \
+    --repeats 5 --out "$WORK/bench" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"
+  timeout 300 python3 benchmarks/bench.py --sections harness,generation --archs gla --gen-repeats 2 \
+    --adapter-chunk-sizes 2048,8192,20480 --out "$WORK/bench" --name harness-generation \
+    > "$WORK/logs/bench-harness.log" 2>&1 || stage "bench harness rc $?"
+  stage "PIPELINE FINISHED"
+}
+
+case "$cmd" in
+  start)
+    if [ -f "$WORK/status" ]; then echo "already started:"; cat "$WORK/status"; exit 0; fi
+    mkdir -p "$WORK"
+    rm -rf "$WORK/repo"; mkdir -p "$WORK/repo"; cp -r . "$WORK/repo/"   # immune to later re-syncs
+    if [ -f triton-autotune.tgz ]; then mkdir -p "$WORK/autotune-seed" && tar xzf triton-autotune.tgz -C "$WORK/autotune-seed" --strip-components=2; fi
+    : > "$WORK/status"
+    setsid nohup bash "$WORK/repo/scripts/gpu_session.sh" pipeline > "$WORK/pipeline.log" 2>&1 < /dev/null &
+    sleep 5; cat "$WORK/status" ;;
+  pipeline) pipeline ;;
+  wait)
+    deadline=$((SECONDS + ${2:-500}))
+    while [ $SECONDS -lt $deadline ] && ! grep -q 'PIPELINE FINISHED' "$WORK/status" 2>/dev/null; do sleep 10; done
+    collect ;;
+  collect) collect ;;
+  *) echo "usage: $0 start|wait SECONDS|collect"; exit 2 ;;
+esac

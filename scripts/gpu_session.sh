@@ -83,9 +83,9 @@ pipeline() {
   stage "2: evaluation done"
 
   stage "3: benchmarks"
-  timeout 300 python3 benchmarks/bench.py --sections model --archs gla,gated_deltanet --lengths 4096,20480 \
+  timeout 240 python3 benchmarks/bench.py --sections model --archs gla,gated_deltanet --lengths 4096,20480 \
     --repeats 5 --out "$WORK/bench" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"
-  timeout 300 python3 benchmarks/bench.py --sections harness,generation --archs gla --gen-repeats 2 \
+  timeout 240 python3 benchmarks/bench.py --sections harness,generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 2048,8192,20480 --out "$WORK/bench" --name harness-generation \
     > "$WORK/logs/bench-harness.log" 2>&1 || stage "bench harness rc $?"
   stage "PIPELINE FINISHED"

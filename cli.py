@@ -202,6 +202,26 @@ def figures(
 
 
 @app.command()
+def archive(
+    results: ResultsArg,
+    destination: Annotated[Path, typer.Argument(help="Folder for the compact copy (e.g. results/<name>).")],
+) -> None:
+    """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
+    from ccq_eval import results_store
+
+    source, destination = results.resolve(), destination.resolve()
+    if source == destination or source in destination.parents:
+        _fail(f"{destination} lies inside {results}: choose a folder outside the results being archived")
+    try:
+        written = results_store.archive_results(source, destination)
+    except results_store.ResultsError as exc:
+        _fail(str(exc))
+    if not written:
+        _fail(f"{results} holds no finished unit (results.json) to archive")
+    typer.echo(f"archived {len(written)} units into {destination}")
+
+
+@app.command()
 def tasks() -> None:
     """List the tasks `run --task` accepts."""
     from ccq_eval import runner

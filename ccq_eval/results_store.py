@@ -13,14 +13,18 @@ Every file is written atomically (temporary file in the same folder, then os.rep
 a run killed at any moment leaves either the old file or the new one, never half of one.
 Readers (`table`, `compare`, `figures`) only read these files; they never load a model.
 The layout lm-eval's own CLI writes (results_<timestamp>.json next to
-samples_<task>_<timestamp>.jsonl) is read as well.
+samples_<task>_<timestamp>.jsonl) is read as well, and so are archived units (`archive_results`:
+samples as samples_<task>.jsonl.xz with long prompt / document strings replaced by their digest,
+no resume cache), which is how results are committed to the repository.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
+import shutil
 import re
 import sqlite3
 import tempfile
@@ -75,12 +79,16 @@ def dumps(obj: Any, *, indent: int | None = 2) -> str:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the whole new one."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
@@ -315,8 +323,9 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     try:
         # split on "\n" only: JSON strings may hold U+2028, U+0085 and the like unescaped, which
         # str.splitlines() would also break at
-        lines = Path(path).read_text(encoding="utf-8").split("\n")
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = lzma.decompress(Path(path).read_bytes()) if Path(path).suffix == ".xz" else Path(path).read_bytes()
+        lines = raw.decode("utf-8").split("\n")
+    except (OSError, UnicodeDecodeError, lzma.LZMAError) as exc:
         raise ResultsError(f"cannot read {path}: {exc}") from None
     for line_number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -341,11 +350,61 @@ def _samples_for(results_path: Path, task_names: Iterable[str]) -> dict[str, Pat
         candidates = [folder / f"samples_{slugify(task)}.jsonl", folder / f"samples_{task}.jsonl"]
         if stamp_match:
             candidates.insert(0, folder / f"samples_{task}_{stamp_match.group('stamp')}.jsonl")
-        for candidate in candidates:
+        for candidate in candidates + [c.with_name(c.name + ".xz") for c in candidates]:
             if candidate.is_file():
                 found[task] = candidate
                 break
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# Archiving: a compact copy of finished units, for committing results.
+
+# Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
+# as their digest: they are regenerated from the task seed or the embedded corpus, and they make up
+# nearly all of a per-sample log's bytes.
+ARCHIVE_MAX_STRING = 2000
+
+
+def _digest_long_strings(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > ARCHIVE_MAX_STRING:
+        digest = hashlib.sha256(value.encode("utf-8")).hexdigest()
+        return f"<{len(value)} chars, sha256 {digest}; not archived>"
+    if isinstance(value, dict):
+        return {k: _digest_long_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_digest_long_strings(v) for v in value]
+    return value
+
+
+def archive_results(source: Path, destination: Path) -> list[Path]:
+    """Copy every finished unit under `source` to the same place under `destination`: results,
+    metadata and unit spec as they are; per-sample logs xz-compressed, with the long strings of
+    `doc`, `arguments` and `target` (a perplexity document is its own target) replaced by their
+    length and sha256 (metrics, responses, short targets and cells are kept). Unfinished units and resume caches are left out. Returns the unit folders."""
+    source, destination = Path(source), Path(destination)
+    written = []
+    for results_path in find_results_files(source):
+        if results_path.name != RESULTS_FILE:
+            continue
+        unit = results_path.parent
+        target = destination / unit.relative_to(source)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in (UNIT_SPEC_FILE, META_FILE):
+            if (unit / name).is_file():
+                shutil.copyfile(unit / name, target / name)
+        for samples in unit.glob("samples_*.jsonl"):
+            records = []
+            for sample in iter_jsonl(samples):
+                for key in ("doc", "arguments", "target"):
+                    if key in sample:
+                        sample[key] = _digest_long_strings(sample[key])
+                records.append(dumps(sample, indent=None) + "\n")
+            packed = lzma.compress("".join(records).encode("utf-8"), preset=9)
+            atomic_write_bytes(target / (samples.name + ".xz"), packed)
+        shutil.copyfile(results_path, target / RESULTS_FILE)  # last: marks the archived unit finished
+        written.append(target)
+    return written
 
 
 def find_results_files(root: Path) -> list[Path]:

@@ -27,7 +27,12 @@ collect() {
   done
   # Autotune winners only (small JSON): a later lease can carry them and skip autotuning.
   find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$OUT/triton-autotune.tgz" -T - 2>/dev/null
-  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs results bench repro 2>/dev/null
+  # Results as `ccq-eval archive` writes them (xz samples, no resume caches): the raw folder is
+  # hundreds of MB, over the 16 MiB a returned file may have.
+  for r in results/*/; do
+    [ -d "$r" ] && (cd "$WORK/repo" && PYTHONPATH=/tmp/site:$PWD python3 cli.py archive "$WORK/$r" "$WORK/archive/$(basename "$r")" > /dev/null 2>&1)
+  done
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench repro 2>/dev/null
   cp pipeline.log status "$OUT/" 2>/dev/null
   ls -la "$OUT"
   tail -n 5 logs/*.log 2>/dev/null | tail -n 60
@@ -48,7 +53,7 @@ pipeline() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$WORK/logs/gpu.log" 2>&1
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     >> "$WORK/logs/gpu.log" 2>&1
-  [ -d "$WORK/autotune-seed" ] && cp -rn "$WORK/autotune-seed/." /tmp/triton-cache/ 2>/dev/null
+  mkdir -p /tmp/triton-cache && cp -rn "$WORK/autotune-seed/." /tmp/triton-cache/ 2>/dev/null
 
   stage "1: training (${STEPS:-1200} steps) + GPU tests"
   train=(python3 scripts/train_tiny.py --device cuda --steps "${STEPS:-1200}" --batch-size 32 --context 2048
@@ -96,7 +101,9 @@ case "$cmd" in
     if [ -f "$WORK/status" ]; then echo "already started:"; cat "$WORK/status"; exit 0; fi
     mkdir -p "$WORK"
     rm -rf "$WORK/repo"; mkdir -p "$WORK/repo"; cp -r . "$WORK/repo/"   # immune to later re-syncs
-    if [ -f triton-autotune.tgz ]; then mkdir -p "$WORK/autotune-seed" && tar xzf triton-autotune.tgz -C "$WORK/autotune-seed" --strip-components=2; fi
+    # Autotune winners of earlier leases (same image, same cap): only the winning config compiles.
+    mkdir -p "$WORK/autotune-seed"
+    for f in benchmarks/triton-autotune/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$WORK/autotune-seed" --strip-components=2; done
     : > "$WORK/status"
     setsid nohup bash "$WORK/repo/scripts/gpu_session.sh" pipeline > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5; cat "$WORK/status" ;;

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 import ccq_eval  # installs the CPU backend for fla and registers the CCQ model types
+from ccq_eval import autotune
 from ccq_eval.modeling_ccq import (
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
@@ -426,8 +427,8 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "the shape, initial backbone weights, data, seed, token budget, context and optimiser; only the "
         "CCQ flag differs.",
         "",
-        "**A demonstration model, not the paper's.** It has under a million parameters, reads bytes, and was "
-        "trained for minutes on a few megabytes of public-domain English. Numbers from it show how the harness "
+        f"**A demonstration model, not the paper's.** It has {info['parameters'] / 1e6:.1f}M parameters, reads "
+        "bytes, and was trained for minutes on a few megabytes of public-domain English. Numbers from it show how the harness "
         "behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B models."
         + (" Smoke-test run: tiny shape, a few steps on repeated data; not a usable model." if settings.smoke
            else ""),
@@ -488,7 +489,7 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "## Reproduce",
         "",
         "```",
-        info["command"],
+        "".join(f"{k}={v} " for k, v in info.get("environment", {}).items()) + info["command"],
         "```",
         "",
         ("Same seed on the same hardware and software: identical data and initial weights; on CPU the losses are "
@@ -554,6 +555,8 @@ def write_model(spec: ModelSpec, model, settings: TrainSettings, summary: dict, 
             "heldout": metrics, "hardware": hardware(settings.device), "software": software_versions(),
             "git_commit": settings.code_commit or git_commit(), "command": command, "total_seconds": time.perf_counter() - started,
             "ccq_settings": ", ".join(f"{k} {v}" for k, v in config.items() if k.startswith("ccq_")),
+            # Settings outside the command line that change the run (a capped autotune picks other kernels).
+            "environment": {k: os.environ[k] for k in (autotune.ENV_VAR,) if os.environ.get(k)},
         }
         (tmp / "README.md").write_text(model_card(spec, settings, info), encoding="utf-8")
         (tmp / "train_log.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
@@ -599,6 +602,8 @@ def register_models(out: Path, names: list[str], default: bool = True) -> Path:
                 "description": describe(spec, info["parameters"], settings, info["heldout"]),
                 "default": default,
             }
+            # The card is rendered from the log, so a corrected template reaches shipped models too.
+            (folder / "README.md").write_text(model_card(spec, settings, info), encoding="utf-8")
         tmp = registry.with_name(f".registry.json.{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(tmp, registry)
@@ -648,7 +653,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--register", action=argparse.BooleanOptionalAction, default=None,
                         help="write the trained models into <out>/registry.json (default: yes, except --smoke)")
     parser.add_argument("--register-only", action="store_true",
-                        help="only (re)write <out>/registry.json entries for already trained --models")
+                        help="only (re)write <out>/registry.json entries and model cards for already trained --models")
     return parser.parse_args(argv)
 
 

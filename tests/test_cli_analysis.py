@@ -269,3 +269,33 @@ def test_longbench_e_buckets_in_table_and_compare(tmp_path):
     assert list(frame["length"]) == ["all", "0-4k", "4-8k", "8k+"]
     assert list(frame["n"]) == [4, 2, 1, 1]
     assert frame.iloc[0]["delta"] == pytest.approx(2.5) and frame.iloc[0]["test"] == "sign test (+2/-1)"
+
+
+def test_archive_keeps_tables_and_comparisons_and_drops_long_texts(results, tmp_path):
+    """`ccq-eval archive`: compact copy (xz samples, long prompts as digests, no resume cache) from
+    which `table` and `compare` give exactly what they give on the original results."""
+    long_text = "haystack " * 400
+    unit = next(results.rglob("samples_*.jsonl")).parent
+    (unit / results_store.RESPONSES_DB).write_bytes(b"resume cache")
+    samples = next(unit.glob("samples_*.jsonl"))
+    original = samples.read_text(encoding="utf-8")
+    records = [json.loads(line) for line in original.split("\n") if line]
+    records[0]["doc"]["haystack"] = long_text
+    samples.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    try:
+        archived = tmp_path / "archive"
+        result = invoke("archive", results, archived)
+        assert result.exit_code == 0, result.output
+        copy = archived / unit.relative_to(results)
+        assert not list(archived.rglob("*.sqlite")) and not list(archived.rglob("*.jsonl"))
+        first = next(results_store.iter_jsonl(copy / (samples.name + ".xz")))
+        assert first["doc"]["haystack"].startswith(f"<{len(long_text)} chars, sha256 ")
+        assert first["metrics"] == records[0]["metrics"]
+        for command in (["table", "{}"], ["table", "{}", "--view", "tidy"],
+                        ["compare", "{}", "--baseline", BASE, "--variant", VAR, "--n-boot", "200"]):
+            outputs = [invoke(*[a.format(folder) for a in command]) for folder in (results, archived)]
+            assert outputs[0].exit_code == 0 and outputs[0].output == outputs[1].output, command
+        assert invoke("archive", results, results / "inside").exit_code == 2
+    finally:
+        samples.write_text(original, encoding="utf-8")
+        (unit / results_store.RESPONSES_DB).unlink()

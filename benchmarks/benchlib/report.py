@@ -54,9 +54,10 @@ def _git() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    # The device machine's copy of the tree may carry a stale .git: the caller names the commit there.
+    if os.environ.get("CCQ_EVAL_GIT_COMMIT"):
+        return {"commit": os.environ["CCQ_EVAL_GIT_COMMIT"], "dirty": None}
     commit = run("rev-parse", "HEAD")
-    if commit is None:  # a copy without .git (the device machine): the caller may name the commit
-        return {"commit": os.environ.get("CCQ_EVAL_GIT_COMMIT"), "dirty": None}
     status = run("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 

@@ -53,7 +53,7 @@ FULL = {
     "warmup": 3,
     "repeats": 10,
     "harness_tokens": 20480,
-    "adapter_chunk_sizes": "2048",
+    "adapter_chunk_sizes": "2048,32768",
     "gen_lengths": "1024,8192,20480",
     "new_tokens": 128,
     "gen_warmup": 1,

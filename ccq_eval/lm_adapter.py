@@ -6,8 +6,9 @@ it returns one summed number per document. This adapter instead
 
 * scores a whole text in one pass: the model is called on successive slices of
   `chunk_size` tokens with the same cache object, so the recurrent state is carried across
-  slices (never disjoint windows); log-softmax runs in fp32 one slice at a time, so fp32
-  logits of the full length never exist at once;
+  slices (never disjoint windows). For fla models the backbone's hidden states come back and
+  the LM head plus fp32 log-softmax run `logits_chunk` positions at a time, so neither the
+  logits nor their fp32 copy exist for a whole slice at once (other models: per slice);
 * returns per-token NLLs from loglikelihood_rolling (`TokenNLL`);
 * decodes with the recurrent cache (chunked prefill, then one token per step);
 * truncates prompts only by the policy a task names (`ccq_truncation` in its
@@ -47,7 +48,11 @@ logger = logging.getLogger(__name__)
 
 # Linear attention has no positional limit; without a user/task value we allow this much.
 DEFAULT_MAX_LENGTH = 32768
-DEFAULT_CHUNK_SIZE = 2048
+# One model call per 32K tokens: each call costs a fixed host-side overhead (about 40 ms for a
+# 24-layer fla model on an H200, measured in benchmarks/results/h200), while the recurrent state
+# keeps activation memory per call small; logits are formed LOGITS_CHUNK positions at a time.
+DEFAULT_CHUNK_SIZE = 32768
+DEFAULT_LOGITS_CHUNK = 4096
 DEFAULT_MAX_GEN_TOKS = 256
 TRUNCATION_POLICIES = ("middle", "left", "error")
 # generation_kwargs keys this adapter understands; anything else is an error, not ignored.
@@ -129,6 +134,18 @@ def _resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """(backbone, LM head) of an fla causal LM, whose logits are exactly lm_head(backbone(...)[0])
+    (FLAForCausalLM.forward without labels); (None, None) for any other model."""
+    try:
+        from fla.models.modeling_utils import FLAForCausalLM
+    except ImportError:  # fla absent: no fla model can be here
+        return None, None
+    if isinstance(model, FLAForCausalLM):
+        return model.get_decoder(), model.get_output_embeddings()
+    return None, None
+
+
 def _forward_parameters(model: torch.nn.Module) -> set[str]:
     """Keyword names the model's forward accepts, following `**kwargs` pass-through into the
     parent class's forward (our CCQ classes wrap fla's forward that way)."""
@@ -159,6 +176,7 @@ class CCQEvalLM(LM):
         batch_size: rows per forward; only sequences of equal token length are batched
             (no padding: a recurrent state has no attention mask to hide pad tokens).
         chunk_size: tokens per forward slice when scoring / prefilling.
+        logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
@@ -174,6 +192,7 @@ class CCQEvalLM(LM):
         max_length: int | str | None = None,
         batch_size: int | str | None = 1,
         chunk_size: int | str = DEFAULT_CHUNK_SIZE,
+        logits_chunk: int | str = DEFAULT_LOGITS_CHUNK,
         default_truncation: str = "error",
         device: str | None = None,
         dtype: str | None = None,
@@ -229,8 +248,10 @@ class CCQEvalLM(LM):
         self._max_length = int(max_length)
         self._batch_size = _parse_batch_size(batch_size)
         self.chunk_size = int(chunk_size)
-        if self._max_length < 2 or self.chunk_size < 1:
-            raise ValueError(f"max_length must be >= 2 and chunk_size >= 1, got {max_length}, {chunk_size}")
+        self.logits_chunk = int(logits_chunk)
+        if self._max_length < 2 or self.chunk_size < 1 or self.logits_chunk < 1:
+            raise ValueError(f"max_length must be >= 2, chunk_size and logits_chunk >= 1; got {max_length}, "
+                             f"{chunk_size}, {logits_chunk}")
         if default_truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"default_truncation={default_truncation!r}; valid: {', '.join(TRUNCATION_POLICIES)}")
         self.default_truncation = default_truncation
@@ -242,6 +263,7 @@ class CCQEvalLM(LM):
         self._cache_kwarg = "past_key_values" if "past_key_values" in params else (
             "cache" if "cache" in params else "past_key_values")
         self._has_logits_to_keep = "logits_to_keep" in params
+        self._backbone, self._lm_head = _backbone_and_head(self.model)
 
         # Truncation bookkeeping (the runner copies it into the results metadata).
         self.truncation_policy_counts: Counter[str] = Counter()  # policy -> requests that used it
@@ -341,19 +363,34 @@ class CCQEvalLM(LM):
     def _forward(self, input_ids: torch.Tensor, cache: Any, logits_to_keep: int) -> tuple[torch.Tensor, Any]:
         """One slice through the model with the carried cache. Returns (logits of the last
         `logits_to_keep` positions, or all when 0 / unsupported, new cache)."""
+        features, new_cache = self._forward_features(input_ids, cache, logits_to_keep)
+        return self._logits(features), new_cache
+
+    def _forward_features(self, input_ids: torch.Tensor, cache: Any, keep: int) -> tuple[torch.Tensor, Any]:
+        """Like _forward, but for fla models the backbone's hidden states of the last `keep`
+        positions instead of logits (turned into logits by `_logits`, a slice at a time)."""
+        if self._backbone is not None:
+            out = self._backbone(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            hidden = out[0]
+            return (hidden[:, -keep:] if keep else hidden), out.past_key_values
         kwargs: dict[str, Any] = {"use_cache": True}
         if cache is not None:
             kwargs[self._cache_kwarg] = cache
-        if self._has_logits_to_keep and logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
+        if self._has_logits_to_keep and keep:
+            kwargs["logits_to_keep"] = keep
         out = self.model(input_ids=input_ids, **kwargs)
         new_cache = out.get("past_key_values")
         if new_cache is None:
             new_cache = out.get("cache")
         logits = out["logits"]
-        if logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
+        if keep:
+            logits = logits[:, -keep:]
         return logits, new_cache
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """fp32 (at least) logits from what _forward_features returned."""
+        logits = features if self._lm_head is None else self._lm_head(features)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
     def _run(self, input_ids: torch.Tensor, score_from: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
@@ -378,19 +415,18 @@ class CCQEvalLM(LM):
             keep = last_scored - first_needed if last_scored > first_needed else 0
             # Only the slice's scored positions need logits (plus the final position when decoding).
             keep_last = end - first_needed if keep else 1
-            logits, cache = self._forward(input_ids[:, start:end], cache, keep_last)
+            features, cache = self._forward_features(input_ids[:, start:end], cache, keep_last)
             if end == total:
-                last_logits = logits[:, -1].to(torch.promote_types(logits.dtype, torch.float32))
-            if keep:
-                # fp32 at least (fp64 models stay fp64), one slice at a time
-                scored = logits[:, :keep].to(torch.promote_types(logits.dtype, torch.float32))
-                targets = input_ids[:, first_needed + 1:last_scored + 1]
-                log_norm = torch.logsumexp(scored, dim=-1)
-                logprob = scored.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+                last_logits = self._logits(features[:, -1:])[:, -1]
+            for a in range(0, keep, self.logits_chunk):
+                b = min(a + self.logits_chunk, keep)
+                scored = self._logits(features[:, a:b])  # fp32 at least, fp64 models stay fp64
+                targets = input_ids[:, first_needed + 1 + a:first_needed + 1 + b]
+                logprob = scored.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scored, dim=-1)
                 logprob_parts.append(logprob.cpu())
                 greedy_parts.append((scored.argmax(-1) == targets).cpu())
-                del scored, log_norm
-            del logits
+                del scored
+            del features
         if logprob_parts:
             logprob = torch.cat(logprob_parts, dim=1)
             greedy = torch.cat(greedy_parts, dim=1)
@@ -611,7 +647,7 @@ class CCQEvalLM(LM):
             if all(done) or step == settings["max_gen_toks"] - 1:
                 break
             step_logits, cache = self._forward(tokens.view(-1, 1), cache, 1)
-            logits = step_logits[:, -1].to(torch.promote_types(step_logits.dtype, torch.float32))
+            logits = step_logits[:, -1]
         texts = []
         for ids in generated:
             text = self.tok_decode(ids)

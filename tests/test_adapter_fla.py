@@ -43,10 +43,13 @@ def _model(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["gla", "gated_deltanet"])
-def test_recurrent_model_scoring_and_decoding(kind: str) -> None:
+@pytest.mark.parametrize("logits_chunk", [5, 4096])
+def test_recurrent_model_scoring_and_decoding(kind: str, logits_chunk: int) -> None:
     tokenizer = byte_tokenizer()
     model = _model(kind)
-    lm = CCQEvalLM(model=model, tokenizer=tokenizer, chunk_size=37)  # 37 does not divide 108
+    # 37 does not divide 108, nor 5 37: partial model slices and partial logit slices
+    lm = CCQEvalLM(model=model, tokenizer=tokenizer, chunk_size=37, logits_chunk=logits_chunk)
+    assert lm._backbone is model.model  # fla models: hidden states, then the LM head a slice at a time
     (value,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (TEXT,), 0)])
     reference = full_token_nll(model, tokenizer.encode(TEXT, add_special_tokens=False))
     assert torch.allclose(torch.tensor(value.token_nll, dtype=torch.float64), reference, atol=1e-8, rtol=0)

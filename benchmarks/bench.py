@@ -77,6 +77,7 @@ SMOKE = {
     "warmup": 1,
     "repeats": 2,
     "harness_tokens": 512,
+    "adapter_chunk_sizes": "2048",
     "gen_lengths": "512,1024",
     "new_tokens": 8,
     "gen_repeats": 1,

@@ -341,7 +341,10 @@ class CallRecorder:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.calls: list[tuple[int, Stamp]] = []
-        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        # The backbone sees every call: generate() goes through the causal LM's forward, the adapter
+        # calls an fla model's backbone directly (and applies the LM head itself).
+        target = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self.handle = target.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids")

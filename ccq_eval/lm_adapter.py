@@ -146,6 +146,29 @@ def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, 
     return None, None
 
 
+def _stack_states(states: list[Any]) -> Any:
+    """One batched state from per-row states of the same structure (tensors stacked on dim 0)."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(states, dim=0)
+    if isinstance(first, dict):
+        return {key: _stack_states([s[key] for s in states]) for key in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack_states(list(items)) for items in zip(*states, strict=True))
+    if first is None:
+        return None
+    raise TypeError(f"cannot stack cache states of type {type(first).__name__}")
+
+
+def _stack_caches(caches: list[Any]) -> Any:
+    """fla Caches of single rows -> one Cache of all rows, in order. Recurrent layers keep no
+    per-position state, so rows of different prompt lengths decode together without padding."""
+    stacked = caches[0]
+    for index, layer in enumerate(stacked.layers):
+        layer.state = _stack_states([cache.layers[index].state for cache in caches])
+    return stacked
+
+
 def _forward_parameters(model: torch.nn.Module) -> set[str]:
     """Keyword names the model's forward accepts, following `**kwargs` pass-through into the
     parent class's forward (our CCQ classes wrap fla's forward that way)."""
@@ -264,6 +287,9 @@ class CCQEvalLM(LM):
             "cache" if "cache" in params else "past_key_values")
         self._has_logits_to_keep = "logits_to_keep" in params
         self._backbone, self._lm_head = _backbone_and_head(self.model)
+        # Purely recurrent fla models (no hybrid attention layers, config.attn) keep no per-position
+        # state, so prompts of different lengths can decode in one batch.
+        self._stackable = self._backbone is not None and not getattr(self.model.config, "attn", None)
 
         # Truncation bookkeeping (the runner copies it into the results metadata).
         self.truncation_policy_counts: Counter[str] = Counter()  # policy -> requests that used it
@@ -435,8 +461,14 @@ class CCQEvalLM(LM):
             greedy = torch.zeros(n_rows, 0, dtype=torch.bool)
         return logprob, greedy, last_logits, cache
 
-    def _batches(self, lengths: list[int]) -> Iterator[list[int]]:
-        """Index groups of equal length (longest first), at most batch_size each."""
+    def _batches(self, lengths: list[int], any_length: bool = False) -> Iterator[list[int]]:
+        """Index groups of equal length (longest first), at most batch_size each; with any_length,
+        groups of batch_size in order of decreasing length."""
+        if any_length:
+            order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+            for i in range(0, len(order), self.batch_size):
+                yield order[i:i + self.batch_size]
+            return
         by_length: dict[int, list[int]] = defaultdict(list)
         for index, length in enumerate(lengths):
             by_length[length].append(index)
@@ -601,7 +633,9 @@ class CCQEvalLM(LM):
         if any(len(ids) == 0 for ids, _ in prepared):
             raise ValueError("generate_until: empty prompt and no BOS token to start from")
 
-        # Batch only prompts of equal length and identical decoding settings (no padding).
+        # Batch prompts with identical decoding settings. Without padding, a batch needs one length,
+        # except for fla models: each prompt is prefilled alone and their recurrent states are
+        # stacked for decoding together (decoding needs no padding).
         def group_key(i: int) -> tuple:
             s = prepared[i][1]
             return (s["until"], s["max_gen_toks"], s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
@@ -611,7 +645,7 @@ class CCQEvalLM(LM):
             groups[group_key(i)].append(i)
         batches = []
         for indices in groups.values():
-            for sub in self._batches([len(prepared[i][0]) for i in indices]):
+            for sub in self._batches([len(prepared[i][0]) for i in indices], any_length=self._stackable):
                 batches.append([indices[j] for j in sub])
 
         results: list[str | None] = [None] * len(requests)
@@ -628,7 +662,12 @@ class CCQEvalLM(LM):
         """Chunked prefill, then one token per step with the recurrent cache."""
         eos_ids = self._eos_ids()
         stops = settings["until"]
-        _, _, logits, cache = self._run(self._tensor(prompts), len(prompts[0]))
+        if len({len(p) for p in prompts}) == 1:
+            _, _, logits, cache = self._run(self._tensor(prompts), len(prompts[0]))
+        else:  # recurrent fla models only (see generate_until): prefill one by one, decode together
+            prefilled = [self._run(self._tensor([p]), len(p)) for p in prompts]
+            logits = torch.cat([last for _, _, last, _ in prefilled])
+            cache = _stack_caches([c for _, _, _, c in prefilled])
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         for step in range(settings["max_gen_toks"]):

@@ -61,6 +61,29 @@ def test_recurrent_model_scoring_and_decoding(kind: str, logits_chunk: int) -> N
     assert text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("kind", ["gla", "gated_deltanet"])
+def test_prompts_of_different_lengths_decode_together_as_they_would_alone(kind: str) -> None:
+    """batch_size > 1: prompts of unequal length are prefilled one by one and decoded in one batch
+    (their recurrent states stacked); every text equals greedy full recomputation of that prompt."""
+    tokenizer = byte_tokenizer()
+    model = _model(kind)
+    lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, chunk_size=16)
+    prompts = ["Once upon a time", "It was the best of times, it was", "Call me", "A tale of two cities."]
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 12}), i)
+                for i, p in enumerate(prompts)]
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True)
+    try:
+        texts = lm.generate_until(requests)
+    finally:
+        hook.remove()
+    assert any(shape[0] == 3 and shape[1] == 1 for shape in calls)  # three rows decoded in one call
+    for prompt, text in zip(prompts, texts, strict=True):
+        expected = greedy_full_recompute(model, tokenizer.encode(prompt, add_special_tokens=False), 12,
+                                         stop_ids={tokenizer.eos_token_id})
+        assert text == tokenizer.decode(expected, skip_special_tokens=True), prompt
+
+
 def test_lm_eval_builds_the_adapter_by_name_from_a_checkpoint(tmp_path) -> None:
     folder = tmp_path / "tiny-ccq-gla"
     _model("gla").save_pretrained(folder)

@@ -62,7 +62,7 @@ def run(
     = None,
     device: Annotated[str, typer.Option(help="Torch device, e.g. cpu or cuda:0.")] = "cpu",
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16, ... (default: float32).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Requests per forward (equal-length prompts only).")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Requests per forward: scoring batches equal-length texts; generation with recurrent fla models decodes prompts of any length together.")] = 1,
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,

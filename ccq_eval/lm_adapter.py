@@ -196,8 +196,10 @@ class CCQEvalLM(LM):
         pretrained: name or path for `ccq_eval.loading.load_model` (when `model` is None).
         max_length: context budget in tokens (prompt + generated tokens for generation).
             Default DEFAULT_MAX_LENGTH, never the config's max_position_embeddings.
-        batch_size: rows per forward; only sequences of equal token length are batched
-            (no padding: a recurrent state has no attention mask to hide pad tokens).
+        batch_size: rows per forward; scoring batches only sequences of equal token length
+            (no padding: a recurrent state has no attention mask to hide pad tokens); generation
+            with a recurrent fla model prefills each prompt alone and decodes up to batch_size
+            prompts of any length together.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         default_truncation: policy for requests that name none (generation without

@@ -759,7 +759,7 @@ class ResumableLM(_lm_base()):  # type: ignore[misc]
         self._progress(done, len(requests), requests[pending[0]] if pending else None)
         model_method = getattr(self.inner, request_type)
         quiet = {"disable_tqdm": True} if "disable_tqdm" in inspect.signature(model_method).parameters else {}
-        # Longest first, so a chunk holds prompts of similar length (the adapter batches equal lengths).
+        # Longest first, so a chunk holds prompts of similar length (scoring batches equal lengths).
         pending.sort(key=lambda i: -len(str(requests[i].args[0])))
         for start in range(0, len(pending), self.chunk_size):
             chunk = pending[start : start + self.chunk_size]

@@ -12,7 +12,9 @@
 #      seed (the reproducibility check), beside the GPU tests (pytest -m gpu);
 #   2. the default suite at the larger grid on the freshly trained models (one process per model);
 #   3. the issue-6 benchmark sections (model, then harness and generation).
-# Environment knobs: STEPS (training steps), COMMIT (recorded in model cards and bench reports).
+# Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
+# tests run with stage 1 whenever train or tests is named), STEPS (training steps), COMMIT (recorded
+# in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=/tmp/gpu
 cmd=${1:-}
@@ -55,23 +57,29 @@ pipeline() {
     >> "$WORK/logs/gpu.log" 2>&1
   mkdir -p /tmp/triton-cache && cp -rn "$WORK/autotune-seed/." /tmp/triton-cache/ 2>/dev/null
 
+  want() { [[ ",${STAGES:-train,eval,bench}," == *",$1,"* ]]; }
+  pids=(); tests_pid=
+  if want train || want tests; then
   stage "1: training (${STEPS:-1200} steps) + GPU tests"
   train=(python3 scripts/train_tiny.py --device cuda --steps "${STEPS:-1200}" --batch-size 32 --context 2048
          --data-workers 1 --no-register --code-commit "${COMMIT:-unknown}")
-  pids=()
-  for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
-    timeout 660 "${train[@]}" --models "$m" --out "$WORK/models" > "$WORK/logs/train-$m.log" 2>&1 & pids+=($!)
-  done
-  timeout 660 "${train[@]}" --models tiny-gla-ccq --out "$WORK/repro" > "$WORK/logs/train-repro-tiny-gla-ccq.log" 2>&1 &
-  pids+=($!)
+  if want train; then
+    for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
+      timeout 660 "${train[@]}" --models "$m" --out "$WORK/models" > "$WORK/logs/train-$m.log" 2>&1 & pids+=($!)
+    done
+    timeout 660 "${train[@]}" --models tiny-gla-ccq --out "$WORK/repro" > "$WORK/logs/train-repro-tiny-gla-ccq.log" 2>&1 &
+    pids+=($!)
+  fi
   timeout 840 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_models_ccq.py tests/test_ccq_operator.py \
     "tests/test_backend_gpu.py::test_chunk_gated_delta_rule_backward" "tests/test_backend_gpu.py::test_chunk_gla_backward" \
     "tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu" > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
   for p in "${pids[@]}"; do wait "$p" || stage "a training process failed (rc $?)"; done
   stage "1: training done"
+  fi
 
-  stage "2: evaluation of the new checkpoints"
+  if want eval; then
+  stage "2: evaluation (freshly trained checkpoints where stage 1 made them)"
   for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
     [ -f "$WORK/models/$m/model.safetensors" ] && rm -rf "models/$m" && cp -r "$WORK/models/$m" "models/$m"
   done
@@ -84,15 +92,18 @@ pipeline() {
     ) > "$WORK/logs/eval-$m.log" 2>&1 & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || stage "an evaluation process failed (rc $?)"; done
-  wait "$tests_pid"; stage "GPU tests finished (rc $?)"
   stage "2: evaluation done"
+  fi
+  [ -n "$tests_pid" ] && { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; }
 
+  if want bench; then
   stage "3: benchmarks"
   timeout 240 python3 benchmarks/bench.py --sections model --archs gla,gated_deltanet --lengths 4096,20480 \
     --repeats 5 --out "$WORK/bench" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"
   timeout 240 python3 benchmarks/bench.py --sections harness,generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 2048,8192,20480 --out "$WORK/bench" --name harness-generation \
     > "$WORK/logs/bench-harness.log" 2>&1 || stage "bench harness rc $?"
+  fi
   stage "PIPELINE FINISHED"
 }
 

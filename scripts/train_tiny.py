@@ -6,13 +6,14 @@ initial backbone weights (same seed; CCQ's gate parameters consume no random num
 stream, token budget, context length and optimiser. Data: scripts/tiny_data.py (embedded corpora,
 train split only, plus about a third synthetic in-context recall documents in our own wording).
 
-GPU (fla's triton kernels, bf16 autocast; the four models one after another):
-    python scripts/train_tiny.py --device cuda --out models --steps 2000 --batch-size 32
-One model per process (e.g. four processes sharing one GPU):
-    python scripts/train_tiny.py --models tiny-gla-ccq --device cuda --out models ...
+GPU (fla's triton kernels, bf16 autocast; the four models one after another; the defaults are the
+settings of the shipped models, which also had CCQ_EVAL_AUTOTUNE_CONFIGS=4):
+    python scripts/train_tiny.py --device cuda --out models
+One model per process (the shipped models: four processes sharing one H200, scripts/gpu_session.sh):
+    python scripts/train_tiny.py --models tiny-gla-ccq --device cuda --data-workers 1 --out models
 CPU smoke run (tiny shape, a few steps on repeated data, writes to a temporary folder):
     python scripts/train_tiny.py --smoke
-Rewrite models/registry.json entries for folders already trained:
+Rewrite models/registry.json entries and model cards for folders already trained:
     python scripts/train_tiny.py --register-only --out models
 
 Each model is written to <out>/<name>/ (config.json, model.safetensors in bf16, tokenizer files,
@@ -620,7 +621,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="folder for <name>/ checkpoints and registry.json (default: models/ of the repo; "
                              "--smoke: a new temporary folder)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; --smoke: cpu)")
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default 2000; --smoke 8)")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default 1200; --smoke 8)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32; --smoke 2)")
     parser.add_argument("--context", type=int, default=None,
                         help=f"training context in tokens (default {CONTEXT}; --smoke 320)")
@@ -668,7 +669,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         raise SystemExit("--device cuda was asked for, but CUDA is not available here; use --device cpu")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise SystemExit(f"unknown --device {device!r}: use cuda, cuda:N or cpu")
-    steps = pick(args.steps, 2000, 8)
+    steps = pick(args.steps, 1200, 8)
     settings = TrainSettings(
         steps=steps,
         batch_size=pick(args.batch_size, 32, 2),

@@ -126,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ccq adapter chunk_size values for harness (the first is also used by generation and sniah)",
     )
     p.add_argument("--no-hflm", action="store_true", help="skip lm-eval's HFLM comparisons")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the adapter replays decode steps from CUDA graphs (generation, sniah; CUDA only)")
     p.add_argument("--gen-lengths", help="generation: S-NIAH lengths (prompt + 128-token budget)")
     p.add_argument("--new-tokens", type=int, help="generation: greedy tokens to generate")
     p.add_argument("--gen-warmup", type=int)
@@ -209,6 +211,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "harness_tokens": raw["harness_tokens"],
         "adapter_chunk_sizes": _ints(raw["adapter_chunk_sizes"], "adapter-chunk-sizes"),
         "hflm": not args.no_hflm,
+        "cuda_graphs": args.cuda_graphs,
         "gen_lengths": _ints(raw["gen_lengths"], "gen-lengths"),
         "new_tokens": raw["new_tokens"],
         "gen_warmup": max(0, raw["gen_warmup"]),

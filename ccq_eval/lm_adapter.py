@@ -202,6 +202,8 @@ class CCQEvalLM(LM):
             prompts of any length together.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
+        cuda_graphs: replay each one-token decode step from a CUDA graph (fla models on CUDA;
+            ccq_eval.graphed_decode). Off by default until measured on a GPU.
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
@@ -218,6 +220,7 @@ class CCQEvalLM(LM):
         batch_size: int | str | None = 1,
         chunk_size: int | str = DEFAULT_CHUNK_SIZE,
         logits_chunk: int | str = DEFAULT_LOGITS_CHUNK,
+        cuda_graphs: bool | str = False,
         default_truncation: str = "error",
         device: str | None = None,
         dtype: str | None = None,
@@ -292,6 +295,10 @@ class CCQEvalLM(LM):
         # Purely recurrent fla models (no hybrid attention layers, config.attn) keep no per-position
         # state, so prompts of different lengths can decode in one batch.
         self._stackable = self._backbone is not None and not getattr(self.model.config, "attn", None)
+        self.cuda_graphs = _as_bool(cuda_graphs)
+        if self.cuda_graphs and (self._device.type != "cuda" or not self._stackable):
+            raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet, with or "
+                             f"without CCQ) on a CUDA device; got {type(self.model).__name__} on {self._device}")
 
         # Truncation bookkeeping (the runner copies it into the results metadata).
         self.truncation_policy_counts: Counter[str] = Counter()  # policy -> requests that used it
@@ -670,6 +677,11 @@ class CCQEvalLM(LM):
             prefilled = [self._run(self._tensor([p]), len(p)) for p in prompts]
             logits = torch.cat([last for _, _, last, _ in prefilled])
             cache = _stack_caches([c for _, _, _, c in prefilled])
+        graphed = None
+        if self.cuda_graphs and settings["max_gen_toks"] > 1:
+            from ccq_eval.graphed_decode import GraphedDecodeStep
+
+            graphed = GraphedDecodeStep(self._backbone, self._lm_head, cache, len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         for step in range(settings["max_gen_toks"]):
@@ -687,8 +699,11 @@ class CCQEvalLM(LM):
                         done[row] = True
             if all(done) or step == settings["max_gen_toks"] - 1:
                 break
-            step_logits, cache = self._forward(tokens.view(-1, 1), cache, 1)
-            logits = step_logits[:, -1]
+            if graphed is not None:
+                logits = graphed(tokens)
+            else:
+                step_logits, cache = self._forward(tokens.view(-1, 1), cache, 1)
+                logits = step_logits[:, -1]
         texts = []
         for ids in generated:
             text = self.tok_decode(ids)

@@ -72,7 +72,8 @@ pipeline() {
   fi
   timeout 840 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_models_ccq.py tests/test_ccq_operator.py \
     "tests/test_backend_gpu.py::test_chunk_gated_delta_rule_backward" "tests/test_backend_gpu.py::test_chunk_gla_backward" \
-    "tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu" > "$WORK/logs/gpu-tests.log" 2>&1 &
+    "tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu" tests/test_graphed_decode.py \
+    > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
   for p in "${pids[@]}"; do wait "$p" || stage "a training process failed (rc $?)"; done
   stage "1: training done"
@@ -103,6 +104,9 @@ pipeline() {
   timeout 240 python3 benchmarks/bench.py --sections harness,generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 2048,8192,20480 --out "$WORK/bench" --name harness-generation \
     > "$WORK/logs/bench-harness.log" 2>&1 || stage "bench harness rc $?"
+  # S-NIAH through the adapter (batched, CUDA-graph decode) vs stock HFLM, then the single kernels.
+  timeout 240 python3 benchmarks/bench.py --sections sniah,ops --archs gla --sniah-batch 4 --cuda-graphs \
+    --out "$WORK/bench" --name sniah-ops > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"
   fi
   stage "PIPELINE FINISHED"
 }

@@ -394,6 +394,7 @@ def _generator(method: str, bench: Bench, model, prompt: str, ids: list[int]) ->
             max_length=len(ids) + new_tokens,
             batch_size=1,
             chunk_size=bench.settings["adapter_chunk_sizes"][0],
+            cuda_graphs=bench.settings["cuda_graphs"],
         )
         request = Instance(
             request_type="generate_until",
@@ -513,6 +514,7 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
                 max_length=s["sniah_length"],
                 batch_size=s["sniah_batch"],
                 chunk_size=s["adapter_chunk_sizes"][0],
+                cuda_graphs=s["cuda_graphs"],
             )
         for _ in range(s["sniah_warmup"]):
             lm.generate_until(requests[:1], disable_tqdm=True)  # compilation for this length

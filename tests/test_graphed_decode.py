@@ -1,0 +1,39 @@
+"""CUDA-graph decode steps (ccq_eval.graphed_decode) give the same greedy text as eager decoding."""
+
+import pytest
+import torch
+from adapter_support import byte_tokenizer
+from lm_eval.api.instance import Instance
+
+import ccq_eval  # noqa: F401
+from ccq_eval.lm_adapter import CCQEvalLM
+from ccq_eval.modeling_ccq import CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, CCQGLAConfig, CCQGLAForCausalLM
+
+MODELS = {
+    "gla": lambda ccq: CCQGLAForCausalLM(CCQGLAConfig(
+        hidden_size=128, num_hidden_layers=2, num_heads=2, vocab_size=384, use_short_conv=True, ccq=ccq)),
+    "gated_deltanet": lambda ccq: CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(
+        hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=64, vocab_size=384, ccq=ccq)),
+}
+
+
+def test_cuda_graphs_are_refused_without_cuda_or_on_other_models():
+    model = MODELS["gla"](True).eval()
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        CCQEvalLM(model=model, tokenizer=byte_tokenizer(), cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("ccq", [False, True])
+def test_graphed_decoding_equals_eager_decoding(kind, ccq):
+    torch.manual_seed(0)
+    model = MODELS[kind](ccq).cuda().eval()
+    tokenizer = byte_tokenizer()
+    prompts = ["Once upon a time", "It was the best of times, it was", "Call me"]
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)
+                for i, p in enumerate(prompts)]
+    eager = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3).generate_until(requests)
+    graphed = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=True).generate_until(requests)
+    assert graphed == eager

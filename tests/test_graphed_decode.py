@@ -17,19 +17,27 @@ MODELS = {
 }
 
 
-def test_cuda_graphs_are_refused_without_cuda_or_on_other_models():
-    model = MODELS["gla"](True).eval()
+def test_cuda_graphs_are_refused_without_cuda():
+    model = MODELS["gla"](False).eval()
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
         CCQEvalLM(model=model, tokenizer=byte_tokenizer(), cuda_graphs=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_are_refused_for_ccq_layers():
+    model = MODELS["gla"](True).cuda().eval()
+    with pytest.raises(ValueError, match="not yet correct for models with CCQ layers"):
+        CCQEvalLM(model=model, tokenizer=byte_tokenizer(), cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("ccq", [False, True])
-def test_graphed_decoding_equals_eager_decoding(kind, ccq):
+def test_graphed_decoding_equals_eager_decoding(kind):
+    """fla's own layers (ccq=false): passed on the H200 for both kinds (2026-12-01)."""
     torch.manual_seed(0)
-    model = MODELS[kind](ccq).cuda().eval()
+    model = MODELS[kind](False).cuda().eval()
     tokenizer = byte_tokenizer()
     prompts = ["Once upon a time", "It was the best of times, it was", "Call me"]
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)

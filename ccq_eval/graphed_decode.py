@@ -12,9 +12,13 @@ copy first: autotuning cannot run inside a capture. During capture nothing execu
 still hold the prefill state when decoding starts.
 
 Status: on the H200 (2026-12-01) graphed decoding of fla's GLA and Gated DeltaNet (ccq=false) gave
-the same greedy text as eager decoding (tests/test_graphed_decode.py, marked gpu); with CCQ layers the
-logits drifted from the first step on (max |diff| 0.036 for Gated DeltaNet, 1.6e-4 for GLA, growing),
-so CCQEvalLM refuses cuda_graphs=True for CCQ models until that is understood. Off by default.
+the same greedy text as eager decoding (tests/test_graphed_decode.py, marked gpu). With CCQ layers the
+logits drifted from the first step on (max |diff| 0.036 for Gated DeltaNet, 1.6e-4 for GLA, growing).
+The likely cause, fixed since but not yet rerun on a GPU: the state buffers the graph reads were not
+kept alive once CCQ's new P, m, n replaced them in the cache, so their memory was reused between
+replays (fla's own states are updated in place and stayed referenced). CCQEvalLM refuses
+cuda_graphs=True for CCQ models until test_graphed_step_equals_eager_step passes with CCQ on a GPU.
+Off by default.
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ class GraphedDecodeStep:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._cache = copy.deepcopy(cache)
-        buffers = _state_tensors(self._cache)
+        # Held for the graph's lifetime: once a captured step has replaced a state tensor in the cache
+        # (CCQ's P, m, n always are), nothing else references the buffer the graph reads and writes,
+        # and freed memory would be handed to other tensors between replays.
+        self._buffers = _state_tensors(self._cache)
 
         def step(step_cache):
             hidden = backbone(input_ids=self._ids, past_key_values=step_cache, use_cache=True)[0]
@@ -70,9 +77,9 @@ class GraphedDecodeStep:
         with torch.cuda.graph(self._graph):
             self._logits = step(self._cache)
             written = _state_tensors(self._cache)
-            if len(written) != len(buffers):
+            if len(written) != len(self._buffers):
                 raise RuntimeError("the cache changed structure during a decode step; cannot graph it")
-            for source, target in zip(written, buffers, strict=True):
+            for source, target in zip(written, self._buffers, strict=True):
                 if source.data_ptr() != target.data_ptr():
                     target.copy_(source)
 

@@ -6,6 +6,7 @@ from adapter_support import byte_tokenizer
 from lm_eval.api.instance import Instance
 
 import ccq_eval  # noqa: F401
+from ccq_eval.graphed_decode import GraphedDecodeStep
 from ccq_eval.lm_adapter import CCQEvalLM
 from ccq_eval.modeling_ccq import CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, CCQGLAConfig, CCQGLAForCausalLM
 
@@ -45,3 +46,27 @@ def test_graphed_decoding_equals_eager_decoding(kind):
     eager = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3).generate_until(requests)
     graphed = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=True).generate_until(requests)
     assert graphed == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("ccq", [False, True])
+def test_graphed_step_equals_eager_step(kind, ccq):
+    """The graph itself, below the adapter's CCQ refusal: 16 replays vs 16 eager steps from the same
+    prefilled cache and the same tokens give the same logits (fp32; same kernels, so near-exact)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = MODELS[kind](ccq).cuda().eval()
+    with torch.no_grad():
+        prefill = model.model(input_ids=torch.randint(0, 384, (2, 50), device="cuda"), use_cache=True)
+        graphed = GraphedDecodeStep(model.model, model.lm_head, prefill.past_key_values, batch=2)
+        cache = copy.deepcopy(prefill.past_key_values)
+        for step in range(16):
+            tokens = torch.randint(0, 384, (2,), device="cuda")
+            got = graphed(tokens)
+            out = model.model(input_ids=tokens.view(2, 1), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            expected = model.lm_head(out[0][:, -1]).float()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"step {step}")

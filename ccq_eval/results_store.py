@@ -24,8 +24,8 @@ import hashlib
 import json
 import lzma
 import os
-import shutil
 import re
+import shutil
 import sqlite3
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -323,8 +323,8 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     try:
         # split on "\n" only: JSON strings may hold U+2028, U+0085 and the like unescaped, which
         # str.splitlines() would also break at
-        raw = lzma.decompress(Path(path).read_bytes()) if Path(path).suffix == ".xz" else Path(path).read_bytes()
-        lines = raw.decode("utf-8").split("\n")
+        raw = Path(path).read_bytes()
+        lines = (lzma.decompress(raw) if Path(path).suffix == ".xz" else raw).decode("utf-8").split("\n")
     except (OSError, UnicodeDecodeError, lzma.LZMAError) as exc:
         raise ResultsError(f"cannot read {path}: {exc}") from None
     for line_number, line in enumerate(lines, start=1):
@@ -381,7 +381,8 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     """Copy every finished unit under `source` to the same place under `destination`: results,
     metadata and unit spec as they are; per-sample logs xz-compressed, with the long strings of
     `doc`, `arguments` and `target` (a perplexity document is its own target) replaced by their
-    length and sha256 (metrics, responses, short targets and cells are kept). Unfinished units and resume caches are left out. Returns the unit folders."""
+    length and sha256 (metrics, responses, short targets and cells are kept). Unfinished units and
+    resume caches are left out. Returns the unit folders."""
     source, destination = Path(source), Path(destination)
     written = []
     for results_path in find_results_files(source):

@@ -9,9 +9,11 @@ Definition (../shared/design/ccq.md, per layer, head h and position t):
 
 Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
-- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the K x K covariance pass is fla's
-  chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1) and m, n are batched decayed
-  sums; on CPU a torch chunk loop applies all orders per chunk in one pass.
+- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA, order 1 (the default) is two fused Triton
+  kernels (`ccq_triton`) with a batched torch backward (`ccq_backward`); other orders, or a gradient
+  through an initial state, take the unfused kernel path: per order a K x K covariance pass with fla's
+  chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and n as batched decayed sums.
+  On CPU a torch chunk loop applies all orders per chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
 Shapes: r, kappa [B, T, H, K]; log_gamma, lam [B, T, H]. The state is a `CCQState` of fp32 (or fp64
@@ -21,6 +23,7 @@ before the current call, so chunked prefill and decoding continue exactly where 
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -270,6 +273,55 @@ def _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state: CCQState
     return q.to(r.dtype), CCQState(final_P.to(acc), m[:, :, -1], n[:, :, -1])
 
 
+KERNEL_ENV_VAR = "CCQ_EVAL_CCQ_KERNEL"
+
+
+def fused_kernel_enabled() -> bool:
+    """CCQ_EVAL_CCQ_KERNEL=unfused selects the multi-kernel path (for benchmarks comparing the two)."""
+    choice = os.environ.get(KERNEL_ENV_VAR, "fused").strip().lower()
+    if choice not in ("fused", "unfused"):
+        raise ValueError(f"{KERNEL_ENV_VAR} must be 'fused' or 'unfused', got {choice!r}")
+    return choice == "fused"
+
+
+class _FusedOrder1(torch.autograd.Function):
+    """Order-1 read from a zero state: the fused Triton forward, the batched torch backward."""
+
+    @staticmethod
+    def forward(ctx, r, kappa, log_gamma, lam, centered):
+        from ccq_eval.ccq_triton import ccq_order1_forward
+
+        q, (P, m, n) = ccq_order1_forward(r, kappa, log_gamma, lam, centered, output_final_state=True)
+        ctx.save_for_backward(r, kappa, log_gamma, lam)
+        ctx.centered = centered
+        ctx.mark_non_differentiable(P, m, n)
+        return q, P, m, n
+
+    @staticmethod
+    def backward(ctx, dq, *_state_grads):
+        from ccq_eval.ccq_backward import ccq_order1_backward
+
+        r, kappa, log_gamma, lam = ctx.saved_tensors
+        dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(r, kappa, log_gamma, lam, dq, centered=ctx.centered)
+        return dr, dkappa, dlog_gamma, dlam, None
+
+
+def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
+    """The fused path where it applies, else None: any call without gradients (scoring, prefill with a
+    cached state), and training calls from a zero state. A gradient through an initial state is left to
+    the unfused path."""
+    from ccq_eval.ccq_triton import ccq_order1_forward
+
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (r, kappa, log_gamma, lam))
+    if not needs_grad:
+        q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered, initial_state, output_final_state=True)
+        return q, CCQState(*final)
+    if initial_state is None:
+        q, P, m, n = _FusedOrder1.apply(r, kappa, log_gamma, lam, centered)
+        return q, CCQState(P, m, n)
+    return None
+
+
 def ccq_read_chunk(
     r: torch.Tensor,
     kappa: torch.Tensor,
@@ -288,6 +340,10 @@ def ccq_read_chunk(
         *(s.to(acc) for s in initial_state)
     )
     if r.is_cuda and r.dtype != torch.float64:
+        if order == 1 and fused_kernel_enabled():
+            fused = _ccq_order1_fused(r, kappa, log_gamma, lam, centered, None if initial_state is None else state)
+            if fused is not None:
+                return fused
         return _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state, chunk_size,
                                  from_zero=initial_state is None)
     return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size)

@@ -1,0 +1,92 @@
+"""Run by tests/test_ccq_triton.py in a subprocess with TRITON_INTERPRET=1, so that the fused CCQ
+kernels execute on CPU tensors. Prints one JSON object: the measured errors per check."""
+
+import json
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run these checks")
+
+import torch  # noqa: E402
+
+import ccq_eval  # noqa: E402,F401  (the backend patches fla as in every other test)
+from ccq_eval.ccq import _FusedOrder1, ccq_read_reference, unit_keys  # noqa: E402
+from ccq_eval.ccq_triton import ccq_order1_forward  # noqa: E402
+
+
+def inputs(B, T, H, K, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(B, T, H, K, generator=g)
+    kappa = unit_keys(torch.randn(B, T, H, K, generator=g))
+    log_gamma = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=g) + 3)
+    lam = 4 * torch.rand(B, T, H, generator=g)
+    return r.to(dtype), kappa.to(dtype), log_gamma, lam
+
+
+def prior_state(B, H, K, seed):
+    """A genuine state: the reference's sums after 9 earlier steps."""
+    r, kappa, log_gamma, lam = inputs(B, 9, H, K, seed, torch.float64)
+    return ccq_read_reference(r, kappa, log_gamma, lam)[1]
+
+
+def max_abs(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def forward_checks():
+    out = {}
+    cases = [  # B, T, H, K, chunk, centered, with a prior state
+        (2, 150, 3, 16, 32, True, False),
+        (1, 70, 2, 32, 32, False, True),
+        (1, 90, 2, 128, 16, True, True),  # K over two 64-wide tiles
+        (1, 5, 1, 16, 16, True, False),  # shorter than one chunk
+    ]
+    for B, T, H, K, chunk, centered, with_state in cases:
+        r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T + K)
+        state = prior_state(B, H, K, seed=K) if with_state else None
+        q_ref, s_ref = ccq_read_reference(r.double(), kappa.double(), log_gamma.double(), lam.double(),
+                                          1, centered, state)
+        q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered,
+                                      None if state is None else tuple(s.float() for s in state),
+                                      output_final_state=True, chunk_size=chunk)
+        name = f"B{B}_T{T}_H{H}_K{K}_C{chunk}_{'centered' if centered else 'uncentered'}_{'state' if with_state else 'zero'}"
+        # Errors relative to the size of the values (q ~ 1, P and n grow with the decayed count).
+        out[name] = {"q": max_abs(q, q_ref),
+                     "state": max(max_abs(a, b) / b.abs().max().item() for a, b in zip(final, s_ref))}
+    # The half-precision path (tl.dot in the input dtype, as bf16 on GPU; the interpreter has no bf16).
+    r, kappa, log_gamma, lam = inputs(1, 130, 2, 64, seed=3)
+    q_ref, _ = ccq_read_reference(r.double(), kappa.double(), log_gamma.double(), lam.double())
+    q16, _ = ccq_order1_forward(r.half(), kappa.half(), log_gamma, lam)
+    out["fp16_relative_l2"] = ((q16.double() - q_ref).norm() / q_ref.norm()).item()
+    # lambda = 0 reads the query unchanged, bit for bit.
+    q0, _ = ccq_order1_forward(r, kappa, log_gamma, torch.zeros_like(lam))
+    out["lambda0_identical"] = bool(torch.equal(q0, r))
+    return out
+
+
+def gradient_checks():
+    out = {}
+    for centered in (True, False):
+        r, kappa, log_gamma, lam = inputs(2, 100, 2, 32, seed=7)
+        weights = torch.randn(r.shape, generator=torch.Generator().manual_seed(8))
+        leaves = [x.double().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]
+        q_ref, _ = ccq_read_reference(*leaves, 1, centered)
+        ref = torch.autograd.grad((q_ref * weights.double()).sum(), leaves)
+        leaves = [x.clone().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]
+        q, *_ = _FusedOrder1.apply(*leaves, centered)
+        got = torch.autograd.grad((q * weights).sum(), leaves)
+        for name, a, b in zip(("r", "kappa", "log_gamma", "lam"), got, ref):
+            out[f"{'centered' if centered else 'uncentered'}_d{name}"] = (
+                (a.double() - b).norm() / b.norm()).item()
+    return out
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["forward", "gradient"]
+    result = {}
+    if "forward" in which:
+        result["forward"] = forward_checks()
+    if "gradient" in which:
+        result["gradient"] = gradient_checks()
+    print(json.dumps(result))

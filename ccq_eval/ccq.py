@@ -307,11 +307,13 @@ class _FusedOrder1(torch.autograd.Function):
 
 
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
-    """The fused path where it applies, else None: any call without gradients (scoring, prefill with a
-    cached state), and training calls from a zero state. A gradient through an initial state is left to
+    """The fused path where it applies, else None: head dims the kernels tile exactly, and there any call
+    without gradients (scoring, prefill with a cached state) or a training call from a zero state. A gradient through an initial state is left to
     the unfused path."""
-    from ccq_eval.ccq_triton import ccq_order1_forward
+    from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
 
+    if not supports_head_dim(r.shape[-1]):
+        return None
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (r, kappa, log_gamma, lam))
     if not needs_grad:
         q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered, initial_state, output_final_state=True)

@@ -184,6 +184,13 @@ def _ccq_read_kernel(
     tl.store(q_out + base[:, None] + cols[None, :], q.to(q_out.dtype.element_ty), mask=col_mask)
 
 
+def supports_head_dim(K: int) -> bool:
+    """Head dims that are whole 64-wide tiles (GLA-340M: 128, Gated DeltaNet-340M: 256). Narrower or
+    ragged heads (masked tile columns) crashed with an illegal memory access on the H200 in bf16; they
+    take the unfused path."""
+    return K % 64 == 0
+
+
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
                        output_final_state: bool = False, chunk_size: int = CHUNK):
     """q~ = r - lam * Sigma r for r, kappa [B, T, H, K] (kappa unit keys), log_gamma, lam [B, T, H].
@@ -192,6 +199,8 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     dtype and the final (P, m, n) in fp32 (None unless output_final_state).
     """
     B, T, H, K = r.shape
+    if not supports_head_dim(K) and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the fused CCQ kernels need a head dim that is a multiple of 64, got {K}")
     C = chunk_size
     NT = triton.cdiv(T, C)
     ieee = r.dtype == torch.float32

@@ -1,0 +1,77 @@
+"""Where one model call spends its time: torch.profiler tables for a 340M-shape forward (or training
+step), CCQ off and on, on the same weights; plus the host (enqueue) time of a call against its GPU time.
+
+    python benchmarks/profile_forward.py --arch gla --T 4096 [--mode train] [--rows 25]
+
+A call whose host time is close to its wall time is bound by Python and kernel launches, not by the
+GPU. Prints to stdout; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+
+import torch  # noqa: E402
+
+from benchlib import workload  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="gla", choices=workload.ARCHS)
+    p.add_argument("--T", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--mode", default="forward", choices=("forward", "train"))
+    p.add_argument("--rows", type=int, default=25, help="rows per profiler table")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_forward.py needs a CUDA GPU")
+    import ccq_eval  # noqa: F401  (registers the CCQ model types)
+
+    device = torch.device("cuda")
+    model = workload.build_model(args.arch, workload.SHAPES_340M[args.arch], 32000, device, torch.bfloat16)
+    tokens = workload.random_tokens(args.batch, args.T, 32000, device)
+
+    def call():
+        if args.mode == "train":
+            model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+        else:
+            with torch.no_grad():
+                model(input_ids=tokens, use_cache=False)
+
+    for ccq in (False, True):
+        with workload.ccq_mode(model, ccq):
+            model.train(args.mode == "train")
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            host, wall = [], []
+            for _ in range(5):
+                start = time.perf_counter()
+                call()
+                host.append(time.perf_counter() - start)
+                torch.cuda.synchronize()
+                wall.append(time.perf_counter() - start)
+            host_ms, wall_ms = 1e3 * sorted(host)[2], 1e3 * sorted(wall)[2]
+            print(f"\n=== {args.arch} {args.mode} T={args.T} batch={args.batch} ccq={ccq}: "
+                  f"median wall {wall_ms:.2f} ms, host (enqueue) {host_ms:.2f} ms")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            table = prof.key_averages()
+            print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+            print(table.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+            model.zero_grad(set_to_none=True)
+            model.eval()
+
+
+if __name__ == "__main__":
+    main()

@@ -37,10 +37,10 @@ def max_abs(a, b):
 def forward_checks():
     out = {}
     cases = [  # B, T, H, K, chunk, centered, with a prior state
-        (2, 150, 3, 16, 32, True, False),
-        (1, 70, 2, 32, 32, False, True),
-        (1, 90, 2, 128, 16, True, True),  # K over two 64-wide tiles
-        (1, 5, 1, 16, 16, True, False),  # shorter than one chunk
+        (2, 150, 2, 64, 32, True, False),
+        (1, 70, 2, 64, 32, False, True),
+        (1, 90, 1, 128, 16, True, True),  # K over several tiles
+        (1, 5, 1, 64, 16, True, False),  # shorter than one chunk
     ]
     for B, T, H, K, chunk, centered, with_state in cases:
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T + K)
@@ -68,7 +68,7 @@ def forward_checks():
 def gradient_checks():
     out = {}
     for centered in (True, False):
-        r, kappa, log_gamma, lam = inputs(2, 100, 2, 32, seed=7)
+        r, kappa, log_gamma, lam = inputs(2, 100, 2, 64, seed=7)
         weights = torch.randn(r.shape, generator=torch.Generator().manual_seed(8))
         leaves = [x.double().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]
         q_ref, _ = ccq_read_reference(*leaves, 1, centered)

@@ -9,8 +9,8 @@ Definition (../shared/design/ccq.md, per layer, head h and position t):
 
 Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
-- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA, order 1 (the default) is two fused Triton
-  kernels (`ccq_triton`) with a batched torch backward (`ccq_backward`); other orders, or a gradient
+- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA, order 1 (the default) runs fused Triton
+  kernels (`ccq_triton`), forward and backward; other orders, or a gradient
   through an initial state, take the unfused kernel path: per order a K x K covariance pass with fla's
   chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and n as batched decayed sums.
   On CPU a torch chunk loop applies all orders per chunk in one pass.
@@ -285,24 +285,28 @@ def fused_kernel_enabled() -> bool:
 
 
 class _FusedOrder1(torch.autograd.Function):
-    """Order-1 read from a zero state: the fused Triton forward, the batched torch backward."""
+    """Order-1 read from a zero state with the fused Triton kernels, forward and backward."""
 
     @staticmethod
     def forward(ctx, r, kappa, log_gamma, lam, centered):
         from ccq_eval.ccq_triton import ccq_order1_forward
 
-        q, (P, m, n) = ccq_order1_forward(r, kappa, log_gamma, lam, centered, output_final_state=True)
-        ctx.save_for_backward(r, kappa, log_gamma, lam)
+        r, kappa = r.contiguous(), kappa.to(r.dtype).contiguous()
+        log_gamma, lam = log_gamma.float().contiguous(), lam.float().contiguous()
+        q, (P, m, n), chunk_states = ccq_order1_forward(r, kappa, log_gamma, lam, centered,
+                                                        output_final_state=True, return_chunk_states=True)
+        ctx.save_for_backward(r, kappa, log_gamma, lam, *chunk_states)
         ctx.centered = centered
         ctx.mark_non_differentiable(P, m, n)
         return q, P, m, n
 
     @staticmethod
     def backward(ctx, dq, *_state_grads):
-        from ccq_eval.ccq_backward import ccq_order1_backward
+        from ccq_eval.ccq_triton import ccq_order1_backward
 
-        r, kappa, log_gamma, lam = ctx.saved_tensors
-        dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(r, kappa, log_gamma, lam, dq, centered=ctx.centered)
+        r, kappa, log_gamma, lam, P_in, m_in, n_in = ctx.saved_tensors
+        dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in,
+                                                           centered=ctx.centered)
         return dr, dkappa, dlog_gamma, dlam, None
 
 

@@ -230,11 +230,13 @@ def supports_head_dim(K: int) -> bool:
 
 
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
-                       output_final_state: bool = False, chunk_size: int = CHUNK):
+                       output_final_state: bool = False, chunk_size: int = CHUNK,
+                       return_chunk_states: bool = False):
     """q~ = r - lam * Sigma r for r, kappa [B, T, H, K] (kappa unit keys), log_gamma, lam [B, T, H].
 
     initial_state: (P [B, H, K, K], m [B, H, K], n [B, H]) fp32, or None for zero. Returns q~ in r's
-    dtype and the final (P, m, n) in fp32 (None unless output_final_state).
+    dtype and the final (P, m, n) in fp32 (None unless output_final_state); with return_chunk_states
+    also the states entering every chunk (P_in, m_in, n_in), which the backward reuses.
     """
     B, T, H, K = r.shape
     if not supports_head_dim(K):
@@ -273,4 +275,283 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
         r, kappa, log_gamma, lam, P_in, m_in, n_in, q,
         T, NT, H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee,
     )
+    if return_chunk_states:
+        return q, final, (P_in, m_in, n_in)
     return q, final
+
+
+# ------------------------------------------------------------------------------------------ backward
+# Gradients of q~ = r - lam * s, s = Pu / n - mu (mu . r) (centered), Pu_t = sum_{i<=t} w_{i,t}
+# kappa_i (kappa_i . r_t), for a call from a zero state (training). With ds = -lam dq:
+#   dlam = -(dq . s);  dPu = ds / n;  centered: dalpha = -(mu . ds), dmu = -alpha ds + dalpha r,
+#   dm = dmu / n;  dn = -(ds . Pu) / n^2 - (dmu . m) / n^2
+#   dr = dq + dalpha mu + P_t dPu_t                                   (causal, like the forward)
+#   dkappa_i = sum_{t>=i} w_{i,t} [(kappa_i . r_t) dPu_t + (kappa_i . dPu_t) r_t + dm_t]  (anti-causal)
+#   d c_t = X_t - Y_t, X_t = dPu_t . Pu_t + m_t . dm_t + n_t dn_t,
+#   Y_i = sum_{t>=i} w_{i,t} [(kappa_i . r_t)(kappa_i . dPu_t) + kappa_i . dm_t + dn_t]
+#   d log_gamma_j = sum_{t>=j} d c_t                                  (c_t: cumulative log decay)
+# (derived by hand; tests check all four gradients against autograd through ccq_read_reference).
+
+_BWD_CONFIGS = [triton.Config({"BK": 64}, num_warps=warps, num_stages=2) for warps in (4, 8)]
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b: exact fp32 products for fp32 inputs, else bf16 tensor-core products (fp32 accumulate)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "IEEE"])
+@triton.jit
+def _ccq_bwd_query_kernel(
+    r, kappa, log_gamma, lam, P_in, m_in, n_in, dq,
+    dr, dPu_out, dm_out, dn_out, dlam_out, X_out,
+    T, NT,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    CENTERED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per chunk: recomputes the forward's Pu, m, n, then dlam, dPu, dm, dn, X and dr."""
+    c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    state = (i_bh * (NT + 1) + c).to(tl.int64)
+    pos = tl.arange(0, C)
+    t = c * C + pos
+    t_ok = t < T
+    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    b = tl.cumsum(g, 0)
+    from_start = tl.exp(b)
+    causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
+    D = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    row_ok = t_ok[:, None]
+    lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
+
+    scores = tl.zeros([C, C], dtype=tl.float32)
+    r_dot_m_in = tl.zeros([C], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+        kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+        scores += _mm(r_k, tl.trans(kap_k), IEEE)
+        r_dot_m_in += tl.sum(r_k.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
+    A = scores * D
+    n = tl.where(t_ok, from_start * tl.load(n_in + state) + tl.sum(D, 1), 1.0)
+    m_dot_r = from_start * r_dot_m_in + tl.sum(A, 1)
+    alpha = m_dot_r / n
+
+    # Pass 1: the per-position sums dlam, ds . m, ds . Pu.
+    dlam = tl.zeros([C], dtype=tl.float32)
+    ds_dot_m = tl.zeros([C], dtype=tl.float32)
+    ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
+    for j0 in tl.static_range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        carried = tl.zeros([C, BK], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            carried += _mm(r_k, tl.load(P_in + state * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
+        m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
+        s = Pu / n[:, None]
+        if CENTERED:
+            s -= (m / n[:, None]) * alpha[:, None]
+        dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        ds = -lam_t[:, None] * dq_j
+        dlam -= tl.sum(dq_j * s, 1)
+        ds_dot_m += tl.sum(ds * m, 1)
+        ds_dot_Pu += tl.sum(ds * Pu, 1)
+    if CENTERED:
+        dalpha = -ds_dot_m / n
+        dmu_dot_m = -alpha * ds_dot_m + dalpha * m_dot_r
+        dn = -ds_dot_Pu / (n * n) - dmu_dot_m / (n * n)
+    else:
+        dalpha = tl.zeros([C], dtype=tl.float32)
+        dn = -ds_dot_Pu / (n * n)
+
+    # Pass 2: dPu and dm (to memory, for the key gradients), X, and E = dPu kappa^T.
+    X = n * dn
+    E = tl.zeros([C, C], dtype=tl.float32)
+    for j0 in tl.static_range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        carried = tl.zeros([C, BK], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            carried += _mm(r_k, tl.load(P_in + state * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
+        dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        ds = -lam_t[:, None] * dq_j
+        dPu = ds / n[:, None]
+        X += tl.sum(dPu * Pu, 1)
+        E += _mm(dPu, tl.trans(kap_j), IEEE)
+        tl.store(dPu_out + base[:, None] + js[None, :], dPu, mask=row_ok)
+        if CENTERED:
+            m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
+            r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            dm = (-alpha[:, None] * ds + dalpha[:, None] * r_j) / n[:, None]
+            X += tl.sum(m * dm, 1)
+            tl.store(dm_out + base[:, None] + js[None, :], dm, mask=row_ok)
+    out = (i_b * T + t) * H + i_h
+    tl.store(dn_out + out, dn, mask=t_ok)
+    tl.store(dlam_out + out, dlam, mask=t_ok)
+    tl.store(X_out + out, X, mask=t_ok)
+    tl.debug_barrier()  # dPu of this chunk, just written by other threads of this program, is read below
+
+    # Pass 3: dr = dq + dalpha mu + P_t dPu_t.
+    ED = E * D
+    for j0 in tl.static_range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        carried = tl.zeros([C, BK], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            dPu_k = tl.load(dPu_out + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            carried += _mm(dPu_k, tl.load(P_in + state * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
+        if CENTERED:
+            m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
+            grad += dalpha[:, None] * m / n[:, None]
+        tl.store(dr + base[:, None] + js[None, :], grad.to(dr.dtype.element_ty), mask=row_ok)
+
+
+@_tuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "IEEE"])
+@triton.jit
+def _ccq_bwd_local_kernel(
+    r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, chunk_decay_rev,
+    T, NT,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CENTERED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Every chunk c in parallel: sum_{t in c} exp(b_t) (dPu_t r_t^T + r_t dPu_t^T), and exp(b_t) dm_t,
+    exp(b_t) dn_t: what chunk c adds to the anti-causal sums of the chunks before it. Written in reverse
+    chunk order (slot NT - c) so that the forward scan kernel accumulates them from the end."""
+    i_k, i_v, i_cbh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh, c = i_cbh // NT, i_cbh % NT
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_k * BK + tl.arange(0, BK)
+    cols = i_v * BV + tl.arange(0, BV)
+    pos = tl.arange(0, C)
+    t = c * C + pos
+    t_ok = t < T
+    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    b = tl.cumsum(g, 0)
+    from_start = tl.where(t_ok, tl.exp(b), 0.0)  # decay from the end of chunk c - 1 to t
+    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    row_ok = t_ok[:, None]
+    dPu_rows = tl.load(dPu + base[:, None] + rows[None, :], mask=row_ok, other=0.0) * from_start[:, None]
+    dPu_cols = tl.load(dPu + base[:, None] + cols[None, :], mask=row_ok, other=0.0) * from_start[:, None]
+    r_rows = tl.load(r + base[:, None] + rows[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    r_cols = tl.load(r + base[:, None] + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    local = _mm(tl.trans(dPu_rows), r_cols, IEEE) + _mm(tl.trans(r_rows), dPu_cols, IEEE)
+    slot = (i_bh * (NT + 1) + NT - c).to(tl.int64)
+    tl.store(Q + slot * K * K + rows[:, None] * K + cols[None, :], local)
+    if i_v == 0:
+        if CENTERED:
+            dm_rows = tl.load(dm + base[:, None] + rows[None, :], mask=row_ok, other=0.0)
+            tl.store(g_acc + slot * K + rows, tl.sum(dm_rows * from_start[:, None], 0))
+        else:
+            tl.store(g_acc + slot * K + rows, tl.zeros([BK], dtype=tl.float32))
+        if i_k == 0:
+            dn_t = tl.load(dn + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0)
+            tl.store(h_acc + slot, tl.sum(dn_t * from_start, 0))
+            # Reverse order: step j of the scan crosses chunk NT - 1 - j.
+            tl.store(chunk_decay_rev + i_bh * NT + NT - 1 - c, tl.sum(g, 0))
+
+
+@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "IEEE"])
+@triton.jit
+def _ccq_bwd_key_kernel(
+    r, kappa, log_gamma, dPu, dm, dn, X, Q, g_acc, h_acc,
+    dkappa, dc,
+    T, NT,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    CENTERED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per chunk: dkappa (in-chunk part plus the decayed sums of the later chunks) and d c = X - Y."""
+    c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    # The scan left in slot NT - 1 - c the sums over chunks c + 1 .. NT - 1, decayed to the end of c.
+    later = (i_bh * (NT + 1) + NT - 1 - c).to(tl.int64)
+    pos = tl.arange(0, C)
+    t = c * C + pos
+    t_ok = t < T
+    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    b = tl.cumsum(g, 0)
+    to_end = tl.where(t_ok, tl.exp(tl.sum(g, 0) - b), 0.0)
+    causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
+    D = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))  # D[t, i] = w_{i,t}
+    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    row_ok = t_ok[:, None]
+    out = (i_b * T + t) * H + i_h
+
+    scores = tl.zeros([C, C], dtype=tl.float32)  # r_t . kappa_i
+    E = tl.zeros([C, C], dtype=tl.float32)  # dPu_t . kappa_i
+    for k0 in tl.static_range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+        scores += _mm(tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0), tl.trans(kap_k), IEEE)
+        E += _mm(tl.load(dPu + base[:, None] + ks[None, :], mask=row_ok, other=0.0), tl.trans(kap_k), IEEE)
+    A_T = tl.trans(scores * D)
+    E_T = tl.trans(E * D)
+    D_T = tl.trans(D)
+    dn_t = tl.load(dn + out, mask=t_ok, other=0.0)
+    Y = tl.sum(D * dn_t[:, None], 0) + to_end * tl.load(h_acc + later)
+    for j0 in tl.static_range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        carried = tl.zeros([C, BK], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            carried += _mm(kap_k, tl.load(Q + later * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        dPu_j = tl.load(dPu + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        grad_Q = _mm(A_T, dPu_j, IEEE) + _mm(E_T, r_j, IEEE) + to_end[:, None] * carried
+        grad_m = to_end[:, None] * tl.load(g_acc + later * K + js)[None, :]
+        if CENTERED:
+            grad_m += _mm(D_T, tl.load(dm + base[:, None] + js[None, :], mask=row_ok, other=0.0), IEEE)
+        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        Y += tl.sum(kap_j * (0.5 * grad_Q + grad_m), 1)
+        tl.store(dkappa + base[:, None] + js[None, :], (grad_Q + grad_m).to(dkappa.dtype.element_ty), mask=row_ok)
+    tl.store(dc + out, tl.load(X + out, mask=t_ok, other=0.0) - Y, mask=t_ok)
+
+
+def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered: bool = True,
+                        chunk_size: int = CHUNK):
+    """(dr, dkappa, dlog_gamma, dlam) for a call of `ccq_order1_forward` from a zero state, given the
+    chunk states (P_in, m_in, n_in) that the forward computed."""
+    B, T, H, K = r.shape
+    C = chunk_size
+    NT = triton.cdiv(T, C)
+    ieee = r.dtype == torch.float32
+    dq = dq.contiguous()
+    f32 = dict(device=r.device, dtype=torch.float32)
+    dPu, dm = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
+    dn, dlam, X = (torch.empty(B, T, H, **f32) for _ in range(3))
+    dr = torch.empty_like(r)
+    _ccq_bwd_query_kernel[(NT, B * H)](
+        r, kappa, log_gamma, lam, P_in, m_in, n_in, dq, dr, dPu, dm, dn, dlam, X, T, NT,
+        H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee,
+    )
+    # Anti-causal sums, accumulated from the last chunk backwards by the forward's scan kernel.
+    Q = torch.empty(B * H, NT + 1, K, K, **f32)
+    g_acc, h_acc = torch.empty(B * H, NT + 1, K, **f32), torch.empty(B * H, NT + 1, **f32)
+    decay_rev = torch.empty(B * H, NT, **f32)
+    local_grid = lambda meta: (K // meta["BK"], K // meta["BV"], NT * B * H)  # noqa: E731
+    _ccq_bwd_local_kernel[local_grid](r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, decay_rev, T, NT,
+                                      H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee)
+    scan_grid = lambda meta: (triton.cdiv(K * K, meta["BLOCK"]) + 1, B * H)  # noqa: E731
+    _ccq_state_scan_kernel[scan_grid](Q, g_acc, h_acc, decay_rev, h_acc, h_acc, h_acc, h_acc, h_acc, h_acc,
+                                      NT, K=K, HAS_INITIAL=False, STORE_FINAL=False)
+    dkappa = torch.empty_like(kappa)
+    dc = torch.empty(B, T, H, **f32)
+    _ccq_bwd_key_kernel[(NT, B * H)](
+        r, kappa, log_gamma, dPu, dm, dn, X, Q, g_acc, h_acc, dkappa, dc, T, NT,
+        H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee,
+    )
+    dlog_gamma = dc.flip(1).cumsum(1).flip(1)
+    return dr, dkappa, dlog_gamma, dlam

@@ -67,8 +67,8 @@ def forward_checks():
 
 def gradient_checks():
     out = {}
-    for centered in (True, False):
-        r, kappa, log_gamma, lam = inputs(2, 100, 2, 64, seed=7)
+    for centered, (B, T, H, K) in ((True, (2, 100, 2, 64)), (False, (2, 100, 2, 64)), (True, (1, 150, 1, 128))):
+        r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=7)
         weights = torch.randn(r.shape, generator=torch.Generator().manual_seed(8))
         leaves = [x.double().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]
         q_ref, _ = ccq_read_reference(*leaves, 1, centered)
@@ -77,7 +77,7 @@ def gradient_checks():
         q, *_ = _FusedOrder1.apply(*leaves, centered)
         got = torch.autograd.grad((q * weights).sum(), leaves)
         for name, a, b in zip(("r", "kappa", "log_gamma", "lam"), got, ref):
-            out[f"{'centered' if centered else 'uncentered'}_d{name}"] = (
+            out[f"{'centered' if centered else 'uncentered'}_K{K}_d{name}"] = (
                 (a.double() - b).norm() / b.norm()).item()
     return out
 

@@ -53,6 +53,7 @@ FULL = {
     "warmup": 3,
     "repeats": 10,
     "harness_tokens": 20480,
+    "harness_docs": 8,
     "adapter_chunk_sizes": "2048,32768",
     "gen_lengths": "1024,8192,20480",
     "new_tokens": 128,
@@ -77,6 +78,7 @@ SMOKE = {
     "warmup": 1,
     "repeats": 2,
     "harness_tokens": 512,
+    "harness_docs": 2,
     "adapter_chunk_sizes": "2048",
     "gen_lengths": "512,1024",
     "new_tokens": 8,
@@ -125,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--adapter-chunk-sizes",
         help="ccq adapter chunk_size values for harness (the first is also used by generation and sniah)",
     )
+    p.add_argument("--harness-docs", type=int, help="harness: documents scored per timed call")
     p.add_argument("--no-hflm", action="store_true", help="skip lm-eval's HFLM comparisons")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the adapter replays decode steps from CUDA graphs (generation, sniah; CUDA only)")
@@ -209,6 +212,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": max(0, raw["warmup"]),
         "repeats": raw["repeats"],
         "harness_tokens": raw["harness_tokens"],
+        "harness_docs": max(1, raw["harness_docs"]),
         "adapter_chunk_sizes": _ints(raw["adapter_chunk_sizes"], "adapter-chunk-sizes"),
         "hflm": not args.no_hflm,
         "cuda_graphs": args.cuda_graphs,

@@ -342,14 +342,14 @@ def ccq_read_chunk(
     _check(r, kappa, log_gamma, lam, order)
     B, T, H, K = r.shape
     acc = _state_dtype(r)
+    if r.is_cuda and r.dtype != torch.float64 and order == 1 and fused_kernel_enabled():
+        fused = _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state)
+        if fused is not None:
+            return fused
     state = zero_state(B, H, K, r.device, acc) if initial_state is None else CCQState(
         *(s.to(acc) for s in initial_state)
     )
     if r.is_cuda and r.dtype != torch.float64:
-        if order == 1 and fused_kernel_enabled():
-            fused = _ccq_order1_fused(r, kappa, log_gamma, lam, centered, None if initial_state is None else state)
-            if fused is not None:
-                return fused
         return _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state, chunk_size,
                                  from_zero=initial_state is None)
     return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size)

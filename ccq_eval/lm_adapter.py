@@ -33,6 +33,7 @@ import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
 import lm_eval.models  # noqa: F401  (built-ins first: get_model() only imports them into an empty registry)
@@ -42,6 +43,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from ccq_eval.token_logprob import token_logprob
 from ccq_eval.truncation import truncate_tokens
 
 logger = logging.getLogger(__name__)
@@ -434,12 +436,14 @@ class CCQEvalLM(LM):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
-    def _run(self, input_ids: torch.Tensor, score_from: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    def _run(self, input_ids: torch.Tensor, score_from: int,
+             to_cpu: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """Run [B, T] token rows through the model in slices of chunk_size, carrying the cache.
 
         Scores the predictions made at positions score_from .. T-2 (position p predicts token
-        p + 1). Returns (logprob [B, T-1-score_from] fp32 on CPU, greedy-match [B, ...] bool,
-        fp32 logits at the last position [B, V] for decoding, the cache after T tokens).
+        p + 1). Returns (logprob [B, T-1-score_from] fp32, greedy-match [B, ...] bool, both on CPU
+        unless to_cpu=False, fp32 logits at the last position [B, V] for decoding, the cache after
+        T tokens). Nothing waits for the GPU before the end (no per-slice copies to the host).
         """
         n_rows, total = input_ids.shape
         logprob_parts: list[torch.Tensor] = []
@@ -461,19 +465,23 @@ class CCQEvalLM(LM):
                 last_logits = self._logits(features[:, -1:])[:, -1]
             for a in range(0, keep, self.logits_chunk):
                 b = min(a + self.logits_chunk, keep)
-                scored = self._logits(features[:, a:b])  # fp32 at least, fp64 models stay fp64
+                # Logits in the model's dtype; token_logprob does the log-softmax in fp32 (one fused
+                # pass on CUDA, fp64 stays fp64).
+                scored = features[:, a:b] if self._lm_head is None else self._lm_head(features[:, a:b])
                 targets = input_ids[:, first_needed + 1 + a:first_needed + 1 + b]
-                logprob = scored.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scored, dim=-1)
-                logprob_parts.append(logprob.cpu())
-                greedy_parts.append((scored.argmax(-1) == targets).cpu())
+                logprob, greedy = token_logprob(scored, targets)
+                logprob_parts.append(logprob)
+                greedy_parts.append(greedy)
                 del scored
             del features
         if logprob_parts:
             logprob = torch.cat(logprob_parts, dim=1)
             greedy = torch.cat(greedy_parts, dim=1)
         else:
-            logprob = torch.zeros(n_rows, 0)
-            greedy = torch.zeros(n_rows, 0, dtype=torch.bool)
+            logprob = torch.zeros(n_rows, 0, device=input_ids.device)
+            greedy = torch.zeros(n_rows, 0, dtype=torch.bool, device=input_ids.device)
+        if to_cpu:
+            logprob, greedy = logprob.cpu(), greedy.cpu()
         return logprob, greedy, last_logits, cache
 
     def _batches(self, lengths: list[int], any_length: bool = False) -> Iterator[list[int]]:
@@ -493,7 +501,11 @@ class CCQEvalLM(LM):
                 yield indices[i:i + self.batch_size]
 
     def _tensor(self, rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        ids = torch.tensor(rows, dtype=torch.long)
+        if self._device.type == "cuda":
+            # From pinned memory the copy is queued behind the GPU's work instead of waiting for it.
+            return ids.pin_memory().to(self._device, non_blocking=True)
+        return ids.to(self._device)
 
     # ------------------------------------------------------------------ truncation
     def _fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
@@ -571,27 +583,60 @@ class CCQEvalLM(LM):
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[TokenNLL]:
-        rows_all = [self.prefix + self.tok_encode(request.args[0]) for request in requests]
-        longest = max((len(r) for r in rows_all), default=0)
+        """Each text scored whole in one recurrent pass. A pipeline keeps the GPU busy: worker threads
+        tokenise ahead (tens of ms for a 20K-token text; the fast tokenizers release the GIL), and a
+        text's scores are copied back and unpacked while the next text runs."""
+        results: list[TokenNLL | None] = [None] * len(requests)
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            encoded = pool.map(self.tok_encode, [request.args[0] for request in requests])
+            if self.batch_size == 1:  # in request order, each text as soon as it is tokenised
+                batches: Iterator[list[tuple[int, list[int]]]] = (
+                    [(i, self.prefix + ids)] for i, ids in enumerate(encoded))
+                n_batches = len(requests)
+            else:  # equal-length batches need every length first
+                rows_all = [self.prefix + ids for ids in encoded]
+                grouped = list(self._batches([len(r) for r in rows_all]))
+                batches = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
+                n_batches = len(grouped)
+            pending = None
+            for batch in tqdm(batches, total=n_batches, desc="ccq loglikelihood_rolling",
+                              disable=disable_tqdm or self.rank != 0):
+                started = self._start_rolling(batch)
+                if pending is not None:
+                    self._finish_rolling(pending, requests, results)
+                pending = started
+            if pending is not None:
+                self._finish_rolling(pending, requests, results)
+        return results  # type: ignore[return-value]
+
+    def _start_rolling(self, batch: list[tuple[int, list[int]]]):
+        """Queue the scoring of one batch of rows; returns what _finish_rolling needs."""
+        rows = [row for _, row in batch]
+        longest = max(len(row) for row in rows)
         if longest > self.max_length and not self._warned_rolling_over_length:
             # Rolling scoring is the whole text by definition (no truncation); say so once.
             logger.warning("loglikelihood_rolling: a text of %d tokens exceeds max_length %d; it is scored "
                            "whole in one recurrent pass", longest, self.max_length)
             self._warned_rolling_over_length = True
+        if len(rows[0]) < 2:  # nothing to predict
+            return [i for i, _ in batch], torch.zeros(len(rows), 0), None
+        logprob, _, _, _ = self._run(self._tensor(rows), 0, to_cpu=False)
+        if logprob.device.type != "cuda":
+            return [i for i, _ in batch], logprob.cpu(), None
+        host = torch.empty(logprob.shape, dtype=logprob.dtype, pin_memory=True)
+        host.copy_(logprob, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return [i for i, _ in batch], host, copied
 
-        results: list[TokenNLL | None] = [None] * len(requests)
-        batches = list(self._batches([len(r) for r in rows_all]))
-        for batch in tqdm(batches, desc="ccq loglikelihood_rolling", disable=disable_tqdm or self.rank != 0):
-            rows = [rows_all[i] for i in batch]
-            if len(rows[0]) < 2:  # nothing to predict
-                logprob = torch.zeros(len(rows), 0)
-            else:
-                logprob, _, _, _ = self._run(self._tensor(rows), 0)
-            for row, index in enumerate(batch):
-                value = TokenNLL.from_token_nll((-logprob[row]).tolist())
-                results[index] = value
-                self.cache_hook.add_partial("loglikelihood_rolling", requests[index].args, value)
-        return results  # type: ignore[return-value]
+    def _finish_rolling(self, started, requests: list[Instance], results: list) -> None:
+        indices, logprob, copied = started
+        if copied is not None:
+            copied.synchronize()  # waits for this batch's copy only, not for work queued after it
+        for row, index in enumerate(indices):
+            value = TokenNLL.from_token_nll((-logprob[row]).tolist())
+            results[index] = value
+            self.cache_hook.add_partial("loglikelihood_rolling", requests[index].args, value)
 
     def _parse_gen_kwargs(self, gen_kwargs: dict[str, Any], task_name: str | None) -> dict[str, Any]:
         unknown = set(gen_kwargs) - _GEN_KWARGS

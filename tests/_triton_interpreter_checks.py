@@ -82,11 +82,33 @@ def gradient_checks():
     return out
 
 
+def logprob_checks():
+    """The fused log-softmax pass against torch, in fp32 and on bf16 logits, vocab not a block multiple."""
+    from ccq_eval.token_logprob import token_logprob, token_logprob_triton
+
+    g = torch.Generator().manual_seed(5)
+    logits = 4 * torch.randn(37, 5000, generator=g)
+    targets = torch.randint(0, 5000, (37,), generator=g)
+    targets[:5] = logits[:5].argmax(-1)  # some rows where the target is the greedy choice
+    logits[5, 4100] = logits[5, 10] = logits[5].max() + 1  # a tie across blocks: the first index wins
+    targets[5] = 10
+    out = {}
+    for name, x in (("fp32", logits), ("bf16_as_fp32", logits.bfloat16().float())):
+        ref_lp, ref_greedy = token_logprob(x, targets)  # the torch path (CPU tensors)
+        lp, greedy = token_logprob_triton(x, targets)
+        out[name] = {"max_abs_logprob": (lp - ref_lp).abs().max().item(),
+                     "greedy_equal": bool(torch.equal(greedy, ref_greedy)),
+                     "greedy_count": int(greedy.sum())}
+    return out
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["forward", "gradient"]
+    which = sys.argv[1:] or ["forward", "gradient", "logprob"]
     result = {}
     if "forward" in which:
         result["forward"] = forward_checks()
     if "gradient" in which:
         result["gradient"] = gradient_checks()
+    if "logprob" in which:
+        result["logprob"] = logprob_checks()
     print(json.dumps(result))

@@ -93,3 +93,25 @@ def test_fused_cuda_gradients_match_unfused(K, dtype, tolerance):
         relative = ((a.float() - b).norm() / b.norm()).item()
         print(f"K={K} {dtype} d{name}: relative L2 error fused vs unfused fp32 = {relative:.2e}")
         assert relative < tolerance
+
+
+def test_token_logprob_kernel_matches_torch_in_interpreter():
+    for name, result in _interpreter("logprob").items():
+        assert result["max_abs_logprob"] < 1e-5, (name, result)
+        assert result["greedy_equal"], (name, result)
+        assert result["greedy_count"] == 6, (name, result)  # 5 greedy targets + the cross-block tie
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_token_logprob_cuda_bf16_matches_fp32_torch():
+    from ccq_eval.token_logprob import token_logprob
+
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 300, 32000, generator=g)).bfloat16()
+    targets = torch.randint(0, 32000, (2, 300), generator=g)
+    targets[:, :50] = logits[:, :50].float().argmax(-1)
+    ref_lp, ref_greedy = token_logprob(logits.float(), targets)  # CPU: torch in fp32
+    lp, greedy = token_logprob(logits.cuda(), targets.cuda())
+    assert (lp.cpu() - ref_lp).abs().max().item() < 1e-4
+    assert torch.equal(greedy.cpu(), ref_greedy)

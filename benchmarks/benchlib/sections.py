@@ -263,31 +263,33 @@ def _harness_case(
 
     s = bench.settings
     n_tokens = int(input_ids.shape[1])
+    n_docs = s["harness_docs"]
     holder: dict[str, Any] = {}
     with workload.ccq_mode(model, case["ccq"]):
         if case["method"] == "bare_forward":
 
             def call():
                 with torch.no_grad():
-                    model(input_ids=input_ids, use_cache=False)
+                    for _ in range(n_docs):
+                        model(input_ids=input_ids, use_cache=False)
         else:
             score = _scorer(
                 "hflm" if case["method"] == "lm_eval HFLM" else "adapter", bench, model, n_tokens, chunk
             )
+            # What an evaluation does: n_docs texts scored in one call, each tokenised by the harness.
+            requests = [
+                Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0,
+                         task_name="bench_ppl", doc_id=i)
+                for i in range(n_docs)
+            ]
 
             def call():
-                request = Instance(
-                    request_type="loglikelihood_rolling",
-                    doc={},
-                    arguments=(text,),
-                    idx=0,
-                    task_name="bench_ppl",
-                    doc_id=0,
-                )
-                holder["out"] = score([request])
+                holder["out"] = score(requests)
 
         m = measure(call, bench.device, warmup=s["warmup"], repeats=s["repeats"])
-    row = {**case, "tokens": n_tokens, **m.as_dict(), "tokens_per_s": n_tokens / (m.median_ms / 1000.0)}
+    total = n_tokens * n_docs
+    row = {**case, "tokens": n_tokens, "docs": n_docs, **m.as_dict(),
+           "tokens_per_s": total / (m.median_ms / 1000.0)}
     if chunk is not None:
         row["chunk_size"] = chunk
     out = holder.get("out")
@@ -300,9 +302,9 @@ def _harness_case(
 
 
 def run_harness(bench: Bench) -> None:
-    """Perplexity scoring of one long document: a bare forward of the same model, the ccq adapter's
-    loglikelihood_rolling (one request, chunked state-carrying scoring), and lm-eval's stock HFLM
-    configured to fit the document (max_length = document length)."""
+    """Perplexity scoring of harness_docs long documents: bare forwards of the same model on the
+    token ids, the ccq adapter's loglikelihood_rolling (one request per document, tokenisation
+    included), and lm-eval's stock HFLM configured to fit a document (max_length = its length)."""
     s = bench.settings
     text = workload.long_document(bench.tokenizer, s["harness_tokens"])
     ids = workload.prefix_ids(bench.tokenizer) + workload.encode(bench.tokenizer, text)

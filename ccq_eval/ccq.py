@@ -355,6 +355,39 @@ def ccq_read_chunk(
     return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size)
 
 
+class CCQGate(NamedTuple):
+    """lambda_t = lam_max * sigmoid(a_h . r_t + b_h) (query gate) or lam_max * sigmoid(b_h) (weight None)."""
+
+    weight: torch.Tensor | None  # a [H, K]
+    bias: torch.Tensor  # b [H]
+    lam_max: float
+
+    def values(self, r: torch.Tensor) -> torch.Tensor:
+        """lambda [B, T, H] in fp32 for queries r [B, T, H, K]."""
+        bias = self.bias.float()
+        if self.weight is None:
+            return (self.lam_max * torch.sigmoid(bias)).expand(r.shape[:3])
+        return self.lam_max * torch.sigmoid((r.float() * self.weight.float()).sum(-1) + bias)
+
+
+def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None):
+    """What a layer calls, with its raw keys k and its gate. Inference on CUDA (nothing needs a
+    gradient, order 1, more than one token) takes the fused kernels, which normalise the keys and form
+    lambda themselves; everything else forms unit_keys(k) and lambda here and calls ccq_read."""
+    from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
+
+    inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    if (r.is_cuda and r.dtype != torch.float64 and r.shape[1] > 1 and order == 1 and not needs_grad
+            and supports_head_dim(r.shape[-1]) and fused_kernel_enabled()):
+        _check(r, k, log_gamma, log_gamma, order)
+        weight = gate.weight if gate.weight is not None else torch.zeros(r.shape[2], r.shape[3], device=r.device)
+        q, final = ccq_order1_forward(r, k, log_gamma, None, centered, initial_state, output_final_state=True,
+                                      raw_keys=True, gate=(weight, gate.bias, gate.lam_max))
+        return q, CCQState(*final)
+    return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)
+
+
 def ccq_read(r, kappa, log_gamma, lam, order=1, centered=True, initial_state=None):
     """What a layer calls: the recurrence for one-token decode steps, the chunk form otherwise."""
     if r.shape[1] == 1:

@@ -63,13 +63,24 @@ class _FirstConfig:
 _tuned = _FirstConfig if os.environ.get("TRITON_INTERPRET") == "1" else triton.autotune
 
 
-@_tuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "IEEE"])
+@triton.jit
+def _inverse_key_norms(kappa, base, row_ok, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """1 / max(||k_t||, 1e-6) for the C keys at `base` (the unit_keys of ccq.py)."""
+    squares = tl.zeros([C], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, 1)
+    return 1.0 / tl.maximum(tl.sqrt(squares), 1e-6)
+
+
+@_tuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "NORMALIZE", "IEEE"])
 @triton.jit
 def _ccq_local_state_kernel(
     kappa, log_gamma, P_in, m_in, n_in, chunk_decay,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IEEE: tl.constexpr,
+    NORMALIZE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Every chunk in parallel: its own decayed sums, sum_{i in c} exp(G_c - b_i) kappa_i kappa_i^T
     (and m, n alike), written to slot c + 1 of P_in / m_in / n_in for the scan to accumulate; the
@@ -90,6 +101,10 @@ def _ccq_local_state_kernel(
     base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
     k_rows = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0)
     k_cols = tl.load(kappa + base[:, None] + cols[None, :], mask=t_ok[:, None], other=0.0)
+    if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6)
+        inv_norm = _inverse_key_norms(kappa, base, t_ok[:, None], C, K, BK)
+        k_rows = (k_rows.to(tl.float32) * inv_norm[:, None]).to(k_rows.dtype)
+        k_cols = (k_cols.to(tl.float32) * inv_norm[:, None]).to(k_cols.dtype)
     weighted = k_rows.to(tl.float32) * to_end[:, None]
     if IEEE:
         local = tl.dot(tl.trans(weighted), k_cols.to(tl.float32), input_precision="ieee")
@@ -153,13 +168,13 @@ def _ccq_state_scan_kernel(
             tl.store(n_final + i_bh, n)
 
 
-@_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "IEEE"])
+@_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_read_kernel(
-    r, kappa, log_gamma, lam, P_in, m_in, n_in, q_out,
+    r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CENTERED: tl.constexpr, IEEE: tl.constexpr,
+    CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_v, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -179,6 +194,8 @@ def _ccq_read_kernel(
     scores = tl.zeros([C, C], dtype=tl.float32)  # r_t . kappa_i
     carried = tl.zeros([C, BV], dtype=tl.float32)  # r_t @ P_in[c][:, cols]
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
+    key_squares = tl.zeros([C], dtype=tl.float32)  # ||k_t||^2 (NORMALIZE: raw keys in)
+    gate_logit = tl.zeros([C], dtype=tl.float32)  # a_h . r_t (GATE: lambda from the query)
     # Unrolled (K and BK are constants): the software-pipelined form of a one-trip loop (K = BK)
     # crashed with an illegal memory access on the H200 in bf16.
     for k0 in tl.static_range(0, K, BK):
@@ -197,12 +214,22 @@ def _ccq_read_kernel(
             carried += tl.dot(r_k, P_k.to(r_k.dtype))
         m_k = tl.load(m_in + state * K + ks, mask=k_ok, other=0.0)
         r_dot_m_in += tl.sum(r_k.to(tl.float32) * m_k[None, :], 1)
+        if NORMALIZE:
+            key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
+        if GATE:
+            a_k = tl.load(gate_weight + i_h * K + ks, mask=k_ok, other=0.0)
+            gate_logit += tl.sum(r_k.to(tl.float32) * a_k[None, :], 1)
 
+    if NORMALIZE:
+        inv_norm = 1.0 / tl.maximum(tl.sqrt(key_squares), 1e-6)
+        scores = scores * inv_norm[None, :]
     A = scores * D
     n = from_start * tl.load(n_in + state) + tl.sum(D, 1)
     n = tl.where(t_ok, n, 1.0)
     col_mask = t_ok[:, None] & col_ok[None, :]
     kap_v = tl.load(kappa + base[:, None] + cols[None, :], mask=col_mask, other=0.0)
+    if NORMALIZE:
+        kap_v = (kap_v.to(tl.float32) * inv_norm[:, None]).to(kap_v.dtype)
     r_v = tl.load(r + base[:, None] + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
     if IEEE:
         Pu = from_start[:, None] * carried + tl.dot(A, kap_v.to(tl.float32), input_precision="ieee")
@@ -217,7 +244,10 @@ def _ccq_read_kernel(
             m = from_start[:, None] * m_v[None, :] + tl.dot(D.to(kap_v.dtype), kap_v)
         mu_dot_r = (from_start * r_dot_m_in + tl.sum(A, 1)) / n  # mu_t . r_t = (m_t . r_t) / n_t
         sigma_r -= (m / n[:, None]) * mu_dot_r[:, None]
-    lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    if GATE:
+        lam_t = lam_max * tl.sigmoid(gate_logit + tl.load(gate_bias + i_h))
+    else:
+        lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
     q = r_v - lam_t[:, None] * sigma_r
     tl.store(q_out + base[:, None] + cols[None, :], q.to(q_out.dtype.element_ty), mask=col_mask)
 
@@ -231,12 +261,15 @@ def supports_head_dim(K: int) -> bool:
 
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
                        output_final_state: bool = False, chunk_size: int = CHUNK,
-                       return_chunk_states: bool = False):
+                       return_chunk_states: bool = False, raw_keys: bool = False, gate=None):
     """q~ = r - lam * Sigma r for r, kappa [B, T, H, K] (kappa unit keys), log_gamma, lam [B, T, H].
 
     initial_state: (P [B, H, K, K], m [B, H, K], n [B, H]) fp32, or None for zero. Returns q~ in r's
     dtype and the final (P, m, n) in fp32 (None unless output_final_state); with return_chunk_states
     also the states entering every chunk (P_in, m_in, n_in), which the backward reuses.
+    raw_keys: kappa holds the layer's keys, normalised in the kernels. gate: (a [H, K], b [H],
+    lam_max) instead of lam, lambda_t = lam_max * sigmoid(a_h . r_t + b_h) computed in the kernel.
+    Both save the separate elementwise passes (no gradient flows through this path: inference).
     """
     B, T, H, K = r.shape
     if not supports_head_dim(K):
@@ -245,7 +278,13 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     NT = triton.cdiv(T, C)
     ieee = r.dtype == torch.float32
     r, kappa = r.contiguous(), kappa.to(r.dtype).contiguous()
-    log_gamma, lam = log_gamma.float().contiguous(), lam.float().contiguous()
+    log_gamma = log_gamma.float().contiguous()
+    lam = log_gamma if lam is None else lam.float().contiguous()  # with a gate, lam is never read
+    if gate is not None:
+        gate_weight, gate_bias, lam_max = gate
+        gate_weight, gate_bias = gate_weight.float().contiguous(), gate_bias.float().contiguous()
+    else:
+        gate_weight, gate_bias, lam_max = log_gamma, log_gamma, 0.0  # unused placeholders
     state_dtype = torch.float32 if ieee else r.dtype
     # Slot c: the state entering chunk c; slot NT: the state after the last chunk.
     P_in = torch.empty(B * H, NT + 1, K, K, device=r.device, dtype=state_dtype)
@@ -261,7 +300,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     dummy = n_in  # stands in for absent optional pointers (never read or written)
     local_grid = lambda meta: (K // meta["BK"], K // meta["BV"], NT * B * H)  # noqa: E731
     _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
-                                        H=H, K=K, C=C, IEEE=ieee)
+                                        H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
     scan_grid = lambda meta: (triton.cdiv(K * K, meta["BLOCK"]) + 1, B * H)  # noqa: E731
     _ccq_state_scan_kernel[scan_grid](
         P_in, m_in, n_in, chunk_decay,
@@ -272,8 +311,8 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     q = torch.empty_like(r)
     read_grid = lambda meta: (triton.cdiv(K, meta["BV"]), NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](
-        r, kappa, log_gamma, lam, P_in, m_in, n_in, q,
-        T, NT, H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee,
+        r, kappa, log_gamma, lam, gate_weight, gate_bias, float(lam_max), P_in, m_in, n_in, q,
+        T, NT, H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,
     )
     if return_chunk_states:
         return q, final, (P_in, m_in, n_in)

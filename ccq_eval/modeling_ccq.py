@@ -25,7 +25,7 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig,
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ccq_eval import backend
-from ccq_eval.ccq import CCQState, ccq_read, unit_keys
+from ccq_eval.ccq import CCQGate, CCQState, ccq_read_keys
 
 CCQ_DECAYS = ("state", "none")
 CCQ_GATES = ("query", "constant")
@@ -129,22 +129,17 @@ class CCQReadMixin:
             new_states.append(state)
         return (*outputs, tuple(new_states))
 
-    def ccq_lambda(self, r: torch.Tensor) -> torch.Tensor:
-        """lambda_t = lambda_max * sigmoid(a_h . r_t + b_h), [B, T, H] in fp32."""
-        bias = self.ccq_gate_bias.float()
-        if self.ccq_gate == "constant":
-            return (self.ccq_lambda_max * torch.sigmoid(bias)).expand(r.shape[:3])
-        logits = (r.float() * self.ccq_gate_weight.float()).sum(-1) + bias
-        return self.ccq_lambda_max * torch.sigmoid(logits)
+    def ccq_read_gate(self) -> CCQGate:
+        """lambda_t = lambda_max * sigmoid(a_h . r_t + b_h) ("query") or lambda_max * sigmoid(b_h)."""
+        weight = None if self.ccq_gate == "constant" else self.ccq_gate_weight
+        return CCQGate(weight, self.ccq_gate_bias, self.ccq_lambda_max)
 
     def ccq_query(self, r, k, log_decay, ccq_state: CCQState | None):
         """q~ for the backbone's read; log_decay [B, T, H] is the layer's scalar log forgetting."""
         if self.ccq_decay == "none":
             log_decay = torch.zeros_like(log_decay)
-        return ccq_read(
-            r, unit_keys(k), log_decay, self.ccq_lambda(r),
-            order=self.ccq_order, centered=self.ccq_centered, initial_state=ccq_state,
-        )
+        return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=self.ccq_order,
+                             centered=self.ccq_centered, initial_state=ccq_state)
 
 
 def _split_state(last_state):
@@ -209,7 +204,7 @@ class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
 
         S, ccq_state = _split_state(last_state)
         # Geometric mean of the channel decays: a scalar keeps Sigma symmetric (ccq.md).
-        q, ccq_state = self.ccq_query(q, k, gk.float().mean(-1), ccq_state)
+        q, ccq_state = self.ccq_query(q, k, gk.mean(-1, dtype=torch.float32), ccq_state)
 
         # The module attributes, not imported names: the CPU backend patches them.
         if mode == "fused_recurrent":

@@ -59,6 +59,24 @@ def forward_checks():
     q_ref, _ = ccq_read_reference(r.double(), kappa.double(), log_gamma.double(), lam.double())
     q16, _ = ccq_order1_forward(r.half(), kappa.half(), log_gamma, lam)
     out["fp16_relative_l2"] = ((q16.double() - q_ref).norm() / q_ref.norm()).item()
+    # Raw keys and the query gate, both formed inside the kernels (the inference path of the layers).
+    from ccq_eval.ccq import CCQGate
+
+    g = torch.Generator().manual_seed(11)
+    r, _, log_gamma, _ = inputs(1, 100, 2, 64, seed=4)
+    k = 3 * torch.randn(1, 100, 2, 64, generator=g)
+    k[0, 7, 1] = 0.0  # a zero key: normalised by the 1e-6 floor, as unit_keys does
+    state = prior_state(1, 2, 64, seed=2)
+    for gate in (CCQGate(0.3 * torch.randn(2, 64, generator=g), torch.randn(2, generator=g), 4.0),
+                 CCQGate(None, torch.randn(2, generator=g), 2.0)):
+        q_ref, s_ref = ccq_read_reference(r.double(), unit_keys(k).double(), log_gamma.double(),
+                                          gate.values(r).double(), 1, True, state)
+        weight = torch.zeros(2, 64) if gate.weight is None else gate.weight
+        q, final = ccq_order1_forward(r, k, log_gamma, None, True, tuple(x.float() for x in state),
+                                      output_final_state=True, raw_keys=True, gate=(weight, gate.bias, gate.lam_max))
+        name = "raw_keys_" + ("query_gate" if gate.weight is not None else "constant_gate")
+        out[name] = {"q": max_abs(q, q_ref),
+                     "state": max(max_abs(a, b) / b.abs().max().item() for a, b in zip(final, s_ref))}
     # lambda = 0 reads the query unchanged, bit for bit.
     q0, _ = ccq_order1_forward(r, kappa, log_gamma, torch.zeros_like(lam))
     out["lambda0_identical"] = bool(torch.equal(q0, r))

@@ -115,3 +115,33 @@ def test_token_logprob_cuda_bf16_matches_fp32_torch():
     lp, greedy = token_logprob(logits.cuda(), targets.cuda())
     assert (lp.cpu() - ref_lp).abs().max().item() < 1e-4
     assert torch.equal(greedy.cpu(), ref_greedy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("constant_gate", [False, True])
+def test_layer_entry_fused_equals_unfused_on_cuda(constant_gate):
+    """ccq_read_keys (what the layers call): keys normalised and lambda formed inside the kernels vs
+    unit_keys + the gate in torch on the unfused path, fp32, continuing from a state."""
+    from ccq_eval.ccq import CCQGate, ccq_read_keys
+
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(1, 3000, 2, 128, generator=g).cuda()
+    k = (3 * torch.randn(1, 3000, 2, 128, generator=g)).cuda()
+    log_gamma = torch.nn.functional.logsigmoid(torch.randn(1, 3000, 2, generator=g) + 4).cuda()
+    gate = CCQGate(None if constant_gate else (0.2 * torch.randn(2, 128, generator=g)).cuda(),
+                   torch.randn(2, generator=g).cuda(), 4.0)
+    state = CCQState(*(x.float().cuda() for x in ccq_read_reference(
+        *(x.double() for x in _gpu_inputs(40, 2, 128, torch.float32, seed=5)))[1]))
+    outputs = {}
+    for kernel in ("fused", "unfused"):
+        os.environ["CCQ_EVAL_CCQ_KERNEL"] = kernel
+        try:
+            with torch.no_grad():
+                outputs[kernel] = ccq_read_keys(r, k, log_gamma, gate, initial_state=state)
+        finally:
+            os.environ.pop("CCQ_EVAL_CCQ_KERNEL")
+    (q_f, s_f), (q_u, s_u) = outputs["fused"], outputs["unfused"]
+    assert ((q_f - q_u).norm() / q_u.norm()).item() < 1e-4
+    for a, b in zip(s_f, s_u):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4

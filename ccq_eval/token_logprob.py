@@ -9,6 +9,8 @@ max / sum-exp (the online softmax), the target's logit and the first argmax.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -45,7 +47,7 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     shape = targets.shape
     if logits.shape[:-1] != shape:
         raise ValueError(f"token_logprob: logits {tuple(logits.shape)} do not match targets {tuple(shape)}")
-    if not logits.is_cuda:
+    if not logits.is_cuda or os.environ.get("CCQ_EVAL_TOKEN_LOGPROB") == "torch":  # the torch form
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprob = scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
         return logprob, scores.argmax(-1) == targets

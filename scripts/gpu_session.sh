@@ -102,9 +102,11 @@ pipeline() {
 
   if want bench; then
   stage "3: benchmarks"
-  # If the fused CCQ kernels fail to compile here, the benchmarks still run, on the unfused path.
-  python3 -c "import torch, ccq_eval; from ccq_eval.ccq_triton import ccq_order1_forward as f; x = torch.randn(1, 300, 2, 128, device='cuda', dtype=torch.bfloat16); g = torch.zeros(1, 300, 2, device='cuda'); print(f(x, x / x.norm(dim=-1, keepdim=True), g, g + 1)[0].float().norm())" \
-    > "$WORK/logs/fused-smoke.log" 2>&1 || { stage "fused CCQ kernel FAILED: benchmarks use the unfused path"; export CCQ_EVAL_CCQ_KERNEL=unfused; }
+  # If the fused kernels fail here, the benchmarks still run, on the unfused / torch paths.
+  python3 scripts/fused_smoke.py > "$WORK/logs/fused-smoke.log" 2>&1 \
+    || { stage "fused CCQ kernels FAILED: benchmarks use the unfused path"; export CCQ_EVAL_CCQ_KERNEL=unfused; }
+  python3 -c "import torch, ccq_eval; from ccq_eval.token_logprob import token_logprob as f; x = torch.randn(5, 32000, device='cuda', dtype=torch.bfloat16); print(f(x, x.argmax(-1))[1].all().item())" \
+    >> "$WORK/logs/fused-smoke.log" 2>&1 || { stage "token_logprob kernel FAILED: torch form"; export CCQ_EVAL_TOKEN_LOGPROB=torch; }
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
   group() { [[ ",${BENCH:-model,train4,harness,ops,sniah,generation}," == *",$1,"* ]]; }
   group model && { timeout 300 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths 4096,20480 \

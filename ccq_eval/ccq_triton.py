@@ -36,8 +36,7 @@ CHUNK = 64
 # Few candidates on purpose: each compiles on the first call of a shape.
 _LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stages=2)
                   for bk in (32, 64) for warps in (4, 8)]
-_SCAN_CONFIGS = [triton.Config({"BLOCK": block}, num_warps=4, num_stages=stages)
-                 for block in (512, 1024) for stages in (2, 3)]
+SCAN_BLOCK = 1024
 _READ_CONFIGS = [triton.Config({"BK": 64, "BV": bv}, num_warps=warps, num_stages=2)
                  for bv in (32, 64) for warps in (4, 8)]
 
@@ -119,7 +118,8 @@ def _ccq_local_state_kernel(
             tl.store(chunk_decay + i_bh * NT + c, g_chunk)
 
 
-@_tuned(configs=_SCAN_CONFIGS, key=["K", "HAS_INITIAL", "STORE_FINAL"])
+# Not autotuned: the scan works in place, and the autotuner's repeated timing runs would accumulate
+# the sums again and again (on the H200 that gave NaNs).
 @triton.jit
 def _ccq_state_scan_kernel(
     P_in, m_in, n_in, chunk_decay, P0, m0, n0, P_final, m_final, n_final,
@@ -253,10 +253,9 @@ def _ccq_read_kernel(
 
 
 def supports_head_dim(K: int) -> bool:
-    """Head dims that are whole 64-wide tiles (GLA-340M: 128, Gated DeltaNet-340M: 256). Narrower or
-    ragged heads (masked tile columns) crashed with an illegal memory access on the H200 in bf16; they
-    take the unfused path."""
-    return K % 64 == 0
+    """Head dims checked on the H200: 128 (GLA-340M) and 256 (Gated DeltaNet-340M). With 32 and 64
+    the read kernel hit an illegal memory access in bf16 (cause not found); they take the unfused path."""
+    return K % 128 == 0
 
 
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
@@ -272,7 +271,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     Both save the separate elementwise passes (no gradient flows through this path: inference).
     """
     B, T, H, K = r.shape
-    if not supports_head_dim(K):
+    if K % 64:  # the kernels tile the head dim in whole 64-wide blocks
         raise ValueError(f"the fused CCQ kernels need a head dim that is a multiple of 64, got {K}")
     C = chunk_size
     NT = triton.cdiv(T, C)
@@ -301,12 +300,12 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     local_grid = lambda meta: (K // meta["BK"], K // meta["BV"], NT * B * H)  # noqa: E731
     _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
                                         H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
-    scan_grid = lambda meta: (triton.cdiv(K * K, meta["BLOCK"]) + 1, B * H)  # noqa: E731
-    _ccq_state_scan_kernel[scan_grid](
+    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](
         P_in, m_in, n_in, chunk_decay,
         *(init if init is not None else (dummy, dummy, dummy)),
         *(final if final is not None else (dummy, dummy, dummy)),
-        NT, K=K, HAS_INITIAL=init is not None, STORE_FINAL=final is not None,
+        NT, K=K, BLOCK=SCAN_BLOCK, HAS_INITIAL=init is not None, STORE_FINAL=final is not None,
+        num_warps=4, num_stages=2,
     )
     q = torch.empty_like(r)
     read_grid = lambda meta: (triton.cdiv(K, meta["BV"]), NT, B * H)  # noqa: E731
@@ -583,9 +582,9 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     local_grid = lambda meta: (K // meta["BK"], K // meta["BV"], NT * B * H)  # noqa: E731
     _ccq_bwd_local_kernel[local_grid](r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, decay_rev, T, NT,
                                       H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee)
-    scan_grid = lambda meta: (triton.cdiv(K * K, meta["BLOCK"]) + 1, B * H)  # noqa: E731
-    _ccq_state_scan_kernel[scan_grid](Q, g_acc, h_acc, decay_rev, h_acc, h_acc, h_acc, h_acc, h_acc, h_acc,
-                                      NT, K=K, HAS_INITIAL=False, STORE_FINAL=False)
+    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](
+        Q, g_acc, h_acc, decay_rev, h_acc, h_acc, h_acc, h_acc, h_acc, h_acc,
+        NT, K=K, BLOCK=SCAN_BLOCK, HAS_INITIAL=False, STORE_FINAL=False, num_warps=4, num_stages=2)
     dkappa = torch.empty_like(kappa)
     dc = torch.empty(B, T, H, **f32)
     _ccq_bwd_key_kernel[(NT, B * H)](

@@ -1,24 +1,72 @@
-"""A quick check, on a GPU, that the fused CCQ kernels compile and run (forward with raw keys and the
-gate, forward + backward from a zero state): scripts/gpu_session.sh falls back to the unfused path
-for the benchmarks when this fails. Exit code 0 when all are finite."""
+"""A quick check, on a GPU, that the fused kernels compile, run and agree with the unfused path:
+the CCQ forward with raw keys and the gate (bf16 and fp32, from a state), the CCQ backward from a zero
+state (fp32), and the fused log-softmax. scripts/gpu_session.sh falls back to the unfused path for
+the benchmarks when this fails. Prints the relative L2 errors; exit code 1 if one is over tolerance."""
+
+import os
+import sys
 
 import torch
 
 import ccq_eval  # noqa: F401
-from ccq_eval.ccq import CCQGate, ccq_read_chunk, ccq_read_keys, unit_keys
+from ccq_eval.ccq import CCQGate, CCQState, ccq_read_chunk, ccq_read_keys, unit_keys
+from ccq_eval.token_logprob import token_logprob
 
-for K in (64, 128, 256):
-    r = torch.randn(1, 300, 2, K, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 300, 2, K, device="cuda", dtype=torch.bfloat16)
-    log_gamma = torch.nn.functional.logsigmoid(torch.randn(1, 300, 2, device="cuda") + 3)
-    gate = CCQGate(torch.randn(2, K, device="cuda"), torch.zeros(2, device="cuda"), 4.0)
-    with torch.no_grad():
-        q, _ = ccq_read_keys(r, k, log_gamma, gate)
-    leaves = [x.clone().requires_grad_(True) for x in (r, unit_keys(k), log_gamma, gate.values(r))]
-    q2, _ = ccq_read_chunk(*leaves)
-    grads = torch.autograd.grad(q2.float().square().sum(), leaves)
-    torch.cuda.synchronize()
-    finite = all(bool(torch.isfinite(x).all()) for x in (q, q2, *grads))
-    print(f"K={K}: fused forward and backward ran, finite={finite}")
-    if not finite:
-        raise SystemExit(1)
+
+def run(kernel, fn):
+    os.environ["CCQ_EVAL_CCQ_KERNEL"] = kernel
+    try:
+        return fn()
+    finally:
+        os.environ.pop("CCQ_EVAL_CCQ_KERNEL")
+
+
+def relative(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+failed = []
+g = torch.Generator(device="cuda").manual_seed(0)
+for K in (128, 256):
+    T, H = 1000, 2
+    r32 = torch.randn(1, T, H, K, device="cuda", generator=g)
+    k32 = 2 * torch.randn(1, T, H, K, device="cuda", generator=g)
+    log_gamma = torch.nn.functional.logsigmoid(torch.randn(1, T, H, device="cuda", generator=g) + 3)
+    gate = CCQGate(0.2 * torch.randn(H, K, device="cuda", generator=g), torch.zeros(H, device="cuda"), 4.0)
+    kap0 = unit_keys(torch.randn(1, 30, H, K, device="cuda", generator=g))
+    state = CCQState(torch.einsum("bthk,bthl->bhkl", kap0, kap0), kap0.sum(1), torch.full((1, H), 30.0, device="cuda"))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        r, k = r32.to(dtype), k32.to(dtype)
+        with torch.no_grad():
+            fused = run("fused", lambda: ccq_read_keys(r, k, log_gamma, gate, initial_state=state))
+            ref = run("unfused", lambda: ccq_read_keys(r32, k32, log_gamma, gate, initial_state=state))
+        errors = [relative(fused[0], ref[0])] + [relative(a, b) for a, b in zip(fused[1], ref[1])]
+        print(f"forward K={K} {dtype}: relative errors q, P, m, n = {[f'{e:.1e}' for e in errors]}")
+        if not max(errors) < tol:
+            failed.append(f"forward K={K} {dtype}")
+    weights = torch.randn(r32.shape, device="cuda", generator=g)
+
+    def grads():
+        leaves = [x.clone().requires_grad_(True) for x in (r32, unit_keys(k32), log_gamma, gate.values(r32))]
+        q, _ = ccq_read_chunk(*leaves)
+        return torch.autograd.grad((q * weights).sum(), leaves)
+
+    errors = [relative(a, b) for a, b in zip(run("fused", grads), run("unfused", grads))]
+    print(f"backward K={K} fp32: relative errors dr, dkappa, dlog_gamma, dlam = {[f'{e:.1e}' for e in errors]}")
+    if not max(errors) < 5e-3:
+        failed.append(f"backward K={K}")
+
+logits = (4 * torch.randn(300, 32000, device="cuda", generator=g)).bfloat16()
+targets = torch.randint(0, 32000, (300,), device="cuda", generator=g)
+targets[:50] = logits[:50].float().argmax(-1)
+lp, greedy = token_logprob(logits, targets)
+os.environ["CCQ_EVAL_TOKEN_LOGPROB"] = "torch"
+lp_ref, greedy_ref = token_logprob(logits, targets)
+os.environ.pop("CCQ_EVAL_TOKEN_LOGPROB")
+error = (lp - lp_ref).abs().max().item()
+print(f"token_logprob bf16: max |diff| vs torch {error:.1e}, greedy equal {torch.equal(greedy, greedy_ref)}")
+if not (error < 1e-3 and torch.equal(greedy, greedy_ref)):
+    failed.append("token_logprob")
+torch.cuda.synchronize()
+print("FAILED: " + ", ".join(failed) if failed else "all fused kernels agree with the unfused path")
+sys.exit(1 if failed else 0)

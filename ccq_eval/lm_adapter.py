@@ -735,6 +735,7 @@ class CCQEvalLM(LM):
             graphed = GraphedDecodeStep(self._backbone, self._lm_head, cache, len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
+        self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
         for step in range(settings["max_gen_toks"]):
             tokens = self._next_tokens(logits, settings)
             for row, token in enumerate(tokens.tolist()):
@@ -755,6 +756,7 @@ class CCQEvalLM(LM):
             else:
                 step_logits, cache = self._forward(tokens.view(-1, 1), cache, 1)
                 logits = step_logits[:, -1]
+            self.last_decode_steps += 1
         texts = []
         for ids in generated:
             text = self.tok_decode(ids)

@@ -3,8 +3,9 @@
 Scoring needs, at each position, log softmax(logits)[target] and whether the target is the argmax.
 In torch that is an fp32 copy of the [positions, vocab] logits plus several passes over it (logsumexp
 alone reads it more than once): about 1 ms per 4096 x 32000 slice on the H200, a tenth of a 340M
-model's forward. On CUDA one Triton pass reads the model's own (bf16) logits once, with fp32 running
-max / sum-exp (the online softmax), the target's logit and the first argmax.
+model's forward. On CUDA one Triton pass (opt-in: CCQ_EVAL_TOKEN_LOGPROB=triton) reads the model's own
+(bf16) logits once, with fp32 running max / sum-exp (the online softmax), the target's logit and the
+first argmax.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     shape = targets.shape
     if logits.shape[:-1] != shape:
         raise ValueError(f"token_logprob: logits {tuple(logits.shape)} do not match targets {tuple(shape)}")
-    if not logits.is_cuda or os.environ.get("CCQ_EVAL_TOKEN_LOGPROB") == "torch":  # the torch form
+    # The Triton pass is opt-in (CCQ_EVAL_TOKEN_LOGPROB=triton) until it has passed the GPU tests.
+    if not logits.is_cuda or os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "torch") != "triton":
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprob = scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
         return logprob, scores.argmax(-1) == targets

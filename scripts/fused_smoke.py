@@ -59,6 +59,7 @@ for K in (128, 256):
 logits = (4 * torch.randn(300, 32000, device="cuda", generator=g)).bfloat16()
 targets = torch.randint(0, 32000, (300,), device="cuda", generator=g)
 targets[:50] = logits[:50].float().argmax(-1)
+os.environ["CCQ_EVAL_TOKEN_LOGPROB"] = "triton"
 lp, greedy = token_logprob(logits, targets)
 os.environ["CCQ_EVAL_TOKEN_LOGPROB"] = "torch"
 lp_ref, greedy_ref = token_logprob(logits, targets)

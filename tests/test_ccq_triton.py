@@ -19,6 +19,13 @@ from ccq_eval.ccq import CCQState, ccq_read_chunk, ccq_read_reference, unit_keys
 CHECKS = Path(__file__).with_name("_triton_interpreter_checks.py")
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused kernels are opt-in (CCQ_EVAL_CCQ_KERNEL, CCQ_EVAL_TOKEN_LOGPROB): switch them on."""
+    monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "fused")
+    monkeypatch.setenv("CCQ_EVAL_TOKEN_LOGPROB", "triton")
+
+
 def _interpreter(which: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(CHECKS), which], env=env, capture_output=True, text=True,
@@ -55,7 +62,7 @@ def _gpu_inputs(T, H, K, dtype, seed=0):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("K,T", [(128, 4000), (128, 4096), (256, 4096)])
-def test_fused_cuda_matches_reference(dtype, tolerance, K, T):
+def test_fused_cuda_matches_reference(dtype, tolerance, K, T, fused):
     """q~ and the final state at about 4K tokens (with a ragged last chunk, then whole chunks;
     GLA-340M's 128, Gated DeltaNet-340M's 256)."""
     r, kappa, log_gamma, lam = _gpu_inputs(T, 2, K, dtype)
@@ -104,7 +111,7 @@ def test_token_logprob_kernel_matches_torch_in_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_token_logprob_cuda_bf16_matches_fp32_torch():
+def test_token_logprob_cuda_bf16_matches_fp32_torch(fused):
     from ccq_eval.token_logprob import token_logprob
 
     g = torch.Generator().manual_seed(0)

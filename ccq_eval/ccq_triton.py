@@ -1,4 +1,8 @@
-"""Fused Triton forward of the CCQ read of order 1 (the default), for CUDA.
+"""Fused Triton kernels for the CCQ read of order 1 (the default), forward and backward, for CUDA.
+
+Opt-in (CCQ_EVAL_CCQ_KERNEL=fused; see ccq.fused_kernel_enabled) until this version passes the GPU
+tests: its first version (one sequential state kernel, torch backward) passed them on the H200, this
+one has passed only the CPU interpreter tests (benchmarks/README.md, "Known gaps").
 
 The unfused kernel path (`ccq._ccq_chunk_kernel`) spends about 60 kernel launches per layer (the
 decayed sums m and n, fla's chunk_simple_gla with its own preparation kernels, and the polynomial):
@@ -15,7 +19,8 @@ whole read is three kernels:
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype.
 
-No [T, K, K] tensor is formed: P_in holds one K x K matrix per chunk, in the input dtype like fla's
+The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
+its scan kernel for the anti-causal sums. No [T, K, K] tensor is formed: P_in holds one K x K matrix per chunk, in the input dtype like fla's
 chunk states (fp32 when the inputs are fp32). Sums over keys (n, m, the polynomial) are fp32.
 
 Kernels run on CUDA; with TRITON_INTERPRET=1 (set before this module is imported) they run on CPU

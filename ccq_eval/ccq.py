@@ -9,11 +9,11 @@ Definition (../shared/design/ccq.md, per layer, head h and position t):
 
 Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
-- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA, order 1 (the default) runs fused Triton
-  kernels (`ccq_triton`), forward and backward; other orders, or a gradient
-  through an initial state, take the unfused kernel path: per order a K x K covariance pass with fla's
-  chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and n as batched decayed sums.
-  On CPU a torch chunk loop applies all orders per chunk in one pass.
+- `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the unfused kernel path: per order a K x K
+  covariance pass with fla's chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and
+  n as batched decayed sums. Opt-in (CCQ_EVAL_CCQ_KERNEL=fused): order 1 through the fused Triton
+  kernels of `ccq_triton`, forward and backward. On CPU a torch chunk loop applies all orders per
+  chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
 Shapes: r, kappa [B, T, H, K]; log_gamma, lam [B, T, H]. The state is a `CCQState` of fp32 (or fp64
@@ -313,9 +313,9 @@ class _FusedOrder1(torch.autograd.Function):
 
 
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
-    """The fused path where it applies, else None: head dims the kernels tile exactly, and there any call
-    without gradients (scoring, prefill with a cached state) or a training call from a zero state. A gradient through an initial state is left to
-    the unfused path."""
+    """The fused path where it applies, else None: for head dims of 128 multiples, any call without
+    gradients (scoring, prefill with a cached state) and training calls from a zero state. A gradient
+    through an initial state is left to the unfused path."""
     from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
 
     if not supports_head_dim(r.shape[-1]):
@@ -376,13 +376,16 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     """What a layer calls, with its raw keys k and its gate. Inference on CUDA (nothing needs a
     gradient, order 1, more than one token) takes the fused kernels, which normalise the keys and form
     lambda themselves; everything else forms unit_keys(k) and lambda here and calls ccq_read."""
-    from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
-
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    if (r.is_cuda and r.dtype != torch.float64 and r.shape[1] > 1 and order == 1 and not needs_grad
-            and supports_head_dim(r.shape[-1]) and fused_kernel_enabled()):
-        _check(r, k, log_gamma, log_gamma, order)
+    fused = (r.is_cuda and r.dtype != torch.float64 and r.shape[1] > 1 and order == 1 and not needs_grad
+             and fused_kernel_enabled())
+    if fused:
+        from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
+
+        fused = supports_head_dim(r.shape[-1])
+    if fused:
+        _check(r, k, log_gamma, log_gamma, order)  # lam has log_gamma's shape; the kernels form it
         weight = gate.weight if gate.weight is not None else torch.zeros(r.shape[2], r.shape[3], device=r.device)
         q, final = ccq_order1_forward(r, k, log_gamma, None, centered, initial_state, output_final_state=True,
                                       raw_keys=True, gate=(weight, gate.bias, gate.lam_max))

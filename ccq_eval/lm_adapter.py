@@ -297,6 +297,7 @@ class CCQEvalLM(LM):
         # Purely recurrent fla models (no hybrid attention layers, config.attn) keep no per-position
         # state, so prompts of different lengths can decode in one batch.
         self._stackable = self._backbone is not None and not getattr(self.model.config, "attn", None)
+        self.last_decode_steps = 0  # one-token model calls of the last generate batch (for benchmarks)
         self.cuda_graphs = _as_bool(cuda_graphs)
         if self.cuda_graphs and (self._device.type != "cuda" or not self._stackable):
             raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "

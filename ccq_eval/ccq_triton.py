@@ -89,12 +89,12 @@ def _ccq_local_state_kernel(
 ):
     """Every chunk in parallel: its own decayed sums, sum_{i in c} exp(G_c - b_i) kappa_i kappa_i^T
     (and m, n alike), written to slot c + 1 of P_in / m_in / n_in for the scan to accumulate; the
-    chunk's total log decay G_c goes to chunk_decay."""
-    i_k, i_v, i_cbh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk's total log decay G_c goes to chunk_decay. One program per (chunk, BK rows): it walks the
+    column tiles itself, so raw keys' norms are computed K / BK times per chunk, not per tile."""
+    i_k, i_cbh = tl.program_id(0), tl.program_id(1)
     i_bh, c = i_cbh // NT, i_cbh % NT
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
-    cols = i_v * BV + tl.arange(0, BV)
     pos = tl.arange(0, C)
     t = c * C + pos
     t_ok = t < T
@@ -104,24 +104,27 @@ def _ccq_local_state_kernel(
     g_chunk = tl.sum(g, 0)
     to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
     base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
-    k_rows = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0)
-    k_cols = tl.load(kappa + base[:, None] + cols[None, :], mask=t_ok[:, None], other=0.0)
+    scale = to_end
     if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6)
         inv_norm = _inverse_key_norms(kappa, base, t_ok[:, None], C, K, BK)
-        k_rows = (k_rows.to(tl.float32) * inv_norm[:, None]).to(k_rows.dtype)
-        k_cols = (k_cols.to(tl.float32) * inv_norm[:, None]).to(k_cols.dtype)
-    weighted = k_rows.to(tl.float32) * to_end[:, None]
-    if IEEE:
-        local = tl.dot(tl.trans(weighted), k_cols.to(tl.float32), input_precision="ieee")
-    else:
-        local = tl.dot(tl.trans(weighted.to(k_cols.dtype)), k_cols)
+        scale = to_end * inv_norm
+    k_rows = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0)
+    weighted = k_rows.to(tl.float32) * scale[:, None]
     slot = (i_bh * (NT + 1) + c + 1).to(tl.int64)
-    tl.store(P_in + slot * K * K + rows[:, None] * K + cols[None, :], local.to(P_in.dtype.element_ty))
-    if i_v == 0:
-        tl.store(m_in + slot * K + rows, tl.sum(weighted, 0))
-        if i_k == 0:
-            tl.store(n_in + slot, tl.sum(to_end, 0))
-            tl.store(chunk_decay + i_bh * NT + c, g_chunk)
+    for j0 in tl.static_range(0, K, BV):
+        cols = j0 + tl.arange(0, BV)
+        k_cols = tl.load(kappa + base[:, None] + cols[None, :], mask=t_ok[:, None], other=0.0)
+        if NORMALIZE:
+            k_cols = (k_cols.to(tl.float32) * inv_norm[:, None]).to(k_cols.dtype)
+        if IEEE:
+            local = tl.dot(tl.trans(weighted), k_cols.to(tl.float32), input_precision="ieee")
+        else:
+            local = tl.dot(tl.trans(weighted.to(k_cols.dtype)), k_cols)
+        tl.store(P_in + slot * K * K + rows[:, None] * K + cols[None, :], local.to(P_in.dtype.element_ty))
+    tl.store(m_in + slot * K + rows, tl.sum(weighted, 0))
+    if i_k == 0:
+        tl.store(n_in + slot, tl.sum(to_end, 0))
+        tl.store(chunk_decay + i_bh * NT + c, g_chunk)
 
 
 # Not autotuned: the scan works in place, and the autotuner's repeated timing runs would accumulate
@@ -202,9 +205,7 @@ def _ccq_read_kernel(
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
     key_squares = tl.zeros([C], dtype=tl.float32)  # ||k_t||^2 (NORMALIZE: raw keys in)
     gate_logit = tl.zeros([C], dtype=tl.float32)  # a_h . r_t (GATE: lambda from the query)
-    # Unrolled (K and BK are constants): the software-pipelined form of a one-trip loop (K = BK)
-    # crashed with an illegal memory access on the H200 in bf16.
-    for k0 in tl.static_range(0, K, BK):
+    for k0 in tl.static_range(0, K, BK):  # unrolled: K and BK are constants
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < K
         mask = t_ok[:, None] & k_ok[None, :]
@@ -303,7 +304,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
                  torch.empty(B, H, device=r.device, dtype=torch.float32))
     init = None if initial_state is None else tuple(s.float().contiguous() for s in initial_state)
     dummy = n_in  # stands in for absent optional pointers (never read or written)
-    local_grid = lambda meta: (K // meta["BK"], K // meta["BV"], NT * B * H)  # noqa: E731
+    local_grid = lambda meta: (K // meta["BK"], NT * B * H)  # noqa: E731
     _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
                                         H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
     _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](

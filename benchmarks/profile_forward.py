@@ -2,6 +2,10 @@
 step), CCQ off and on, on the same weights; plus the host (enqueue) time of a call against its GPU time.
 
     python benchmarks/profile_forward.py --arch gla --T 4096 [--mode train] [--rows 25]
+    python benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs 4
+
+--mode score profiles the harness instead: the ccq adapter's loglikelihood_rolling on --docs documents
+of T tokens (tokenisation included) against bare forwards of the same token ids.
 
 A call whose host time is close to its wall time is bound by Python and kernel launches, not by the
 GPU. Prints to stdout; nothing is written.
@@ -28,7 +32,8 @@ def main() -> None:
     p.add_argument("--arch", default="gla", choices=workload.ARCHS)
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--mode", default="forward", choices=("forward", "train"))
+    p.add_argument("--mode", default="forward", choices=("forward", "train", "score"))
+    p.add_argument("--docs", type=int, default=4, help="score mode: documents per call")
     p.add_argument("--rows", type=int, default=25, help="rows per profiler table")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -39,8 +44,22 @@ def main() -> None:
     model = workload.build_model(args.arch, workload.SHAPES_340M[args.arch], 32000, device, torch.bfloat16)
     tokens = workload.random_tokens(args.batch, args.T, 32000, device)
 
+    if args.mode == "score":
+        from lm_eval.api.instance import Instance
+
+        from ccq_eval.lm_adapter import CCQEvalLM
+
+        tokenizer, _ = workload.load_tokenizer("mistral")
+        text = workload.long_document(tokenizer, args.T)
+        tokens = torch.tensor([workload.prefix_ids(tokenizer) + workload.encode(tokenizer, text)], device=device)
+        lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=args.T, batch_size=1)
+        requests = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0,
+                             task_name="profile", doc_id=i) for i in range(args.docs)]
+
     def call():
-        if args.mode == "train":
+        if args.mode == "score":
+            lm.loglikelihood_rolling(requests, disable_tqdm=True)
+        elif args.mode == "train":
             model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
         else:
             with torch.no_grad():
@@ -62,6 +81,13 @@ def main() -> None:
             host_ms, wall_ms = 1e3 * sorted(host)[2], 1e3 * sorted(wall)[2]
             print(f"\n=== {args.arch} {args.mode} T={args.T} batch={args.batch} ccq={ccq}: "
                   f"median wall {wall_ms:.2f} ms, host (enqueue) {host_ms:.2f} ms")
+            if args.mode == "score":
+                start = time.perf_counter()
+                with torch.no_grad():
+                    for _ in range(args.docs):
+                        model(input_ids=tokens, use_cache=False)
+                torch.cuda.synchronize()
+                print(f"    bare forwards of the same {args.docs} documents: {1e3 * (time.perf_counter() - start):.2f} ms")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 call()

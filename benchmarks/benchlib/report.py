@@ -76,6 +76,9 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         "git": _git(),
         # A cap on triton's autotuning candidates (ccq_eval/autotune.py) can make kernels slower.
         "autotune_configs_per_kernel": autotune.configured_limit(),
+        # Which CCQ read and which scoring log-softmax ran (the fused kernels are opt-in).
+        "ccq_kernel": os.environ.get("CCQ_EVAL_CCQ_KERNEL", "unfused"),
+        "token_logprob": os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "torch"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -224,6 +227,8 @@ def markdown(report: dict[str, Any]) -> str:
         "- triton autotuning: "
         + (f"at most {env['autotune_configs_per_kernel']} candidate configs per kernel (CCQ_EVAL_AUTOTUNE_CONFIGS)"
            if env.get("autotune_configs_per_kernel") else "fla's full candidate lists"),
+        f"- CCQ read: {env.get('ccq_kernel', '?')} (CCQ_EVAL_CCQ_KERNEL); scoring log-softmax: "
+        f"{env.get('token_logprob', '?')} (CCQ_EVAL_TOKEN_LOGPROB)",
         (
             f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls "
             f"({'CUDA events' if env['device_type'] == 'cuda' else 'perf_counter'}); generation median of "

@@ -373,24 +373,30 @@ class CCQGate(NamedTuple):
 
 
 def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None):
-    """What a layer calls, with its raw keys k and its gate. Inference on CUDA (nothing needs a
-    gradient, order 1, more than one token) takes the fused kernels, which normalise the keys and form
-    lambda themselves; everything else forms unit_keys(k) and lambda here and calls ccq_read."""
+    """What a layer calls, with its raw keys k and its gate. Inference on CUDA with the opt-in fused
+    kernels (nothing needs a gradient, order 1) normalises the keys and forms lambda inside them: the
+    chunked read for prefill and scoring, a one-step kernel for decoding. Everything else forms
+    unit_keys(k) and lambda here and calls ccq_read."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    fused = (r.is_cuda and r.dtype != torch.float64 and r.shape[1] > 1 and order == 1 and not needs_grad
-             and fused_kernel_enabled())
+    fused = r.is_cuda and r.dtype != torch.float64 and order == 1 and not needs_grad and fused_kernel_enabled()
     if fused:
-        from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
+        from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward, supports_head_dim
 
-        fused = supports_head_dim(r.shape[-1])
-    if fused:
-        _check(r, k, log_gamma, log_gamma, order)  # lam has log_gamma's shape; the kernels form it
-        weight = gate.weight if gate.weight is not None else torch.zeros(r.shape[2], r.shape[3], device=r.device)
-        q, final = ccq_order1_forward(r, k, log_gamma, None, centered, initial_state, output_final_state=True,
-                                      raw_keys=True, gate=(weight, gate.bias, gate.lam_max))
-        return q, CCQState(*final)
-    return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)
+        B, T, H, K = r.shape
+        fused = supports_head_dim(K) and (T > 1 or K & (K - 1) == 0)
+    if not fused:
+        return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)
+    _check(r, k, log_gamma, log_gamma, order)  # lam has log_gamma's shape; the kernels form it
+    weight = gate.weight if gate.weight is not None else torch.zeros(H, K, device=r.device)
+    kernel_gate = (weight, gate.bias, gate.lam_max)
+    if T == 1:
+        state = zero_state(B, H, K, r.device) if initial_state is None else initial_state
+        q, new_state = ccq_order1_decode(r, k, log_gamma, kernel_gate, state, centered)
+        return q, CCQState(*new_state)
+    q, final = ccq_order1_forward(r, k, log_gamma, None, centered, initial_state, output_final_state=True,
+                                  raw_keys=True, gate=kernel_gate)
+    return q, CCQState(*final)
 
 
 def ccq_read(r, kappa, log_gamma, lam, order=1, centered=True, initial_state=None):

@@ -19,6 +19,7 @@ whole read is three kernels:
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype.
 
+`_ccq_decode_kernel` is the one-token step of the recurrence (state update and q~ in one launch).
 The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
 its scan kernel for the anti-causal sums. No [T, K, K] tensor is formed: P_in holds one K x K matrix per chunk, in the input dtype like fla's
 chunk states (fp32 when the inputs are fp32). Sums over keys (n, m, the polynomial) are fp32.
@@ -600,3 +601,63 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     )
     dlog_gamma = dc.flip(1).cumsum(1).flip(1)
     return dr, dkappa, dlog_gamma, dlam
+
+
+# ------------------------------------------------------------------------------------------ decode
+@triton.jit
+def _ccq_decode_kernel(
+    r, k, log_gamma, gate_weight, gate_bias, lam_max, P, m, n, P_out, m_out, n_out, q_out,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CENTERED: tl.constexpr,
+):
+    """One decoding step for one (batch, head) and BK rows of the K x K state: P <- gamma P + kappa
+    kappa^T, m <- gamma m + kappa, n <- gamma n + 1 (written to new buffers, the cache's stay as they
+    are), then q~ = r - lambda Sigma r with the updated sums, as ccq.ccq_read_recurrent. The key is
+    normalised and lambda formed here (a zero gate weight gives the constant gate)."""
+    i_r, i_bh = tl.program_id(0), tl.program_id(1)
+    i_h = i_bh % H
+    every = tl.arange(0, K)
+    rows = i_r * BK + tl.arange(0, BK)
+    r_all = tl.load(r + i_bh * K + every).to(tl.float32)
+    k_all = tl.load(k + i_bh * K + every).to(tl.float32)
+    inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(k_all * k_all, 0)), 1e-6)
+    kap_all = k_all * inv_norm
+    kap_rows = tl.load(k + i_bh * K + rows).to(tl.float32) * inv_norm
+    gamma = tl.exp(tl.load(log_gamma + i_bh).to(tl.float32))
+    gate_logit = tl.sum(r_all * tl.load(gate_weight + i_h * K + every), 0) + tl.load(gate_bias + i_h)
+    lam = lam_max * tl.sigmoid(gate_logit)
+
+    P_rows = gamma * tl.load(P + i_bh * K * K + rows[:, None] * K + every[None, :]) \
+        + kap_rows[:, None] * kap_all[None, :]
+    tl.store(P_out + i_bh * K * K + rows[:, None] * K + every[None, :], P_rows)
+    m_rows = gamma * tl.load(m + i_bh * K + rows) + kap_rows
+    tl.store(m_out + i_bh * K + rows, m_rows)
+    n_new = gamma * tl.load(n + i_bh) + 1.0
+    if i_r == 0:
+        tl.store(n_out + i_bh, n_new)
+    sigma_r = tl.sum(P_rows * r_all[None, :], 1) / n_new
+    if CENTERED:
+        m_all = gamma * tl.load(m + i_bh * K + every) + kap_all
+        sigma_r -= m_rows / n_new * (tl.sum(m_all * r_all, 0) / n_new)
+    r_rows = tl.load(r + i_bh * K + rows).to(tl.float32)
+    tl.store(q_out + i_bh * K + rows, (r_rows - lam * sigma_r).to(q_out.dtype.element_ty))
+
+
+DECODE_ROWS = 16
+
+
+def ccq_order1_decode(r, k, log_gamma, gate, state, centered: bool = True):
+    """One token, r and raw keys k [B, 1, H, K], log_gamma [B, 1, H], gate (a [H, K], b [H], lam_max),
+    state (P, m, n) fp32: returns q~ [B, 1, H, K] and the new state (new tensors). K a power of two."""
+    B, T, H, K = r.shape
+    if T != 1 or K & (K - 1):
+        raise ValueError(f"ccq_order1_decode: one token and a power-of-two head dim, got T={T}, K={K}")
+    P, m, n = (x.float().contiguous() for x in state)
+    weight, bias, lam_max = gate
+    P_out, m_out, n_out = torch.empty_like(P), torch.empty_like(m), torch.empty_like(n)
+    q = torch.empty_like(r)
+    _ccq_decode_kernel[(K // DECODE_ROWS, B * H)](
+        r.contiguous(), k.contiguous(), log_gamma.float().contiguous(), weight.float().contiguous(),
+        bias.float().contiguous(), float(lam_max), P, m, n, P_out, m_out, n_out, q,
+        H=H, K=K, BK=DECODE_ROWS, CENTERED=bool(centered), num_warps=4,
+    )
+    return q, (P_out, m_out, n_out)

@@ -1,6 +1,6 @@
 """A quick check, on a GPU, that the fused kernels compile, run and agree with the unfused path:
-the CCQ forward with raw keys and the gate (bf16 and fp32, from a state), the CCQ backward from a zero
-state (fp32), and the fused log-softmax. scripts/gpu_session.sh falls back to the unfused path for
+the CCQ forward with raw keys and the gate (bf16 and fp32, from a state), one decoding step, the CCQ
+backward from a zero state (fp32), and the fused log-softmax. scripts/gpu_session.sh falls back to the unfused path for
 the benchmarks when this fails. Prints the relative L2 errors; exit code 1 if one is over tolerance."""
 
 import os
@@ -44,6 +44,13 @@ for K in (128, 256):
         print(f"forward K={K} {dtype}: relative errors q, P, m, n = {[f'{e:.1e}' for e in errors]}")
         if not max(errors) < tol:
             failed.append(f"forward K={K} {dtype}")
+        with torch.no_grad():  # one decoding step from that state
+            step = [run(kernel, lambda: ccq_read_keys(r[:, :1], k[:, :1], log_gamma[:, :1], gate, initial_state=state))
+                    for kernel in ("fused", "unfused")]
+        errors = [relative(step[0][0], step[1][0])] + [relative(a, b) for a, b in zip(step[0][1], step[1][1])]
+        print(f"decode step K={K} {dtype}: relative errors q, P, m, n = {[f'{e:.1e}' for e in errors]}")
+        if not max(errors) < tol:
+            failed.append(f"decode K={K} {dtype}")
     weights = torch.randn(r32.shape, device="cuda", generator=g)
 
     def grads():

@@ -100,6 +100,35 @@ def gradient_checks():
     return out
 
 
+def decode_checks():
+    """Five decoding steps of the one-step kernel against ccq_read_recurrent, from a prior state."""
+    from ccq_eval.ccq import CCQGate, ccq_read_recurrent
+    from ccq_eval.ccq_triton import ccq_order1_decode
+
+    g = torch.Generator().manual_seed(21)
+    out = {}
+    for K, centered, constant in ((64, True, False), (128, False, False), (64, True, True)):
+        B, H, steps = 2, 2, 5
+        r = torch.randn(B, steps, H, K, generator=g)
+        k = 2 * torch.randn(B, steps, H, K, generator=g)
+        log_gamma = torch.nn.functional.logsigmoid(torch.randn(B, steps, H, generator=g) + 3)
+        gate = CCQGate(None if constant else 0.3 * torch.randn(H, K, generator=g), torch.randn(H, generator=g), 4.0)
+        weight = torch.zeros(H, K) if gate.weight is None else gate.weight
+        state_ref = tuple(x.double() for x in prior_state(B, H, K, seed=K))
+        state = tuple(x.float() for x in state_ref)
+        worst_q = worst_state = 0.0
+        for t in range(steps):
+            rt, kt, gt = r[:, t:t + 1], k[:, t:t + 1], log_gamma[:, t:t + 1]
+            q_ref, state_ref = ccq_read_recurrent(rt.double(), unit_keys(kt).double(), gt.double(),
+                                                  gate.values(rt).double(), 1, centered, state_ref)
+            q, state = ccq_order1_decode(rt, kt, gt, (weight, gate.bias, gate.lam_max), state, centered)
+            worst_q = max(worst_q, max_abs(q, q_ref))
+            worst_state = max(worst_state, max(max_abs(a, b) / b.abs().max().item() for a, b in zip(state, state_ref)))
+        out[f"K{K}_{'centered' if centered else 'uncentered'}_{'constant' if constant else 'query'}_gate"] = {
+            "q": worst_q, "state": worst_state}
+    return out
+
+
 def logprob_checks():
     """The fused log-softmax pass against torch, in fp32 and on bf16 logits, vocab not a block multiple."""
     from ccq_eval.token_logprob import token_logprob, token_logprob_triton
@@ -121,7 +150,7 @@ def logprob_checks():
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["forward", "gradient", "logprob"]
+    which = sys.argv[1:] or ["forward", "gradient", "logprob", "decode"]
     result = {}
     if "forward" in which:
         result["forward"] = forward_checks()
@@ -129,4 +158,6 @@ if __name__ == "__main__":
         result["gradient"] = gradient_checks()
     if "logprob" in which:
         result["logprob"] = logprob_checks()
+    if "decode" in which:
+        result["decode"] = decode_checks()
     print(json.dumps(result))

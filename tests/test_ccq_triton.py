@@ -102,6 +102,12 @@ def test_fused_cuda_gradients_match_unfused(K, dtype, tolerance):
         assert relative < tolerance
 
 
+def test_fused_decode_step_matches_recurrence_in_interpreter():
+    for name, errors in _interpreter("decode").items():  # five steps from a prior state, fp32
+        assert errors["q"] < 1e-5, (name, errors)
+        assert errors["state"] < 1e-5, (name, errors)
+
+
 def test_token_logprob_kernel_matches_torch_in_interpreter():
     for name, result in _interpreter("logprob").items():
         assert result["max_abs_logprob"] < 1e-5, (name, result)
@@ -145,10 +151,14 @@ def test_layer_entry_fused_equals_unfused_on_cuda(constant_gate):
         os.environ["CCQ_EVAL_CCQ_KERNEL"] = kernel
         try:
             with torch.no_grad():
-                outputs[kernel] = ccq_read_keys(r, k, log_gamma, gate, initial_state=state)
+                q, after_prefill = ccq_read_keys(r, k, log_gamma, gate, initial_state=state)
+                # then one decoding step from the prefill's state
+                q_step, after_step = ccq_read_keys(r[:, :1], k[:, -1:], log_gamma[:, :1], gate,
+                                                   initial_state=after_prefill)
+            outputs[kernel] = (q, after_prefill, q_step, after_step)
         finally:
             os.environ.pop("CCQ_EVAL_CCQ_KERNEL")
-    (q_f, s_f), (q_u, s_u) = outputs["fused"], outputs["unfused"]
-    assert ((q_f - q_u).norm() / q_u.norm()).item() < 1e-4
-    for a, b in zip(s_f, s_u):
-        assert ((a - b).norm() / b.norm()).item() < 1e-4
+    for fused_value, unfused_value in zip(outputs["fused"], outputs["unfused"]):
+        pairs = zip(fused_value, unfused_value) if isinstance(fused_value, tuple) else [(fused_value, unfused_value)]
+        for a, b in pairs:
+            assert ((a - b).norm() / b.norm()).item() < 1e-4

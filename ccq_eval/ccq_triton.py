@@ -92,7 +92,7 @@ def _ccq_local_state_kernel(
     (and m, n alike), written to slot c + 1 of P_in / m_in / n_in for the scan to accumulate; the
     chunk's total log decay G_c goes to chunk_decay. One program per (chunk, BK rows): it walks the
     column tiles itself, so raw keys' norms are computed K / BK times per chunk, not per tile."""
-    i_k, i_cbh = tl.program_id(0), tl.program_id(1)
+    i_cbh, i_k = tl.program_id(0), tl.program_id(1)  # chunks x heads on axis 0: no 65535 limit there
     i_bh, c = i_cbh // NT, i_cbh % NT
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
@@ -305,7 +305,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
                  torch.empty(B, H, device=r.device, dtype=torch.float32))
     init = None if initial_state is None else tuple(s.float().contiguous() for s in initial_state)
     dummy = n_in  # stands in for absent optional pointers (never read or written)
-    local_grid = lambda meta: (K // meta["BK"], NT * B * H)  # noqa: E731
+    local_grid = lambda meta: (NT * B * H, K // meta["BK"])  # noqa: E731
     _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
                                         H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
     _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](
@@ -476,7 +476,7 @@ def _ccq_bwd_local_kernel(
     """Every chunk c in parallel: sum_{t in c} exp(b_t) (dPu_t r_t^T + r_t dPu_t^T), and exp(b_t) dm_t,
     exp(b_t) dn_t: what chunk c adds to the anti-causal sums of the chunks before it. Written in reverse
     chunk order (slot NT - c) so that the forward scan kernel accumulates them from the end."""
-    i_k, i_v, i_cbh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_cbh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh, c = i_cbh // NT, i_cbh % NT
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
@@ -587,7 +587,7 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     Q = torch.empty(B * H, NT + 1, K, K, **f32)
     g_acc, h_acc = torch.empty(B * H, NT + 1, K, **f32), torch.empty(B * H, NT + 1, **f32)
     decay_rev = torch.empty(B * H, NT, **f32)
-    local_grid = lambda meta: (K // meta["BK"], K // meta["BV"], NT * B * H)  # noqa: E731
+    local_grid = lambda meta: (NT * B * H, K // meta["BK"], K // meta["BV"])  # noqa: E731
     _ccq_bwd_local_kernel[local_grid](r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, decay_rev, T, NT,
                                       H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee)
     _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](

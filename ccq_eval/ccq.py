@@ -286,6 +286,11 @@ def fused_kernel_enabled() -> bool:
     return choice == "fused"
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will want gradients through these (the fused inference paths have none)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
 class _FusedOrder1(torch.autograd.Function):
     """Order-1 read from a zero state with the fused Triton kernels, forward and backward."""
 
@@ -320,8 +325,7 @@ def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
 
     if not supports_head_dim(r.shape[-1]):
         return None
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (r, kappa, log_gamma, lam))
-    if not needs_grad:
+    if not _needs_grad(r, kappa, log_gamma, lam):
         q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered, initial_state, output_final_state=True)
         return q, CCQState(*final)
     if initial_state is None:
@@ -378,8 +382,8 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     chunked read for prefill and scoring, a one-step kernel for decoding. Everything else forms
     unit_keys(k) and lambda here and calls ccq_read."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-    fused = r.is_cuda and r.dtype != torch.float64 and order == 1 and not needs_grad and fused_kernel_enabled()
+    fused = (r.is_cuda and r.dtype != torch.float64 and order == 1 and not _needs_grad(*inputs)
+             and fused_kernel_enabled())
     if fused:
         from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward, supports_head_dim
 

@@ -349,6 +349,19 @@ def _mm(a, b, IEEE: tl.constexpr):
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
+@triton.jit
+def _rows_times_state(x, base, row_ok, state, js, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """x[t, :] @ state[:, js] for the C rows of x at `base` and a K x K state (pointer at its start):
+    [C, BK] fp32, the K reduction in BK-wide tiles."""
+    out = tl.zeros([C, BK], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x_k = tl.load(x + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+        out += _mm(x_k, tl.load(state + ks[:, None] * K + js[None, :]), IEEE)
+    return out
+
+
 @_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "IEEE"])
 @triton.jit
 def _ccq_bwd_query_kernel(
@@ -393,11 +406,7 @@ def _ccq_bwd_query_kernel(
     ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
     for j0 in tl.static_range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = tl.zeros([C, BK], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
-            carried += _mm(r_k, tl.load(P_in + state * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
         m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
@@ -422,11 +431,7 @@ def _ccq_bwd_query_kernel(
     E = tl.zeros([C, C], dtype=tl.float32)
     for j0 in tl.static_range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = tl.zeros([C, BK], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
-            carried += _mm(r_k, tl.load(P_in + state * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
         dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
@@ -451,11 +456,7 @@ def _ccq_bwd_query_kernel(
     ED = E * D
     for j0 in tl.static_range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = tl.zeros([C, BK], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            dPu_k = tl.load(dPu_out + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
-            carried += _mm(dPu_k, tl.load(P_in + state * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
         grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
@@ -549,11 +550,7 @@ def _ccq_bwd_key_kernel(
     Y = tl.sum(D * dn_t[:, None], 0) + to_end * tl.load(h_acc + later)
     for j0 in tl.static_range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = tl.zeros([C, BK], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
-            carried += _mm(kap_k, tl.load(Q + later * K * K + ks[:, None] * K + js[None, :]), IEEE)
+        carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, IEEE)
         dPu_j = tl.load(dPu + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         grad_Q = _mm(A_T, dPu_j, IEEE) + _mm(E_T, r_j, IEEE) + to_end[:, None] * carried

@@ -5,7 +5,10 @@ step), CCQ off and on, on the same weights; plus the host (enqueue) time of a ca
     python benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs 4
 
 --mode score profiles the harness instead: the ccq adapter's loglikelihood_rolling on --docs documents
-of T tokens (tokenisation included) against bare forwards of the same token ids.
+of T tokens (tokenisation included) against bare forwards of the same token ids, and first splits the
+difference into steps (each timed over --docs documents): the bare forward, the same with the
+recurrent cache returned, the adapter's scoring pass on token ids (LM head in slices + log-softmax,
+with each log-softmax implementation), loglikelihood_rolling on pre-tokenised text, and the whole call.
 
 A call whose host time is close to its wall time is bound by Python and kernel launches, not by the
 GPU. Prints to stdout; nothing is written.
@@ -67,6 +70,8 @@ def main() -> None:
 
     for ccq in (False, True):
         with workload.ccq_mode(model, ccq):
+            if args.mode == "score":
+                score_steps(model, lm, tokens, requests, ccq)
             model.train(args.mode == "train")
             for _ in range(3):
                 call()
@@ -97,6 +102,65 @@ def main() -> None:
             print(table.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
             model.zero_grad(set_to_none=True)
             model.eval()
+
+
+def score_steps(model, lm, tokens, requests, ccq: bool) -> None:
+    """Wall time of the steps between a bare forward and loglikelihood_rolling, over len(requests)
+    documents each (median of 5 after 2 warm-up calls), so the harness overhead has an address."""
+    import os
+    from unittest import mock
+
+    n = len(requests)
+    encoded = {request.args[0]: lm.tok_encode(request.args[0]) for request in requests}
+
+    def with_logprob(kind, fn):
+        def call():
+            before = os.environ.get("CCQ_EVAL_TOKEN_LOGPROB")
+            os.environ["CCQ_EVAL_TOKEN_LOGPROB"] = kind
+            try:
+                fn()
+            finally:  # the later steps run with the setting the process started with
+                if before is None:
+                    os.environ.pop("CCQ_EVAL_TOKEN_LOGPROB")
+                else:
+                    os.environ["CCQ_EVAL_TOKEN_LOGPROB"] = before
+        return call
+
+    def forwards(use_cache):
+        with torch.no_grad():
+            for _ in range(n):
+                model(input_ids=tokens, use_cache=use_cache)
+
+    def scoring_passes():
+        for _ in range(n):
+            lm._run(tokens, 0, to_cpu=False)
+
+    def pretokenised():
+        with mock.patch.object(lm, "tok_encode", lambda text: encoded[text]):
+            lm.loglikelihood_rolling(requests, disable_tqdm=True)
+
+    steps = [
+        ("bare forward (all logits, no cache)", lambda: forwards(False)),
+        ("bare forward, cache returned", lambda: forwards(True)),
+        ("adapter _run on ids, torch log-softmax", with_logprob("torch", scoring_passes)),
+        ("adapter _run on ids, triton log-softmax", with_logprob("triton", scoring_passes)),
+        ("loglikelihood_rolling, pre-tokenised", pretokenised),
+        ("loglikelihood_rolling, whole call", lambda: lm.loglikelihood_rolling(requests, disable_tqdm=True)),
+    ]
+    print(f"\n=== score steps, ccq={ccq}: {n} documents of {tokens.shape[1]} tokens per call; CCQ read "
+          f"{os.environ.get('CCQ_EVAL_CCQ_KERNEL', 'default')}, log-softmax {os.environ.get('CCQ_EVAL_TOKEN_LOGPROB', 'default')}")
+    for name, fn in steps:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        wall = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            wall.append(time.perf_counter() - start)
+        median = sorted(wall)[2]
+        print(f"    {name:<45} {1e3 * median:8.1f} ms  ({1e3 * median / n:6.1f} ms per document)")
 
 
 if __name__ == "__main__":

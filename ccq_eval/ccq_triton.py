@@ -49,9 +49,11 @@ _READ_CONFIGS = [triton.Config({"BK": 64, "BV": bv}, num_warps=8, num_stages=2) 
 
 
 class _FirstConfig:
-    """Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) cannot time candidates: use the first."""
+    """Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) cannot time candidates: use the first
+    (a test may pick another from `configs`)."""
 
     def __init__(self, configs, key):
+        self.configs = configs
         self.kwargs = dict(configs[0].kwargs)
 
     def __call__(self, kernel):

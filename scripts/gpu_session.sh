@@ -14,7 +14,7 @@
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 # Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
 # tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
-# sniah,generation; default all), TESTS_TIMEOUT, STEPS (training steps), COMMIT (recorded in model
+# sniah,generation,profile; default all but profile), TESTS_TIMEOUT, STEPS (training steps), COMMIT (recorded in model
 # cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=/tmp/gpu
@@ -126,6 +126,17 @@ pipeline() {
     > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"; }
   group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 --cuda-graphs \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }
+  # Where the time goes (stdout tables only): the harness steps at 20K, CCQ forward at 20K, training at 4K.
+  group profile && {
+    timeout 200 python3 benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs 8 --rows 20 \
+      > "$WORK/logs/profile-score.log" 2>&1 || stage "profile score rc $?"
+    for arch in gla gated_deltanet; do
+      timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 20480 --rows 20 \
+        > "$WORK/logs/profile-forward-$arch.log" 2>&1 || stage "profile forward $arch rc $?"
+      timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 4096 --mode train --rows 20 \
+        > "$WORK/logs/profile-train-$arch.log" 2>&1 || stage "profile train $arch rc $?"
+    done
+  }
   fi
   stage "PIPELINE FINISHED"
 }

@@ -10,6 +10,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import torch  # noqa: E402
 
+import _triton_bounds  # noqa: E402
+
+_triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
+
 import ccq_eval  # noqa: E402,F401  (the backend patches fla as in every other test)
 from ccq_eval.ccq import _FusedOrder1, ccq_read_reference, unit_keys  # noqa: E402
 from ccq_eval.ccq_triton import ccq_order1_forward  # noqa: E402
@@ -149,8 +153,61 @@ def logprob_checks():
     return out
 
 
+def bounds_checks():
+    """Shapes like those that crashed on the H200 (half precision, whole and ragged last chunks,
+    several batches and heads, head dims 64 and 128), through every kernel and each of its autotune
+    candidates, under the bounds check: returns the launches that ran cleanly (a failure raises
+    _triton_bounds.OutOfBounds)."""
+    from ccq_eval import ccq_triton
+
+    tuned = [x for x in vars(ccq_triton).values() if isinstance(x, ccq_triton._FirstConfig)]
+    ran = []
+    for candidate in range(max(len(x.configs) for x in tuned)):
+        for kernel in tuned:
+            kernel.kwargs = dict(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs)
+        ran += _every_kernel_once(candidate)
+    return {"clean": ran, "overrun_caught": _overrun_is_caught()}
+
+
+def _every_kernel_once(candidate):
+    from ccq_eval.ccq import CCQGate
+    from ccq_eval.ccq_triton import ccq_order1_backward, ccq_order1_decode
+
+    ran = []
+    for B, T, H, K, dtype in ((2, 128, 3, 64, torch.float16), (2, 130, 3, 64, torch.float16),
+                              (1, 192, 2, 128, torch.float16), (2, 64, 2, 64, torch.float32)):
+        r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T, dtype=dtype)
+        state = tuple(x.float() for x in prior_state(B, H, K, seed=1))
+        gate = CCQGate(0.3 * torch.randn(H, K), torch.randn(H), 4.0)
+        ccq_order1_forward(r, kappa, log_gamma, None, True, state, output_final_state=True, raw_keys=True,
+                           gate=(gate.weight, gate.bias, gate.lam_max))
+        q, _, chunk_states = ccq_order1_forward(r, kappa, log_gamma, lam, True, return_chunk_states=True)
+        ccq_order1_backward(r, kappa, log_gamma, lam, torch.randn(q.shape).to(dtype), *chunk_states)
+        ccq_order1_decode(r[:, :1], kappa[:, :1], log_gamma[:, :1], (gate.weight, gate.bias, gate.lam_max), state)
+        ran.append(f"config{candidate}_B{B}_T{T}_H{H}_K{K}_{str(dtype).split('.')[-1]}")
+    return ran
+
+
+def _overrun_is_caught() -> bool:
+    """The check itself: a load one element past a tensor's end must raise."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(x, y, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(y + offsets, tl.load(x + offsets))
+
+    copy[(1,)](torch.ones(8), torch.zeros(8), N=8)
+    try:
+        copy[(1,)](torch.ones(8)[:7], torch.zeros(8), N=8)
+    except Exception as error:  # the interpreter wraps it in InterpreterError
+        return "OutOfBounds" in repr(error)
+    return False
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["forward", "gradient", "logprob", "decode"]
+    which = sys.argv[1:] or ["forward", "gradient", "logprob", "decode", "bounds"]
     result = {}
     if "forward" in which:
         result["forward"] = forward_checks()
@@ -160,4 +217,6 @@ if __name__ == "__main__":
         result["logprob"] = logprob_checks()
     if "decode" in which:
         result["decode"] = decode_checks()
+    if "bounds" in which:
+        result["bounds"] = bounds_checks()
     print(json.dumps(result))

@@ -115,6 +115,15 @@ def test_token_logprob_kernel_matches_torch_in_interpreter():
         assert result["greedy_count"] == 6, (name, result)  # 5 greedy targets + the cross-block tie
 
 
+def test_fused_kernels_stay_in_bounds_in_interpreter():
+    """Every load and store of every kernel inside its tensors (tests/_triton_bounds.py), at head dims
+    64 and 128, whole and ragged last chunks, several batches and heads, every autotune candidate; and the check does catch an
+    overrun. (The other interpreter checks run under the same bounds check.)"""
+    result = _interpreter("bounds")
+    assert result["overrun_caught"]
+    assert len(result["clean"]) == 4 * 4, result  # 4 shapes x 4 autotune candidates
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_token_logprob_cuda_bf16_matches_fp32_torch(fused):

@@ -42,7 +42,8 @@ CHUNK = 64
 # Few candidates on purpose: each compiles on the first call of a shape.
 _LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stages=2)
                   for bk in (32, 64) for warps in (4, 8)]
-SCAN_BLOCK = 1024
+SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per head
+SCAN_STEPS = 16  # chunks loaded at once by the scan
 # Read and backward kernels hold several C x C fp32 tiles: with 4 warps they used all 255 registers
 # and spilled 1.6-4 KB per thread (ptxas for sm_90, triton 3.9); 8 warps with 32-wide tiles do not.
 _READ_CONFIGS = [triton.Config({"BK": 64, "BV": bv}, num_warps=8, num_stages=2) for bv in (32, 64)]
@@ -130,54 +131,105 @@ def _ccq_local_state_kernel(
         tl.store(chunk_decay + i_bh * NT + c, g_chunk)
 
 
+@triton.jit
+def _group_weights(decay_row, c0, NT, STEPS: tl.constexpr):
+    """For the slots c0 .. c0 + STEPS - 1 of the scan (those past NT masked: decay 1, nothing added):
+    x_j = a_j x_{j-1} + b_j unrolled over the group is x_j = exp(G_j) x_{c0-1} + sum_{i<=j} W[j, i] b_i,
+    with G the cumulative log decay inside the group and W[j, i] = exp(G_j - G_i) (<= 1: no overflow)."""
+    steps = tl.arange(0, STEPS)
+    cs = c0 + steps
+    c_ok = cs <= NT
+    G = tl.cumsum(tl.load(decay_row + cs - 1, mask=c_ok, other=0.0), 0)
+    lower = steps[:, None] >= steps[None, :]
+    W = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
+    return cs, c_ok, tl.exp(G), W
+
+
+@triton.jit
+def _scan_slots(slots, base, width, idx, ok, acc, decay_row, NT, STEPS: tl.constexpr):
+    """The in-place scan of one element block `idx` (mask `ok`, at least 16 wide) over slots 1..NT:
+    slot c becomes decay_{c-1} * slot c-1 + slot c, starting from `acc` (slot 0's value). STEPS slots
+    are loaded at a time and combined by one small matrix product, so the serial chain waits for one
+    load per STEPS chunks, not per chunk (one chunk per step was latency-bound). Returns the last state."""
+    steps = tl.arange(0, STEPS)
+    for c0 in range(1, NT + 1, STEPS):
+        cs, c_ok, scale, W = _group_weights(decay_row, c0, NT, STEPS)
+        where = base + cs[:, None].to(tl.int64) * width + idx[None, :]
+        mask = c_ok[:, None] & ok[None, :]
+        local = tl.load(slots + where, mask=mask, other=0.0).to(tl.float32)
+        states = scale[:, None] * acc[None, :] + tl.dot(W, local, input_precision="ieee")
+        tl.store(slots + where, states.to(slots.dtype.element_ty), mask=mask)
+        acc = tl.sum(tl.where(steps[:, None] == STEPS - 1, states, 0.0), 0)
+    return acc
+
+
+@triton.jit
+def _scan_counts(slots, base, acc, decay_row, NT, STEPS: tl.constexpr):
+    """_scan_slots for one scalar per slot (n): acc and the result are 0-d."""
+    steps = tl.arange(0, STEPS)
+    for c0 in range(1, NT + 1, STEPS):
+        cs, c_ok, scale, W = _group_weights(decay_row, c0, NT, STEPS)
+        local = tl.load(slots + base + cs, mask=c_ok, other=0.0)
+        states = scale * acc + tl.sum(W * local[None, :], 1)
+        tl.store(slots + base + cs, states, mask=c_ok)
+        acc = tl.sum(tl.where(steps == STEPS - 1, states, 0.0), 0)
+    return acc
+
+
 # Not autotuned: the scan works in place, and the autotuner's repeated timing runs would accumulate
 # the sums again and again (on the H200 that gave NaNs).
 @triton.jit
 def _ccq_state_scan_kernel(
     P_in, m_in, n_in, chunk_decay, P0, m0, n0, P_final, m_final, n_final,
     NT,
-    K: tl.constexpr, BLOCK: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
+    K: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, STEPS: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
 ):
     """In place over slots 0..NT: slot c becomes the state entering chunk c (slot NT: after the last),
-    state_c = exp(G_{c-1}) state_{c-1} + local_{c-1}. Elementwise, so the serial loop only waits for
-    loads that triton prefetches; programs 0..cdiv(K*K, BLOCK)-1 take blocks of P, the last one m, n."""
+    state_c = exp(G_{c-1}) state_{c-1} + local_{c-1}. Elementwise; programs 0..cdiv(K*K, BLOCK)-1 take
+    BLOCK entries of P each, the last one m (KB >= K entries) and n."""
     i_blk, i_bh = tl.program_id(0), tl.program_id(1)
     n_blocks = tl.cdiv(K * K, BLOCK)
-    offs = tl.arange(0, BLOCK)
+    decay_row = chunk_decay + i_bh * NT
     if i_blk < n_blocks:
-        idx = i_blk * BLOCK + offs
+        idx = i_blk * BLOCK + tl.arange(0, BLOCK)
         ok = idx < K * K
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         if HAS_INITIAL:
             acc += tl.load(P0 + i_bh * K * K + idx, mask=ok, other=0.0)
         base = i_bh.to(tl.int64) * (NT + 1) * K * K
         tl.store(P_in + base + idx, acc.to(P_in.dtype.element_ty), mask=ok)
-        for c in range(1, NT + 1):
-            decay = tl.exp(tl.load(chunk_decay + i_bh * NT + c - 1))
-            local = tl.load(P_in + base + c * K * K + idx, mask=ok, other=0.0).to(tl.float32)
-            acc = acc * decay + local
-            tl.store(P_in + base + c * K * K + idx, acc.to(P_in.dtype.element_ty), mask=ok)
+        acc = _scan_slots(P_in, base, K * K, idx, ok, acc, decay_row, NT, STEPS)
         if STORE_FINAL:
             tl.store(P_final + i_bh * K * K + idx, acc, mask=ok)
     else:
-        ok = offs < K
-        m = tl.zeros([BLOCK], dtype=tl.float32)
+        cols = tl.arange(0, KB)
+        col_ok = cols < K
+        m = tl.zeros([KB], dtype=tl.float32)
         n = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
         if HAS_INITIAL:
-            m += tl.load(m0 + i_bh * K + offs, mask=ok, other=0.0)
+            m += tl.load(m0 + i_bh * K + cols, mask=col_ok, other=0.0)
             n += tl.load(n0 + i_bh)
         base = i_bh.to(tl.int64) * (NT + 1)
-        tl.store(m_in + base * K + offs, m, mask=ok)
+        tl.store(m_in + base * K + cols, m, mask=col_ok)
         tl.store(n_in + base, n)
-        for c in range(1, NT + 1):
-            decay = tl.exp(tl.load(chunk_decay + i_bh * NT + c - 1))
-            m = m * decay + tl.load(m_in + (base + c) * K + offs, mask=ok, other=0.0)
-            n = n * decay + tl.load(n_in + base + c)
-            tl.store(m_in + (base + c) * K + offs, m, mask=ok)
-            tl.store(n_in + base + c, n)
+        m = _scan_slots(m_in, base * K, K, cols, col_ok, m, decay_row, NT, STEPS)
+        n = _scan_counts(n_in, base, n, decay_row, NT, STEPS)
         if STORE_FINAL:
-            tl.store(m_final + i_bh * K + offs, m, mask=ok)
+            tl.store(m_final + i_bh * K + cols, m, mask=col_ok)
             tl.store(n_final + i_bh, n)
+
+
+def _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None):
+    """Launches _ccq_state_scan_kernel over B*H rows (initial / final: (P, m, n) or None)."""
+    dummy = n_in  # stands in for absent optional pointers (never read or written)
+    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, P_in.shape[0])](
+        P_in, m_in, n_in, chunk_decay,
+        *(initial if initial is not None else (dummy, dummy, dummy)),
+        *(final if final is not None else (dummy, dummy, dummy)),
+        NT, K=K, BLOCK=SCAN_BLOCK, KB=triton.next_power_of_2(K), STEPS=SCAN_STEPS,
+        HAS_INITIAL=initial is not None, STORE_FINAL=final is not None, num_warps=4, num_stages=2,
+    )
 
 
 @_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
@@ -306,17 +358,10 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
                  torch.empty(B, H, K, device=r.device, dtype=torch.float32),
                  torch.empty(B, H, device=r.device, dtype=torch.float32))
     init = None if initial_state is None else tuple(s.float().contiguous() for s in initial_state)
-    dummy = n_in  # stands in for absent optional pointers (never read or written)
     local_grid = lambda meta: (NT * B * H, K // meta["BK"])  # noqa: E731
     _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
                                         H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
-    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](
-        P_in, m_in, n_in, chunk_decay,
-        *(init if init is not None else (dummy, dummy, dummy)),
-        *(final if final is not None else (dummy, dummy, dummy)),
-        NT, K=K, BLOCK=SCAN_BLOCK, HAS_INITIAL=init is not None, STORE_FINAL=final is not None,
-        num_warps=4, num_stages=2,
-    )
+    _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, init, final)
     q = torch.empty_like(r)
     read_grid = lambda meta: (triton.cdiv(K, meta["BV"]), NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](
@@ -357,7 +402,7 @@ def _rows_times_state(x, base, row_ok, state, js, C: tl.constexpr, K: tl.constex
     """x[t, :] @ state[:, js] for the C rows of x at `base` and a K x K state (pointer at its start):
     [C, BK] fp32, the K reduction in BK-wide tiles."""
     out = tl.zeros([C, BK], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BK):
+    for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         x_k = tl.load(x + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         out += _mm(x_k, tl.load(state + ks[:, None] * K + js[None, :]), IEEE)
@@ -391,7 +436,7 @@ def _ccq_bwd_query_kernel(
 
     scores = tl.zeros([C, C], dtype=tl.float32)
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BK):
+    for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
@@ -406,7 +451,7 @@ def _ccq_bwd_query_kernel(
     dlam = tl.zeros([C], dtype=tl.float32)
     ds_dot_m = tl.zeros([C], dtype=tl.float32)
     ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
-    for j0 in tl.static_range(0, K, BK):
+    for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
@@ -431,7 +476,7 @@ def _ccq_bwd_query_kernel(
     # Pass 2: dPu and dm (to memory, for the key gradients), X, and E = dPu kappa^T.
     X = n * dn
     E = tl.zeros([C, C], dtype=tl.float32)
-    for j0 in tl.static_range(0, K, BK):
+    for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
@@ -456,7 +501,7 @@ def _ccq_bwd_query_kernel(
 
     # Pass 3: dr = dq + dalpha mu + P_t dPu_t.
     ED = E * D
-    for j0 in tl.static_range(0, K, BK):
+    for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
@@ -540,7 +585,7 @@ def _ccq_bwd_key_kernel(
 
     scores = tl.zeros([C, C], dtype=tl.float32)  # r_t . kappa_i
     E = tl.zeros([C, C], dtype=tl.float32)  # dPu_t . kappa_i
-    for k0 in tl.static_range(0, K, BK):
+    for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         scores += _mm(tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0), tl.trans(kap_k), IEEE)
@@ -550,7 +595,7 @@ def _ccq_bwd_key_kernel(
     D_T = tl.trans(D)
     dn_t = tl.load(dn + out, mask=t_ok, other=0.0)
     Y = tl.sum(D * dn_t[:, None], 0) + to_end * tl.load(h_acc + later)
-    for j0 in tl.static_range(0, K, BK):
+    for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, IEEE)
         dPu_j = tl.load(dPu + base[:, None] + js[None, :], mask=row_ok, other=0.0)
@@ -589,9 +634,7 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     local_grid = lambda meta: (NT * B * H, K // meta["BK"], K // meta["BV"])  # noqa: E731
     _ccq_bwd_local_kernel[local_grid](r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, decay_rev, T, NT,
                                       H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee)
-    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, B * H)](
-        Q, g_acc, h_acc, decay_rev, h_acc, h_acc, h_acc, h_acc, h_acc, h_acc,
-        NT, K=K, BLOCK=SCAN_BLOCK, HAS_INITIAL=False, STORE_FINAL=False, num_warps=4, num_stages=2)
+    _scan_states(Q, g_acc, h_acc, decay_rev, NT, K)
     dkappa = torch.empty_like(kappa)
     dc = torch.empty(B, T, H, **f32)
     _ccq_bwd_key_kernel[(NT, B * H)](

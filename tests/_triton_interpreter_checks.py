@@ -45,6 +45,7 @@ def forward_checks():
         (1, 70, 2, 64, 32, False, True),
         (1, 90, 1, 128, 16, True, True),  # K over several tiles
         (1, 5, 1, 64, 16, True, False),  # shorter than one chunk
+        (1, 600, 1, 64, 16, True, True),  # 38 chunks: several groups of the state scan (SCAN_STEPS)
     ]
     for B, T, H, K, chunk, centered, with_state in cases:
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T + K)
@@ -89,7 +90,8 @@ def forward_checks():
 
 def gradient_checks():
     out = {}
-    for centered, (B, T, H, K) in ((True, (2, 100, 2, 64)), (False, (2, 100, 2, 64)), (True, (1, 150, 1, 128))):
+    for centered, (B, T, H, K) in ((True, (2, 100, 2, 64)), (False, (2, 100, 2, 64)), (True, (1, 150, 1, 128)),
+                                   (True, (1, 1100, 1, 64))):  # 18 chunks: two groups of the scans
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=7)
         weights = torch.randn(r.shape, generator=torch.Generator().manual_seed(8))
         leaves = [x.double().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]

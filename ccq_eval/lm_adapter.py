@@ -89,8 +89,12 @@ class TokenNLL(float):
 
     @classmethod
     def from_token_nll(cls, token_nll: Sequence[float]) -> Self:
-        values = [float(x) for x in token_nll]
-        return cls(-math.fsum(values), values)
+        """The logprob is minus their sum by construction, so the check of __new__ is skipped (one
+        conversion and one sum over a 20K-token text instead of two: this runs between documents)."""
+        values = list(map(float, token_nll))
+        obj = super().__new__(cls, -math.fsum(values))
+        obj.token_nll = values
+        return obj
 
     def __reduce__(self):
         return (TokenNLL, (float(self), self.token_nll))
@@ -410,14 +414,16 @@ class CCQEvalLM(LM):
         features, new_cache = self._forward_features(input_ids, cache, logits_to_keep)
         return self._logits(features), new_cache
 
-    def _forward_features(self, input_ids: torch.Tensor, cache: Any, keep: int) -> tuple[torch.Tensor, Any]:
+    def _forward_features(self, input_ids: torch.Tensor, cache: Any, keep: int,
+                          use_cache: bool = True) -> tuple[torch.Tensor, Any]:
         """Like _forward, but for fla models the backbone's hidden states of the last `keep`
-        positions instead of logits (turned into logits by `_logits`, a slice at a time)."""
+        positions instead of logits (turned into logits by `_logits`, a slice at a time).
+        use_cache=False: the last slice of a text whose cache nobody reads (no cache returned)."""
         if self._backbone is not None:
-            out = self._backbone(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            out = self._backbone(input_ids=input_ids, past_key_values=cache, use_cache=use_cache)
             hidden = out[0]
             return (hidden[:, -keep:] if keep else hidden), out.past_key_values
-        kwargs: dict[str, Any] = {"use_cache": True}
+        kwargs: dict[str, Any] = {"use_cache": use_cache}
         if cache is not None:
             kwargs[self._cache_kwarg] = cache
         if self._has_logits_to_keep and keep:
@@ -437,14 +443,16 @@ class CCQEvalLM(LM):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
-    def _run(self, input_ids: torch.Tensor, score_from: int,
-             to_cpu: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    def _run(self, input_ids: torch.Tensor, score_from: int, to_cpu: bool = True,
+             keep_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """Run [B, T] token rows through the model in slices of chunk_size, carrying the cache.
 
         Scores the predictions made at positions score_from .. T-2 (position p predicts token
         p + 1). Returns (logprob [B, T-1-score_from] fp32, greedy-match [B, ...] bool, both on CPU
         unless to_cpu=False, fp32 logits at the last position [B, V] for decoding, the cache after
-        T tokens). Nothing waits for the GPU before the end (no per-slice copies to the host).
+        T tokens, or None with keep_cache=False: scoring alone then skips building the cache of the
+        last slice, the layers' state outputs and fla's cache updates). Nothing waits for the GPU
+        before the end (no per-slice copies to the host).
         """
         n_rows, total = input_ids.shape
         logprob_parts: list[torch.Tensor] = []
@@ -461,7 +469,8 @@ class CCQEvalLM(LM):
             keep = last_scored - first_needed if last_scored > first_needed else 0
             # Only the slice's scored positions need logits (plus the final position when decoding).
             keep_last = end - first_needed if keep else 1
-            features, cache = self._forward_features(input_ids[:, start:end], cache, keep_last)
+            features, cache = self._forward_features(input_ids[:, start:end], cache, keep_last,
+                                                     use_cache=keep_cache or end < total)
             if end == total:
                 last_logits = self._logits(features[:, -1:])[:, -1]
             for a in range(0, keep, self.logits_chunk):
@@ -572,7 +581,7 @@ class CCQEvalLM(LM):
             total = len(rows[0])
             n_scored = [prepared[i][1] for i in batch]
             score_from = total - 1 - max(n_scored)
-            logprob, greedy, _, _ = self._run(self._tensor(rows), score_from)
+            logprob, greedy, _, _ = self._run(self._tensor(rows), score_from, keep_cache=False)
             for row, index in enumerate(batch):
                 n = n_scored[row]
                 if n == 0:
@@ -621,7 +630,7 @@ class CCQEvalLM(LM):
             self._warned_rolling_over_length = True
         if len(rows[0]) < 2:  # nothing to predict
             return [i for i, _ in batch], torch.zeros(len(rows), 0), None
-        logprob, _, _, _ = self._run(self._tensor(rows), 0, to_cpu=False)
+        logprob, _, _, _ = self._run(self._tensor(rows), 0, to_cpu=False, keep_cache=False)
         if logprob.device.type != "cuda":
             return [i for i, _ in batch], logprob.cpu(), None
         host = torch.empty(logprob.shape, dtype=logprob.dtype, pin_memory=True)

@@ -1,6 +1,7 @@
 """A quick check, on a GPU, that the fused kernels compile, run and agree with the unfused path:
-the CCQ forward with raw keys and the gate (bf16 and fp32, from a state), one decoding step, the CCQ
-backward from a zero state (fp32), and the fused log-softmax. scripts/gpu_session.sh falls back to the unfused path for
+the CCQ forward with raw keys and the gate (bf16 and fp32, from a state) and one decoding step, both
+against fp64 on CPU; the CCQ backward from a zero state (fp32) against the unfused path; the fused
+log-softmax against torch. scripts/gpu_session.sh falls back to the unfused path for
 the benchmarks when this fails. Prints the relative L2 errors; exit code 1 if one is over tolerance."""
 
 import os
@@ -21,8 +22,13 @@ def run(kernel, fn):
         os.environ.pop("CCQ_EVAL_CCQ_KERNEL")
 
 
+def cpu64(*tensors):
+    return tuple(x.double().cpu() for x in tensors)
+
+
 def relative(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
 
 
 failed = []
@@ -35,18 +41,23 @@ for K in (128, 256):
     gate = CCQGate(0.2 * torch.randn(H, K, device="cuda", generator=g), torch.zeros(H, device="cuda"), 4.0)
     kap0 = unit_keys(torch.randn(1, 30, H, K, device="cuda", generator=g))
     state = CCQState(torch.einsum("bthk,bthl->bhkl", kap0, kap0), kap0.sum(1), torch.full((1, H), 30.0, device="cuda"))
+    # The forward references: the same inputs in fp64 on CPU (the unfused path on CUDA would use
+    # fla's kernels, whose fp32 products are tf32).
+    cpu64_gate = CCQGate(*cpu64(gate.weight, gate.bias), gate.lam_max)
+    cpu64_state = CCQState(*cpu64(*state))
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         r, k = r32.to(dtype), k32.to(dtype)
         with torch.no_grad():
             fused = run("fused", lambda: ccq_read_keys(r, k, log_gamma, gate, initial_state=state))
-            ref = run("unfused", lambda: ccq_read_keys(r32, k32, log_gamma, gate, initial_state=state))
+            ref = ccq_read_keys(*cpu64(r32, k32, log_gamma), cpu64_gate, initial_state=cpu64_state)
         errors = [relative(fused[0], ref[0])] + [relative(a, b) for a, b in zip(fused[1], ref[1])]
         print(f"forward K={K} {dtype}: relative errors q, P, m, n = {[f'{e:.1e}' for e in errors]}")
         if not max(errors) < tol:
             failed.append(f"forward K={K} {dtype}")
         with torch.no_grad():  # one decoding step from that state
-            step = [run(kernel, lambda: ccq_read_keys(r[:, :1], k[:, :1], log_gamma[:, :1], gate, initial_state=state))
-                    for kernel in ("fused", "unfused")]
+            step = [run("fused", lambda: ccq_read_keys(r[:, :1], k[:, :1], log_gamma[:, :1], gate, initial_state=state)),
+                    ccq_read_keys(*cpu64(r32[:, :1], k32[:, :1], log_gamma[:, :1]), cpu64_gate,
+                                  initial_state=cpu64_state)]
         errors = [relative(step[0][0], step[1][0])] + [relative(a, b) for a, b in zip(step[0][1], step[1][1])]
         print(f"decode step K={K} {dtype}: relative errors q, P, m, n = {[f'{e:.1e}' for e in errors]}")
         if not max(errors) < tol:

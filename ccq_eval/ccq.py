@@ -11,8 +11,8 @@ Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
 - `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the unfused kernel path: per order a K x K
   covariance pass with fla's chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and
-  n as batched decayed sums. Opt-in (CCQ_EVAL_CCQ_KERNEL=fused): order 1 through the fused Triton
-  kernels of `ccq_triton`, forward and backward. On CPU a torch chunk loop applies all orders per
+  n as batched decayed sums. By default order 1 runs through the fused Triton kernels of
+  `ccq_triton` instead, forward and backward (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On CPU a torch chunk loop applies all orders per
   chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
@@ -277,10 +277,9 @@ KERNEL_ENV_VAR = "CCQ_EVAL_CCQ_KERNEL"
 
 
 def fused_kernel_enabled() -> bool:
-    """CCQ_EVAL_CCQ_KERNEL=fused opts in to the fused Triton kernels (ccq_triton.py). Off by default: this
-    version of them passed the CPU interpreter tests but has not yet passed the GPU tests (the last H200
-    run found the in-place scan re-accumulated by the autotuner, fixed since, not re-run)."""
-    choice = os.environ.get(KERNEL_ENV_VAR, "unfused").strip().lower()
+    """The fused Triton kernels (ccq_triton.py) are the default on CUDA (they passed the GPU tests on the
+    H200: benchmarks/README.md); CCQ_EVAL_CCQ_KERNEL=unfused selects the unfused kernel path instead."""
+    choice = os.environ.get(KERNEL_ENV_VAR, "fused").strip().lower()
     if choice not in ("fused", "unfused"):
         raise ValueError(f"{KERNEL_ENV_VAR} must be 'fused' or 'unfused', got {choice!r}")
     return choice == "fused"

@@ -1,8 +1,8 @@
 """Fused Triton kernels for the CCQ read of order 1 (the default), forward and backward, for CUDA.
 
-Opt-in (CCQ_EVAL_CCQ_KERNEL=fused; see ccq.fused_kernel_enabled) until this version passes the GPU
-tests: its first version (one sequential state kernel, torch backward) passed them on the H200, this
-one has passed only the CPU interpreter tests (benchmarks/README.md, "Known gaps").
+The default CCQ read on CUDA for head dims that are multiples of 128 (CCQ_EVAL_CCQ_KERNEL=unfused
+switches it off; see ccq.fused_kernel_enabled); checked on the H200 by the GPU tests and
+scripts/fused_smoke.py (benchmarks/README.md).
 
 The unfused kernel path (`ccq._ccq_chunk_kernel`) spends about 60 kernel launches per layer (the
 decayed sums m and n, fla's chunk_simple_gla with its own preparation kernels, and the polynomial):
@@ -12,17 +12,19 @@ whole read is three kernels:
 1. `_ccq_local_state_kernel`: every chunk in parallel, its own decayed sum of kappa kappa^T (and of
    kappa and 1 for m, n).
 2. `_ccq_state_scan_kernel`: one elementwise pass over the chunks turns those into the state entering
-   every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c], n_in[c]. (A single
-   sequential kernel with a matmul per chunk, as fla's chunk_fwd_h, was latency-bound: 88 us per
-   layer at 4K tokens on the H200, five times that at 20K.)
+   every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c], n_in[c], SCAN_STEPS chunks
+   at a time. (A single sequential kernel with a matmul per chunk, as fla's chunk_fwd_h, was
+   latency-bound: 88 us per layer at 4K tokens on the H200, five times that at 20K. A scan loading
+   one chunk per step waits for each load in turn; loading 16 at once took GLA-340M's CCQ / fla
+   forward time at 20K from 1.21 to 1.12 on the H200.)
 3. `_ccq_read_kernel`: every chunk in parallel; the in-chunk cumulative decay, the intra-chunk part
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype.
 
 `_ccq_decode_kernel` is the one-token step of the recurrence (state update and q~ in one launch).
 The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
-its scan kernel for the anti-causal sums. No [T, K, K] tensor is formed: P_in holds one K x K matrix per chunk, in the input dtype like fla's
-chunk states (fp32 when the inputs are fp32). Sums over keys (n, m, the polynomial) are fp32.
+its scan kernel for the anti-causal sums. No [T, K, K] tensor is formed: P_in holds one K x K matrix
+per chunk, in the input dtype like fla's chunk states (fp32 when the inputs are fp32). Sums over keys (n, m, the polynomial) are fp32.
 
 Kernels run on CUDA; with TRITON_INTERPRET=1 (set before this module is imported) they run on CPU
 tensors, which is how the CPU tests check them against `ccq.ccq_read_reference`.

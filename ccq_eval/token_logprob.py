@@ -3,8 +3,8 @@
 Scoring needs, at each position, log softmax(logits)[target] and whether the target is the argmax.
 In torch that is an fp32 copy of the [positions, vocab] logits plus several passes over it (logsumexp
 alone reads it more than once): about 1 ms per 4096 x 32000 slice on the H200, a tenth of a 340M
-model's forward. On CUDA one Triton pass (opt-in: CCQ_EVAL_TOKEN_LOGPROB=triton) reads the model's own
-(bf16) logits once, with fp32 running max / sum-exp (the online softmax), the target's logit and the
+model's forward. On CUDA one Triton pass (the default; CCQ_EVAL_TOKEN_LOGPROB=torch selects torch)
+reads the model's own (bf16) logits once, with fp32 running max / sum-exp (the online softmax), the target's logit and the
 first argmax.
 """
 
@@ -43,13 +43,23 @@ def _token_logprob_kernel(logits, targets, logprob_out, greedy_out, V, stride_ro
     tl.store(greedy_out + row, best_index == target)
 
 
+ENV_VAR = "CCQ_EVAL_TOKEN_LOGPROB"
+
+
+def _implementation() -> str:
+    """"triton" (the default, CUDA only) or "torch", from CCQ_EVAL_TOKEN_LOGPROB."""
+    choice = os.environ.get(ENV_VAR, "triton").strip().lower()
+    if choice not in ("triton", "torch"):
+        raise ValueError(f"{ENV_VAR} must be 'triton' or 'torch', got {choice!r}")
+    return choice
+
+
 def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), target == argmax) for logits [..., V] and targets [...]: fp32 and bool."""
     shape = targets.shape
     if logits.shape[:-1] != shape:
         raise ValueError(f"token_logprob: logits {tuple(logits.shape)} do not match targets {tuple(shape)}")
-    # The Triton pass is opt-in (CCQ_EVAL_TOKEN_LOGPROB=triton) until it has passed the GPU tests.
-    if not logits.is_cuda or os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "torch") != "triton":
+    if not logits.is_cuda or _implementation() == "torch":
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprob = scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
         return logprob, scores.argmax(-1) == targets

@@ -1,7 +1,6 @@
-"""A quick check, on a GPU, that the fused kernels compile, run and agree with the unfused path:
-the CCQ forward with raw keys and the gate (bf16 and fp32, from a state) and one decoding step, both
-against fp64 on CPU; the CCQ backward from a zero state (fp32) against the unfused path; the fused
-log-softmax against torch. scripts/gpu_session.sh falls back to the unfused path for
+"""A quick check, on a GPU, that the fused kernels compile, run and agree with their references:
+the CCQ forward with raw keys and the gate (bf16 and fp32, from a state), one decoding step and the
+CCQ backward from a zero state (fp32), all against fp64 on CPU; the fused log-softmax against torch. scripts/gpu_session.sh falls back to the unfused path for
 the benchmarks when this fails. Prints the relative L2 errors; exit code 1 if one is over tolerance."""
 
 import os
@@ -64,14 +63,16 @@ for K in (128, 256):
             failed.append(f"decode K={K} {dtype}")
     weights = torch.randn(r32.shape, device="cuda", generator=g)
 
-    def grads():
-        leaves = [x.clone().requires_grad_(True) for x in (r32, unit_keys(k32), log_gamma, gate.values(r32))]
+    def grads(cast):
+        leaves = [cast(x).requires_grad_(True) for x in (r32, unit_keys(k32), log_gamma, gate.values(r32))]
         q, _ = ccq_read_chunk(*leaves)
-        return torch.autograd.grad((q * weights).sum(), leaves)
+        return torch.autograd.grad((q * cast(weights)).sum(), leaves)
 
-    errors = [relative(a, b) for a, b in zip(run("fused", grads), run("unfused", grads))]
+    # Reference: autograd through the chunk form in fp64 on CPU (fla's fp32 kernels multiply in tf32).
+    errors = [relative(a, b) for a, b in zip(run("fused", lambda: grads(torch.Tensor.clone)),
+                                             grads(lambda x: x.detach().double().cpu()))]
     print(f"backward K={K} fp32: relative errors dr, dkappa, dlog_gamma, dlam = {[f'{e:.1e}' for e in errors]}")
-    if not max(errors) < 5e-3:
+    if not max(errors) < 1e-3:
         failed.append(f"backward K={K}")
 
 logits = (4 * torch.randn(300, 32000, device="cuda", generator=g)).bfloat16()
@@ -87,5 +88,5 @@ print(f"token_logprob bf16: max |diff| vs torch {error:.1e}, greedy equal {torch
 if not (error < 1e-3 and torch.equal(greedy, greedy_ref)):
     failed.append("token_logprob")
 torch.cuda.synchronize()
-print("FAILED: " + ", ".join(failed) if failed else "all fused kernels agree with the unfused path")
+print("FAILED: " + ", ".join(failed) if failed else "all fused kernels agree with their references")
 sys.exit(1 if failed else 0)

@@ -71,9 +71,8 @@ pipeline() {
     timeout 660 "${train[@]}" --models tiny-gla-ccq --out "$WORK/repro" > "$WORK/logs/train-repro-tiny-gla-ccq.log" 2>&1 &
     pids+=($!)
   fi
-  # One autotune candidate per kernel in the tests (they check values; compile time is the lease's),
-  # and the opt-in fused kernels switched on, so that the model-level tests exercise them too.
-  CCQ_EVAL_AUTOTUNE_CONFIGS=1 CCQ_EVAL_CCQ_KERNEL=fused CCQ_EVAL_TOKEN_LOGPROB=triton timeout "${TESTS_TIMEOUT:-840}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ccq_triton.py tests/test_models_ccq.py \
+  # One autotune candidate per kernel in the tests (they check values; compile time is the lease's).
+  CCQ_EVAL_AUTOTUNE_CONFIGS=1 timeout "${TESTS_TIMEOUT:-840}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ccq_triton.py tests/test_models_ccq.py \
     tests/test_ccq_operator.py "tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu" ${GRAPH_TESTS-tests/test_graphed_decode.py} \
     > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
@@ -103,12 +102,11 @@ pipeline() {
 
   if want bench; then
   stage "3: benchmarks"
-  # The fused kernels are opt-in; the benchmarks use them when the smoke check (fused vs unfused on
-  # this GPU) passes, and otherwise measure the default paths.
-  if python3 scripts/fused_smoke.py > "$WORK/logs/fused-smoke.log" 2>&1; then
-    export CCQ_EVAL_CCQ_KERNEL=fused CCQ_EVAL_TOKEN_LOGPROB=triton
-  else
-    stage "fused kernels FAILED the smoke check: benchmarks use the default (unfused, torch) paths"
+  # The benchmarks use the fused kernels (the default) when the smoke check (fused vs fp64 / unfused on
+  # this GPU) passes, and otherwise measure the unfused and torch paths.
+  if ! timeout 240 python3 scripts/fused_smoke.py > "$WORK/logs/fused-smoke.log" 2>&1; then
+    export CCQ_EVAL_CCQ_KERNEL=unfused CCQ_EVAL_TOKEN_LOGPROB=torch
+    stage "fused kernels FAILED the smoke check: benchmarks use the unfused and torch paths"
   fi
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
   group() { [[ ",${BENCH:-model,train4,harness,ops,sniah,generation}," == *",$1,"* ]]; }

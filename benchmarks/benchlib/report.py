@@ -77,8 +77,8 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         # A cap on triton's autotuning candidates (ccq_eval/autotune.py) can make kernels slower.
         "autotune_configs_per_kernel": autotune.configured_limit(),
         # Which CCQ read and which scoring log-softmax ran (the fused kernels are opt-in).
-        "ccq_kernel": os.environ.get("CCQ_EVAL_CCQ_KERNEL", "unfused"),
-        "token_logprob": os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "torch"),
+        "ccq_kernel": os.environ.get("CCQ_EVAL_CCQ_KERNEL", "fused"),
+        "token_logprob": os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "triton"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -12,8 +12,8 @@ Forms:
 - `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the unfused kernel path: per order a K x K
   covariance pass with fla's chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and
   n as batched decayed sums. By default order 1 runs through the fused Triton kernels of
-  `ccq_triton` instead, forward and backward (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On CPU a torch chunk loop applies all orders per
-  chunk in one pass.
+  `ccq_triton` instead, forward and backward (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On
+  CPU a torch chunk loop applies all orders per chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
 Shapes: r, kappa [B, T, H, K]; log_gamma, lam [B, T, H]. The state is a `CCQState` of fp32 (or fp64
@@ -376,7 +376,7 @@ class CCQGate(NamedTuple):
 
 
 def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None):
-    """What a layer calls, with its raw keys k and its gate. Inference on CUDA with the opt-in fused
+    """What a layer calls, with its raw keys k and its gate. Inference on CUDA with the fused
     kernels (nothing needs a gradient, order 1) normalises the keys and forms lambda inside them: the
     chunked read for prefill and scoring, a one-step kernel for decoding. Everything else forms
     unit_keys(k) and lambda here and calls ccq_read."""

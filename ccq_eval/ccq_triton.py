@@ -16,7 +16,7 @@ whole read is three kernels:
    at a time. (A single sequential kernel with a matmul per chunk, as fla's chunk_fwd_h, was
    latency-bound: 88 us per layer at 4K tokens on the H200, five times that at 20K. A scan loading
    one chunk per step waits for each load in turn; loading 16 at once took GLA-340M's CCQ / fla
-   forward time at 20K from 1.21 to 1.12 on the H200.)
+   forward time at 20K from 1.21 to 1.12 on the H200, Gated DeltaNet's stayed at 1.20.)
 3. `_ccq_read_kernel`: every chunk in parallel; the in-chunk cumulative decay, the intra-chunk part
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype.
@@ -24,7 +24,8 @@ whole read is three kernels:
 `_ccq_decode_kernel` is the one-token step of the recurrence (state update and q~ in one launch).
 The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
 its scan kernel for the anti-causal sums. No [T, K, K] tensor is formed: P_in holds one K x K matrix
-per chunk, in the input dtype like fla's chunk states (fp32 when the inputs are fp32). Sums over keys (n, m, the polynomial) are fp32.
+per chunk, in the input dtype like fla's chunk states (fp32 when the inputs are fp32). Sums over keys
+(n, m, the polynomial) are fp32.
 
 Kernels run on CUDA; with TRITON_INTERPRET=1 (set before this module is imported) they run on CPU
 tensors, which is how the CPU tests check them against `ccq.ccq_read_reference`.
@@ -402,7 +403,8 @@ def _mm(a, b, IEEE: tl.constexpr):
 def _rows_times_state(x, base, row_ok, state, js, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       IEEE: tl.constexpr):
     """x[t, :] @ state[:, js] for the C rows of x at `base` and a K x K state (pointer at its start):
-    [C, BK] fp32, the K reduction in BK-wide tiles."""
+    [C, BK] fp32, the K reduction in BK-wide tiles. The backward's head-dim loops are runtime loops:
+    unrolled, ptxas (triton 3.6) took about 2 minutes for the fp32 query kernel at K = 128."""
     out = tl.zeros([C, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)

@@ -76,7 +76,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         "git": _git(),
         # A cap on triton's autotuning candidates (ccq_eval/autotune.py) can make kernels slower.
         "autotune_configs_per_kernel": autotune.configured_limit(),
-        # Which CCQ read and which scoring log-softmax ran (the fused kernels are opt-in).
+        # Which CCQ read and which scoring log-softmax ran (the defaults: fused, triton).
         "ccq_kernel": os.environ.get("CCQ_EVAL_CCQ_KERNEL", "fused"),
         "token_logprob": os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "triton"),
     }

@@ -921,6 +921,17 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def gpu_kernel_settings() -> dict[str, str | None]:
+    """Which kernel paths a CUDA run used (bf16 results differ slightly between them; CPU runs use
+    torch throughout): the CCQ read, the scoring log-softmax, the autotuning cap."""
+    from ccq_eval.ccq import fused_kernel_enabled
+    from ccq_eval.token_logprob import _implementation
+
+    return {"ccq_read": "fused" if fused_kernel_enabled() else "unfused",
+            "token_logprob": _implementation(),
+            "autotune_configs": os.environ.get("CCQ_EVAL_AUTOTUNE_CONFIGS")}
+
+
 @dataclass
 class RunSummary:
     done: list[Unit] = field(default_factory=list)
@@ -948,6 +959,7 @@ def execute_plan(
     evaluate = evaluate_unit or default_evaluator()
     report = reporter or SilentReporter()
     argv = list(options_command_line(plan.options) if command_line is None else command_line)
+    kernels = gpu_kernel_settings()  # read (and a bad value refused) before any unit runs
     summary = RunSummary(skipped=[unit for unit in plan.units if unit.finished])
     report.run_start(plan)
     try:
@@ -991,6 +1003,7 @@ def execute_plan(
                 "argv": list(sys.argv),
                 "cwd": os.getcwd(),
                 "versions": package_versions(),
+                "gpu_kernels": kernels,
                 "platform": platform.platform(),
             } | outcome.meta
             results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)

@@ -218,7 +218,10 @@ def test_run_resumes_killed_unit_without_redoing_answered_requests(fake_world, t
     assert "2 skipped" in result.output
 
 
-def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path):
+def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path, monkeypatch):
+    monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "unfused")  # recorded in the metadata
+    monkeypatch.delenv("CCQ_EVAL_TOKEN_LOGPROB", raising=False)
+    monkeypatch.delenv("CCQ_EVAL_AUTOTUNE_CONFIGS", raising=False)
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--seed", "3", "--output", "out")
     assert result.exit_code == 0, result.output
     unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
@@ -236,6 +239,7 @@ def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path):
     assert meta["spec"]["task_metadata"] == {"seed": 3, "lengths": [1024, 2048], "depths": [0.0, 50.0, 100.0],
                                              "samples_per_cell": 2}
     assert meta["versions"]["lm_eval"] and meta["wall_time_s"] >= 0
+    assert meta["gpu_kernels"] == {"ccq_read": "unfused", "token_logprob": "triton", "autotune_configs": None}
     assert "--samples-per-cell" in meta["command_line"]
     # the seed reached the task's document generator (values depend on it)
     assert samples[0]["doc"]["value"] == str(1000000 + 7919 + 3)
@@ -397,3 +401,11 @@ def test_retrained_checkpoint_is_not_mixed_with_cached_answers(fake_world, monke
     (folder / "model.safetensors").write_bytes(b"weights-v2" * 1000)  # same size, new values
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert result.exit_code == 2 and "different settings (checkpoint:" in result.output
+
+
+def test_bad_kernel_setting_fails_before_any_unit_runs(fake_world, monkeypatch):
+    monkeypatch.setenv("CCQ_EVAL_TOKEN_LOGPROB", "numpy")
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert result.exit_code != 0
+    assert "CCQ_EVAL_TOKEN_LOGPROB must be 'triton' or 'torch', got 'numpy'" in result.output + str(result.exception)
+    assert not list(Path("out").glob("**/results.json"))

@@ -155,39 +155,69 @@ def logprob_checks():
     return out
 
 
-def bounds_checks():
-    """Shapes like those that crashed on the H200 (half precision, whole and ragged last chunks,
-    several batches and heads, head dims 64 and 128), through every kernel and each of its autotune
-    candidates, under the bounds check: returns the launches that ran cleanly (a failure raises
-    _triton_bounds.OutOfBounds)."""
+def candidate_checks():
+    """Every kernel with each of its autotune candidates (a GPU's autotuner may pick any of them),
+    under the bounds check, at shapes like those that crashed on the H200: half precision, whole and
+    ragged last chunks, several batches and heads, head dims 64 and 128. Returns, per candidate and
+    shape, the worst relative L2 error of each path against fp64 (an out-of-bounds access raises
+    _triton_bounds.OutOfBounds), and whether the bounds check catches a planted overrun."""
     from ccq_eval import ccq_triton
 
     tuned = [x for x in vars(ccq_triton).values() if isinstance(x, ccq_triton._FirstConfig)]
-    ran = []
+    errors = {}
     for candidate in range(max(len(x.configs) for x in tuned)):
         for kernel in tuned:
             kernel.kwargs = dict(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs)
-        ran += _every_kernel_once(candidate)
-    return {"clean": ran, "overrun_caught": _overrun_is_caught()}
+        errors.update(_every_kernel_once(candidate))
+    return {"errors": errors, "overrun_caught": _overrun_is_caught()}
+
+
+def _relative(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
 
 
 def _every_kernel_once(candidate):
-    from ccq_eval.ccq import CCQGate
+    """Forward (raw keys, gate, prior state), forward + backward (zero state) and one decoding step,
+    each against fp64: the worst relative L2 error of its outputs, per shape. The backward's values
+    only in fp32: in half precision it multiplies in bf16, and the interpreter's bf16 tl.dot returns
+    garbage (a 16 x 16 product off by 1e9 relative, checked), so there it is run for the bounds alone."""
+    from ccq_eval.ccq import CCQGate, ccq_read_recurrent
     from ccq_eval.ccq_triton import ccq_order1_backward, ccq_order1_decode
 
-    ran = []
+    out = {}
     for B, T, H, K, dtype in ((2, 128, 3, 64, torch.float16), (2, 130, 3, 64, torch.float16),
-                              (1, 192, 2, 128, torch.float16), (2, 64, 2, 64, torch.float32)):
+                              (1, 192, 2, 128, torch.float16), (2, 64, 2, 64, torch.float32),
+                              (2, 130, 2, 128, torch.float32)):
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T, dtype=dtype)
-        state = tuple(x.float() for x in prior_state(B, H, K, seed=1))
-        gate = CCQGate(0.3 * torch.randn(H, K), torch.randn(H), 4.0)
-        ccq_order1_forward(r, kappa, log_gamma, None, True, state, output_final_state=True, raw_keys=True,
-                           gate=(gate.weight, gate.bias, gate.lam_max))
+        r64, kappa64, lg64, lam64 = (x.double() for x in (r, kappa, log_gamma, lam))
+        state64 = prior_state(B, H, K, seed=1)
+        state = tuple(x.float() for x in state64)
+        g = torch.Generator().manual_seed(K)
+        gate = CCQGate(0.3 * torch.randn(H, K, generator=g), torch.randn(H, generator=g), 4.0)
+        kernel_gate = (gate.weight, gate.bias, gate.lam_max)
+        gate64 = CCQGate(gate.weight.double(), gate.bias.double(), gate.lam_max)
+
+        q, final = ccq_order1_forward(r, kappa, log_gamma, None, True, state, output_final_state=True,
+                                      raw_keys=True, gate=kernel_gate)
+        q_ref, final_ref = ccq_read_reference(r64, unit_keys(kappa64), lg64, gate64.values(r64), 1, True, state64)
+        forward = max(_relative(x, y) for x, y in zip((q, *final), (q_ref, *final_ref)))
+
+        dq = torch.randn(q.shape, generator=g).to(dtype)
         q, _, chunk_states = ccq_order1_forward(r, kappa, log_gamma, lam, True, return_chunk_states=True)
-        ccq_order1_backward(r, kappa, log_gamma, lam, torch.randn(q.shape).to(dtype), *chunk_states)
-        ccq_order1_decode(r[:, :1], kappa[:, :1], log_gamma[:, :1], (gate.weight, gate.bias, gate.lam_max), state)
-        ran.append(f"config{candidate}_B{B}_T{T}_H{H}_K{K}_{str(dtype).split('.')[-1]}")
-    return ran
+        grads = ccq_order1_backward(r, kappa, log_gamma, lam, dq, *chunk_states)
+        leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, lam64)]
+        q_ref, _ = ccq_read_reference(*leaves, 1, True)
+        grads_ref = torch.autograd.grad((q_ref * dq.double()).sum(), leaves)
+        backward = (max(_relative(x, y) for x, y in zip((q, *grads), (q_ref, *grads_ref)))
+                    if dtype == torch.float32 else None)
+
+        step = ccq_order1_decode(r[:, :1], kappa[:, :1], log_gamma[:, :1], kernel_gate, state)
+        step_ref = ccq_read_recurrent(r64[:, :1], unit_keys(kappa64[:, :1]), lg64[:, :1],
+                                      gate64.values(r64[:, :1]), 1, True, state64)
+        decode = max(_relative(x, y) for x, y in zip((step[0], *step[1]), (step_ref[0], *step_ref[1])))
+        name = f"config{candidate}_B{B}_T{T}_H{H}_K{K}_{str(dtype).split('.')[-1]}"
+        out[name] = {"forward": forward, "backward": backward, "decode": decode}
+    return out
 
 
 def _overrun_is_caught() -> bool:
@@ -209,7 +239,7 @@ def _overrun_is_caught() -> bool:
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["forward", "gradient", "logprob", "decode", "bounds"]
+    which = sys.argv[1:] or ["forward", "gradient", "logprob", "decode", "candidates"]
     result = {}
     if "forward" in which:
         result["forward"] = forward_checks()
@@ -219,6 +249,6 @@ if __name__ == "__main__":
         result["logprob"] = logprob_checks()
     if "decode" in which:
         result["decode"] = decode_checks()
-    if "bounds" in which:
-        result["bounds"] = bounds_checks()
+    if "candidates" in which:
+        result["candidates"] = candidate_checks()
     print(json.dumps(result))

@@ -925,10 +925,10 @@ def gpu_kernel_settings() -> dict[str, str | None]:
     """Which kernel paths a CUDA run used (bf16 results differ slightly between them; CPU runs use
     torch throughout): the CCQ read, the scoring log-softmax, the autotuning cap."""
     from ccq_eval.ccq import fused_kernel_enabled
-    from ccq_eval.token_logprob import _implementation
+    from ccq_eval.token_logprob import selected_implementation
 
     return {"ccq_read": "fused" if fused_kernel_enabled() else "unfused",
-            "token_logprob": _implementation(),
+            "token_logprob": selected_implementation(),
             "autotune_configs": os.environ.get("CCQ_EVAL_AUTOTUNE_CONFIGS")}
 
 

@@ -4,8 +4,8 @@ Scoring needs, at each position, log softmax(logits)[target] and whether the tar
 In torch that is an fp32 copy of the [positions, vocab] logits plus several passes over it (logsumexp
 alone reads it more than once): about 1 ms per 4096 x 32000 slice on the H200, a tenth of a 340M
 model's forward. On CUDA one Triton pass (the default; CCQ_EVAL_TOKEN_LOGPROB=torch selects torch)
-reads the model's own (bf16) logits once, with fp32 running max / sum-exp (the online softmax), the target's logit and the
-first argmax.
+reads the model's own (bf16) logits once, with fp32 running max / sum-exp (the online softmax), the
+target's logit and the first argmax.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _token_logprob_kernel(logits, targets, logprob_out, greedy_out, V, stride_ro
 ENV_VAR = "CCQ_EVAL_TOKEN_LOGPROB"
 
 
-def _implementation() -> str:
+def selected_implementation() -> str:
     """"triton" (the default, CUDA only) or "torch", from CCQ_EVAL_TOKEN_LOGPROB."""
     choice = os.environ.get(ENV_VAR, "triton").strip().lower()
     if choice not in ("triton", "torch"):
@@ -59,7 +59,7 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     shape = targets.shape
     if logits.shape[:-1] != shape:
         raise ValueError(f"token_logprob: logits {tuple(logits.shape)} do not match targets {tuple(shape)}")
-    if not logits.is_cuda or _implementation() == "torch":
+    if not logits.is_cuda or selected_implementation() == "torch":
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprob = scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
         return logprob, scores.argmax(-1) == targets

@@ -14,8 +14,8 @@
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 # Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
 # tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
-# sniah,generation,profile; default all but profile), TESTS_TIMEOUT, STEPS (training steps), COMMIT (recorded in model
-# cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
+# sniah,generation,profile; default all but profile), TESTS_TIMEOUT, STEPS (training steps), COMMIT
+# (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=/tmp/gpu
 cmd=${1:-}
@@ -102,8 +102,8 @@ pipeline() {
 
   if want bench; then
   stage "3: benchmarks"
-  # The benchmarks use the fused kernels (the default) when the smoke check (fused vs fp64 / unfused on
-  # this GPU) passes, and otherwise measure the unfused and torch paths.
+  # The benchmarks use the fused kernels (the default) when the smoke check (fused vs fp64 on this
+  # GPU) passes, and otherwise measure the unfused and torch paths.
   if ! timeout 240 python3 scripts/fused_smoke.py > "$WORK/logs/fused-smoke.log" 2>&1; then
     export CCQ_EVAL_CCQ_KERNEL=unfused CCQ_EVAL_TOKEN_LOGPROB=torch
     stage "fused kernels FAILED the smoke check: benchmarks use the unfused and torch paths"

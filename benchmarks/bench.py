@@ -7,7 +7,7 @@ Sections (--sections, comma-separated):
               CCQ/baseline ratio, peak memory, MFU against a bf16 matmul rate measured here
   ops         single kernels on the issue's reference shape (chunk_gla, chunk_simple_gla v=k,
               chunk_gated_delta_rule, the whole CCQ read)
-  harness     perplexity scoring of one long document: bare forward vs the ccq adapter's
+  harness     perplexity scoring of long documents: bare forward vs the ccq adapter's
               loglikelihood_rolling vs lm-eval's stock HFLM
   generation  S-NIAH-1 prompts at each length, greedy: prefill time and decode tokens/s through the
               adapter's generate_until vs transformers' model.generate()

@@ -175,3 +175,65 @@ def test_layer_entry_fused_matches_fp64_on_cuda(constant_gate, fused):
         outputs[device] = [q, *after_prefill, q_step, *after_step]
     for a, b in zip(outputs["cuda"], outputs["cpu"]):
         assert ((a.cpu().double() - b).norm() / b.norm()).item() < 1e-4
+
+
+@pytest.fixture
+def one_candidate_at_a_time():
+    """Yields a function that restricts every autotuned fused kernel to its i-th candidate (the last
+    one for kernels with fewer); the autotuners' configs and caches are restored afterwards."""
+    from triton.runtime.autotuner import Autotuner
+
+    from ccq_eval import ccq_triton
+
+    tuned = [k for k in vars(ccq_triton).values() if isinstance(k, Autotuner)]
+    saved = [(k, k.configs, dict(k.cache)) for k in tuned]
+
+    def select(i):
+        for kernel, configs, _ in saved:
+            kernel.configs = [configs[min(i, len(configs) - 1)]]
+            kernel.cache.clear()
+        return max(len(configs) for _, configs, _ in saved)
+
+    yield select
+    for kernel, configs, cache in saved:
+        kernel.configs = configs
+        kernel.cache.clear()
+        kernel.cache.update(cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("K", [128, 256])
+def test_every_autotune_candidate_matches_fp64_on_cuda(K, fused, one_candidate_at_a_time):
+    """The autotuner may pick any candidate, and the other GPU tests run with whichever it picked
+    (one, under CCQ_EVAL_AUTOTUNE_CONFIGS=1): here each candidate of every kernel in turn, forward
+    (raw keys, gate, prior state) in fp32 and bf16 and the backward in fp32, against fp64 on CPU."""
+    from ccq_eval.ccq import CCQGate, ccq_read_keys
+
+    r, kappa, log_gamma, lam = _gpu_inputs(1000, 2, K, torch.float32, seed=9)
+    k = 3 * kappa
+    g = torch.Generator().manual_seed(10)
+    weight, bias = 0.2 * torch.randn(2, K, generator=g), torch.randn(2, generator=g)
+    state = ccq_read_reference(*(x.double() for x in _gpu_inputs(40, 2, K, torch.float32, seed=11)))[1]
+    with torch.no_grad():
+        q_ref, _ = ccq_read_keys(r.double(), k.double(), log_gamma.double(),
+                                 CCQGate(weight.double(), bias.double(), 4.0), initial_state=CCQState(*state))
+    weights = torch.randn(r.shape, generator=g)
+    leaves = [x.double().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]
+    grads_ref = torch.autograd.grad((ccq_read_chunk(*leaves, 1, True)[0] * weights.double()).sum(), leaves)
+
+    n_candidates = one_candidate_at_a_time(0)
+    for i in range(n_candidates):
+        one_candidate_at_a_time(i)
+        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            gate = CCQGate(weight.cuda(), bias.cuda(), 4.0)
+            with torch.no_grad():
+                q, _ = ccq_read_keys(r.to("cuda", dtype), k.to("cuda", dtype), log_gamma.cuda(), gate,
+                                     initial_state=CCQState(*(x.float().cuda() for x in state)))
+            relative = ((q.cpu().double() - q_ref).norm() / q_ref.norm()).item()
+            assert relative < tolerance, (i, dtype, relative)
+        leaves = [x.cuda().requires_grad_(True) for x in (r, kappa, log_gamma, lam)]
+        grads = torch.autograd.grad((ccq_read_chunk(*leaves, 1, True)[0] * weights.cuda()).sum(), leaves)
+        for name, a, b in zip(("r", "kappa", "log_gamma", "lam"), grads, grads_ref):
+            relative = ((a.cpu().double() - b).norm() / b.norm()).item()
+            assert relative < 1e-3, (i, name, relative)

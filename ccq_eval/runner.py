@@ -922,8 +922,9 @@ def package_versions() -> dict[str, str | None]:
 
 
 def gpu_kernel_settings() -> dict[str, str | None]:
-    """Which kernel paths a CUDA run used (bf16 results differ slightly between them; CPU runs use
-    torch throughout): the CCQ read, the scoring log-softmax, the autotuning cap."""
+    """Which kernel paths a CUDA run uses (bf16 results differ slightly between them): the CCQ read,
+    the scoring log-softmax, the autotuning cap. Recorded in CUDA runs' metadata (CPU runs use torch
+    throughout), read in every run so that a bad setting fails before the first unit."""
     from ccq_eval.ccq import fused_kernel_enabled
     from ccq_eval.token_logprob import selected_implementation
 
@@ -1003,7 +1004,7 @@ def execute_plan(
                 "argv": list(sys.argv),
                 "cwd": os.getcwd(),
                 "versions": package_versions(),
-                "gpu_kernels": kernels,
+                "gpu_kernels": kernels if str(plan.options.device).startswith("cuda") else None,
                 "platform": platform.platform(),
             } | outcome.meta
             results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)

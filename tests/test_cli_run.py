@@ -218,10 +218,7 @@ def test_run_resumes_killed_unit_without_redoing_answered_requests(fake_world, t
     assert "2 skipped" in result.output
 
 
-def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path, monkeypatch):
-    monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "unfused")  # recorded in the metadata
-    monkeypatch.delenv("CCQ_EVAL_TOKEN_LOGPROB", raising=False)
-    monkeypatch.delenv("CCQ_EVAL_AUTOTUNE_CONFIGS", raising=False)
+def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path):
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--seed", "3", "--output", "out")
     assert result.exit_code == 0, result.output
     unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
@@ -239,7 +236,7 @@ def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path, m
     assert meta["spec"]["task_metadata"] == {"seed": 3, "lengths": [1024, 2048], "depths": [0.0, 50.0, 100.0],
                                              "samples_per_cell": 2}
     assert meta["versions"]["lm_eval"] and meta["wall_time_s"] >= 0
-    assert meta["gpu_kernels"] == {"ccq_read": "unfused", "token_logprob": "triton", "autotune_configs": None}
+    assert meta["gpu_kernels"] is None  # a CPU run: no GPU kernels ran
     assert "--samples-per-cell" in meta["command_line"]
     # the seed reached the task's document generator (values depend on it)
     assert samples[0]["doc"]["value"] == str(1000000 + 7919 + 3)
@@ -409,3 +406,12 @@ def test_bad_kernel_setting_fails_before_any_unit_runs(fake_world, monkeypatch):
     assert result.exit_code != 0
     assert "CCQ_EVAL_TOKEN_LOGPROB must be 'triton' or 'torch', got 'numpy'" in result.output + str(result.exception)
     assert not list(Path("out").glob("**/results.json"))
+
+
+def test_kernel_settings_are_read_from_the_environment(monkeypatch):
+    from ccq_eval.runner import gpu_kernel_settings
+
+    monkeypatch.delenv("CCQ_EVAL_TOKEN_LOGPROB", raising=False)
+    monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "unfused")
+    monkeypatch.setenv("CCQ_EVAL_AUTOTUNE_CONFIGS", "2")
+    assert gpu_kernel_settings() == {"ccq_read": "unfused", "token_logprob": "triton", "autotune_configs": "2"}

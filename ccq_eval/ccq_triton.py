@@ -76,6 +76,28 @@ _tuned = _FirstConfig if os.environ.get("TRITON_INTERPRET") == "1" else triton.a
 
 
 @triton.jit
+def _chunk_rows(log_gamma, i_b, i_h, c, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """The C positions of chunk c for batch i_b, head i_h: pos (0..C-1), t, the mask t < T, the log
+    decays g (0 past T: padded steps change nothing), b their cumulative sum from the chunk start, and
+    each row's offset into [B, T, H, K] tensors."""
+    pos = tl.arange(0, C)
+    t = c * C + pos
+    t_ok = t < T
+    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
+    b = tl.cumsum(g, 0)
+    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    return pos, t, t_ok, g, b, base
+
+
+@triton.jit
+def _in_chunk_decays(pos, t_ok, b):
+    """D[t, i] = w_{i,t} = exp(b_t - b_i) for i <= t inside the chunk (0 above the diagonal and for
+    columns past T)."""
+    causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
+    return tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+
+
+@triton.jit
 def _inverse_key_norms(kappa, base, row_ok, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """1 / max(||k_t||, 1e-6) for the C keys at `base` (the unit_keys of ccq.py)."""
     squares = tl.zeros([C], dtype=tl.float32)
@@ -102,15 +124,9 @@ def _ccq_local_state_kernel(
     i_bh, c = i_cbh // NT, i_cbh % NT
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
-    pos = tl.arange(0, C)
-    t = c * C + pos
-    t_ok = t < T
-    # Padded steps past T: log decay 0 and zero keys, so they change nothing.
-    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    b = tl.cumsum(g, 0)
+    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     g_chunk = tl.sum(g, 0)
     to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
-    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
     scale = to_end
     if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6)
         inv_norm = _inverse_key_norms(kappa, base, t_ok[:, None], C, K, BK)
@@ -246,15 +262,9 @@ def _ccq_read_kernel(
     i_v, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
-    pos = tl.arange(0, C)
-    t = c * C + pos
-    t_ok = t < T
-    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    b = tl.cumsum(g, 0)  # log decay from the chunk start to t
+    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.exp(b)
-    causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
-    D = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))  # D[t, i] = w_{i,t} inside the chunk
-    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    D = _in_chunk_decays(pos, t_ok, b)
 
     cols = i_v * BV + tl.arange(0, BV)
     col_ok = cols < K
@@ -426,15 +436,9 @@ def _ccq_bwd_query_kernel(
     c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
-    pos = tl.arange(0, C)
-    t = c * C + pos
-    t_ok = t < T
-    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    b = tl.cumsum(g, 0)
+    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.exp(b)
-    causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
-    D = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
-    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    D = _in_chunk_decays(pos, t_ok, b)
     row_ok = t_ok[:, None]
     lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
 
@@ -533,13 +537,8 @@ def _ccq_bwd_local_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
     cols = i_v * BV + tl.arange(0, BV)
-    pos = tl.arange(0, C)
-    t = c * C + pos
-    t_ok = t < T
-    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    b = tl.cumsum(g, 0)
+    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.where(t_ok, tl.exp(b), 0.0)  # decay from the end of chunk c - 1 to t
-    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
     row_ok = t_ok[:, None]
     dPu_rows = tl.load(dPu + base[:, None] + rows[None, :], mask=row_ok, other=0.0) * from_start[:, None]
     dPu_cols = tl.load(dPu + base[:, None] + cols[None, :], mask=row_ok, other=0.0) * from_start[:, None]
@@ -575,15 +574,9 @@ def _ccq_bwd_key_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     # The scan left in slot NT - 1 - c the sums over chunks c + 1 .. NT - 1, decayed to the end of c.
     later = (i_bh * (NT + 1) + NT - 1 - c).to(tl.int64)
-    pos = tl.arange(0, C)
-    t = c * C + pos
-    t_ok = t < T
-    g = tl.load(log_gamma + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    b = tl.cumsum(g, 0)
+    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     to_end = tl.where(t_ok, tl.exp(tl.sum(g, 0) - b), 0.0)
-    causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
-    D = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))  # D[t, i] = w_{i,t}
-    base = ((i_b * T + t) * H + i_h).to(tl.int64) * K
+    D = _in_chunk_decays(pos, t_ok, b)
     row_ok = t_ok[:, None]
     out = (i_b * T + t) * H + i_h
 

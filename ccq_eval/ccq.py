@@ -285,6 +285,15 @@ def fused_kernel_enabled() -> bool:
     return choice == "fused"
 
 
+def _fused_applies(r: torch.Tensor, order: int) -> bool:
+    """The fused kernels' domain: CUDA, not fp64, order 1, a head dim they support, not switched off."""
+    if not (r.is_cuda and r.dtype != torch.float64 and order == 1 and fused_kernel_enabled()):
+        return False
+    from ccq_eval.ccq_triton import supports_head_dim
+
+    return supports_head_dim(r.shape[-1])
+
+
 def _needs_grad(*tensors) -> bool:
     """Whether autograd will want gradients through these (the fused inference paths have none)."""
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
@@ -317,13 +326,11 @@ class _FusedOrder1(torch.autograd.Function):
 
 
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
-    """The fused path where it applies, else None: for head dims of 128 multiples, any call without
-    gradients (scoring, prefill with a cached state) and training calls from a zero state. A gradient
-    through an initial state is left to the unfused path."""
-    from ccq_eval.ccq_triton import ccq_order1_forward, supports_head_dim
+    """The fused path (where `_fused_applies`) for any call without gradients (scoring, prefill with a
+    cached state) and training calls from a zero state, else None: a gradient through an initial state
+    is left to the unfused path."""
+    from ccq_eval.ccq_triton import ccq_order1_forward
 
-    if not supports_head_dim(r.shape[-1]):
-        return None
     if not _needs_grad(r, kappa, log_gamma, lam):
         q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered, initial_state, output_final_state=True)
         return q, CCQState(*final)
@@ -347,7 +354,7 @@ def ccq_read_chunk(
     _check(r, kappa, log_gamma, lam, order)
     B, T, H, K = r.shape
     acc = _state_dtype(r)
-    if r.is_cuda and r.dtype != torch.float64 and order == 1 and fused_kernel_enabled():
+    if _fused_applies(r, order):
         fused = _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state)
         if fused is not None:
             return fused
@@ -381,15 +388,14 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     chunked read for prefill and scoring, a one-step kernel for decoding. Everything else forms
     unit_keys(k) and lambda here and calls ccq_read."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
-    fused = (r.is_cuda and r.dtype != torch.float64 and order == 1 and not _needs_grad(*inputs)
-             and fused_kernel_enabled())
+    fused = _fused_applies(r, order) and not _needs_grad(*inputs)
     if fused:
-        from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward, supports_head_dim
-
         B, T, H, K = r.shape
-        fused = supports_head_dim(K) and (T > 1 or K & (K - 1) == 0)
+        fused = T > 1 or K & (K - 1) == 0  # the decoding kernel needs a power-of-two head dim
     if not fused:
         return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)
+    from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward
+
     _check(r, k, log_gamma, log_gamma, order)  # lam has log_gamma's shape; the kernels form it
     weight = gate.weight if gate.weight is not None else torch.zeros(H, K, device=r.device)
     kernel_gate = (weight, gate.bias, gate.lam_max)

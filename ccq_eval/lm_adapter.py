@@ -621,7 +621,7 @@ class CCQEvalLM(LM):
 
     def _start_rolling(self, batch: list[tuple[int, list[int]]]):
         """Queue the scoring of one batch of rows; returns what _finish_rolling needs."""
-        rows = [row for _, row in batch]
+        indices, rows = [i for i, _ in batch], [row for _, row in batch]
         longest = max(len(row) for row in rows)
         if longest > self.max_length and not self._warned_rolling_over_length:
             # Rolling scoring is the whole text by definition (no truncation); say so once.
@@ -629,15 +629,15 @@ class CCQEvalLM(LM):
                            "whole in one recurrent pass", longest, self.max_length)
             self._warned_rolling_over_length = True
         if len(rows[0]) < 2:  # nothing to predict
-            return [i for i, _ in batch], torch.zeros(len(rows), 0), None
+            return indices, torch.zeros(len(rows), 0), None
         logprob, _, _, _ = self._run(self._tensor(rows), 0, to_cpu=False, keep_cache=False)
         if logprob.device.type != "cuda":
-            return [i for i, _ in batch], logprob.cpu(), None
+            return indices, logprob.cpu(), None
         host = torch.empty(logprob.shape, dtype=logprob.dtype, pin_memory=True)
         host.copy_(logprob, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return [i for i, _ in batch], host, copied
+        return indices, host, copied
 
     def _finish_rolling(self, started, requests: list[Instance], results: list) -> None:
         indices, logprob, copied = started

@@ -49,7 +49,12 @@ SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per he
 SCAN_STEPS = 16  # chunks loaded at once by the scan
 # Read and backward kernels hold several C x C fp32 tiles: with 4 warps they used all 255 registers
 # and spilled 1.6-4 KB per thread (ptxas for sm_90, triton 3.9); 8 warps with 32-wide tiles do not.
-_READ_CONFIGS = [triton.Config({"BK": 64, "BV": bv}, num_warps=8, num_stages=2) for bv in (32, 64)]
+# The read kernel: SPLIT programs per chunk share the K columns of q~; each computes the chunk's
+# scores r kappa^T once and then walks its columns in BV-wide blocks. (One program per BV columns,
+# as before, recomputed the scores K / BV times, and with its K loop unrolled it spilled 1-1.5 KB
+# per thread at K = 256.)
+_READ_CONFIGS = [triton.Config({"BK": 32, "BV": bv, "SPLIT": split}, num_warps=8, num_stages=2)
+                 for bv, split in ((64, 1), (64, 2), (32, 1), (32, 2))]
 
 
 class _FirstConfig:
@@ -257,74 +262,86 @@ def _ccq_read_kernel(
     r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SPLIT: tl.constexpr,
     CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_v, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
     pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    row_ok = t_ok[:, None]
     from_start = tl.exp(b)
     D = _in_chunk_decays(pos, t_ok, b)
 
-    cols = i_v * BV + tl.arange(0, BV)
-    col_ok = cols < K
-    scores = tl.zeros([C, C], dtype=tl.float32)  # r_t . kappa_i
-    carried = tl.zeros([C, BV], dtype=tl.float32)  # r_t @ P_in[c][:, cols]
+    # Per chunk, once: the scores r_t . kappa_i and the per-position sums over the head dim.
+    scores = tl.zeros([C, C], dtype=tl.float32)
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
     key_squares = tl.zeros([C], dtype=tl.float32)  # ||k_t||^2 (NORMALIZE: raw keys in)
     gate_logit = tl.zeros([C], dtype=tl.float32)  # a_h . r_t (GATE: lambda from the query)
-    for k0 in tl.static_range(0, K, BK):  # unrolled: K and BK are constants
+    for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < K
-        mask = t_ok[:, None] & k_ok[None, :]
-        r_k = tl.load(r + base[:, None] + ks[None, :], mask=mask, other=0.0)
-        kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=mask, other=0.0)
-        P_k = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :],
-                      mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+        kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         if IEEE:
             scores += tl.dot(r_k.to(tl.float32), tl.trans(kap_k.to(tl.float32)), input_precision="ieee")
-            carried += tl.dot(r_k.to(tl.float32), P_k.to(tl.float32), input_precision="ieee")
         else:
             scores += tl.dot(r_k, tl.trans(kap_k.to(r_k.dtype)))
-            carried += tl.dot(r_k, P_k.to(r_k.dtype))
-        m_k = tl.load(m_in + state * K + ks, mask=k_ok, other=0.0)
-        r_dot_m_in += tl.sum(r_k.to(tl.float32) * m_k[None, :], 1)
+        r_dot_m_in += tl.sum(r_k.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
         if NORMALIZE:
             key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
         if GATE:
-            a_k = tl.load(gate_weight + i_h * K + ks, mask=k_ok, other=0.0)
-            gate_logit += tl.sum(r_k.to(tl.float32) * a_k[None, :], 1)
-
+            gate_logit += tl.sum(r_k.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
     if NORMALIZE:
         inv_norm = 1.0 / tl.maximum(tl.sqrt(key_squares), 1e-6)
         scores = scores * inv_norm[None, :]
     A = scores * D
-    n = from_start * tl.load(n_in + state) + tl.sum(D, 1)
-    n = tl.where(t_ok, n, 1.0)
-    col_mask = t_ok[:, None] & col_ok[None, :]
-    kap_v = tl.load(kappa + base[:, None] + cols[None, :], mask=col_mask, other=0.0)
-    if NORMALIZE:
-        kap_v = (kap_v.to(tl.float32) * inv_norm[:, None]).to(kap_v.dtype)
-    r_v = tl.load(r + base[:, None] + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
-    if IEEE:
-        Pu = from_start[:, None] * carried + tl.dot(A, kap_v.to(tl.float32), input_precision="ieee")
-    else:
-        Pu = from_start[:, None] * carried + tl.dot(A.to(kap_v.dtype), kap_v)
-    sigma_r = Pu / n[:, None]
-    if CENTERED:
-        m_v = tl.load(m_in + state * K + cols, mask=col_ok, other=0.0)
-        if IEEE:
-            m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v.to(tl.float32), input_precision="ieee")
-        else:
-            m = from_start[:, None] * m_v[None, :] + tl.dot(D.to(kap_v.dtype), kap_v)
-        mu_dot_r = (from_start * r_dot_m_in + tl.sum(A, 1)) / n  # mu_t . r_t = (m_t . r_t) / n_t
-        sigma_r -= (m / n[:, None]) * mu_dot_r[:, None]
+    n = tl.where(t_ok, from_start * tl.load(n_in + state) + tl.sum(D, 1), 1.0)
+    mu_dot_r = (from_start * r_dot_m_in + tl.sum(A, 1)) / n  # mu_t . r_t = (m_t . r_t) / n_t
     if GATE:
         lam_t = lam_max * tl.sigmoid(gate_logit + tl.load(gate_bias + i_h))
     else:
         lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
-    q = r_v - lam_t[:, None] * sigma_r
-    tl.store(q_out + base[:, None] + cols[None, :], q.to(q_out.dtype.element_ty), mask=col_mask)
+    if not IEEE:  # the tensor-core operands, converted once
+        A = A.to(r.dtype.element_ty)
+        D = D.to(r.dtype.element_ty)
+
+    # This program's columns of q~, BW at a time: q~ = r - lambda (Pu / n - mu (mu . r)).
+    COLS: tl.constexpr = K // SPLIT
+    BW: tl.constexpr = BV if BV <= COLS else COLS
+    col_end = (i_s + 1) * COLS
+    for j0 in range(i_s * COLS, col_end, BW):
+        cols = j0 + tl.arange(0, BW)
+        col_in = cols < col_end
+        col_mask = row_ok & col_in[None, :]
+        carried = tl.zeros([C, BW], dtype=tl.float32)  # r_t @ P_in[c][:, cols]
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            P_k = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :], mask=col_in[None, :], other=0.0)
+            if IEEE:
+                carried += tl.dot(r_k.to(tl.float32), P_k.to(tl.float32), input_precision="ieee")
+            else:
+                carried += tl.dot(r_k, P_k.to(r_k.dtype))
+        kap_v = tl.load(kappa + base[:, None] + cols[None, :], mask=col_mask, other=0.0)
+        if NORMALIZE:
+            kap_v = (kap_v.to(tl.float32) * inv_norm[:, None]).to(kap_v.dtype)
+        if IEEE:
+            kap_v = kap_v.to(tl.float32)
+            Pu = from_start[:, None] * carried + tl.dot(A, kap_v, input_precision="ieee")
+        else:
+            kap_v = kap_v.to(r.dtype.element_ty)
+            Pu = from_start[:, None] * carried + tl.dot(A, kap_v)
+        sigma_r = Pu / n[:, None]
+        if CENTERED:
+            m_v = tl.load(m_in + state * K + cols, mask=col_in, other=0.0)
+            if IEEE:
+                m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v, input_precision="ieee")
+            else:
+                m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v)
+            sigma_r -= (m / n[:, None]) * mu_dot_r[:, None]
+        r_v = tl.load(r + base[:, None] + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
+        q = r_v - lam_t[:, None] * sigma_r
+        tl.store(q_out + base[:, None] + cols[None, :], q.to(q_out.dtype.element_ty), mask=col_mask)
 
 
 def supports_head_dim(K: int) -> bool:
@@ -376,7 +393,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
                                         H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
     _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, init, final)
     q = torch.empty_like(r)
-    read_grid = lambda meta: (triton.cdiv(K, meta["BV"]), NT, B * H)  # noqa: E731
+    read_grid = lambda meta: (meta["SPLIT"], NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](
         r, kappa, log_gamma, lam, gate_weight, gate_bias, float(lam_max), P_in, m_in, n_in, q,
         T, NT, H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,

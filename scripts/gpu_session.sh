@@ -14,7 +14,8 @@
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 # Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
 # tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
-# sniah,generation,profile; default all but profile), TESTS_TIMEOUT, STEPS (training steps), COMMIT
+# sniah,generation,profile; default all but profile), GPU_TESTS (the pytest arguments of the GPU tests),
+# PROFILE_DOCS, PROFILE_ARCHS, TESTS_TIMEOUT, STEPS (training steps), COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=/tmp/gpu
@@ -72,8 +73,9 @@ pipeline() {
     pids+=($!)
   fi
   # One autotune candidate per kernel in the tests (they check values; compile time is the lease's).
-  CCQ_EVAL_AUTOTUNE_CONFIGS=1 timeout "${TESTS_TIMEOUT:-840}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ccq_triton.py tests/test_models_ccq.py \
-    tests/test_ccq_operator.py "tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu" ${GRAPH_TESTS-tests/test_graphed_decode.py} \
+  CCQ_EVAL_AUTOTUNE_CONFIGS=1 timeout "${TESTS_TIMEOUT:-840}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
+    ${GPU_TESTS:-tests/test_ccq_triton.py tests/test_models_ccq.py tests/test_ccq_operator.py \
+    tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu tests/test_graphed_decode.py} \
     > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
   # The benchmarks time the GPU alone: with no training beside them, let the tests finish first.
@@ -128,11 +130,13 @@ pipeline() {
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }
   # Where the time goes (stdout tables only): the harness steps at 20K, and the forward at 20K.
   group profile && {
-    timeout 200 python3 benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs 8 --rows 20 \
-      > "$WORK/logs/profile-score.log" 2>&1 || stage "profile score rc $?"
-    for arch in gla gated_deltanet; do
+    timeout 240 python3 benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs "${PROFILE_DOCS:-8}" \
+      --rows 20 > "$WORK/logs/profile-score.log" 2>&1 || stage "profile score rc $?"
+    for arch in ${PROFILE_ARCHS:-gla gated_deltanet}; do
       timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 20480 --rows 20 \
         > "$WORK/logs/profile-forward-$arch.log" 2>&1 || stage "profile forward $arch rc $?"
+      timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 4096 --mode train --rows 20 \
+        > "$WORK/logs/profile-train-$arch.log" 2>&1 || stage "profile train $arch rc $?"
     done
   }
   fi

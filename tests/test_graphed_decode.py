@@ -10,11 +10,15 @@ from ccq_eval.graphed_decode import GraphedDecodeStep
 from ccq_eval.lm_adapter import CCQEvalLM
 from ccq_eval.modeling_ccq import CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, CCQGLAConfig, CCQGLAForCausalLM
 
-MODELS = {
+MODELS = {  # head dim 64: CCQ's torch recurrence decodes; 128: the fused decoding kernel (ccq_triton)
     "gla": lambda ccq: CCQGLAForCausalLM(CCQGLAConfig(
         hidden_size=128, num_hidden_layers=2, num_heads=2, vocab_size=384, use_short_conv=True, ccq=ccq)),
+    "gla-k128": lambda ccq: CCQGLAForCausalLM(CCQGLAConfig(
+        hidden_size=256, num_hidden_layers=2, num_heads=1, vocab_size=384, use_short_conv=True, ccq=ccq)),
     "gated_deltanet": lambda ccq: CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(
         hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=64, vocab_size=384, ccq=ccq)),
+    "gated_deltanet-k128": lambda ccq: CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(
+        hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=128, vocab_size=384, ccq=ccq)),
 }
 
 
@@ -26,19 +30,13 @@ def test_cuda_graphs_are_refused_without_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_are_refused_for_ccq_layers():
-    model = MODELS["gla"](True).cuda().eval()
-    with pytest.raises(ValueError, match="not yet correct for models with CCQ layers"):
-        CCQEvalLM(model=model, tokenizer=byte_tokenizer(), cuda_graphs=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_graphed_decoding_equals_eager_decoding(kind):
-    """fla's own layers (ccq=false): passed on the H200 for both kinds (2026-12-01)."""
+@pytest.mark.parametrize("ccq", [False, True])
+def test_graphed_decoding_equals_eager_decoding(kind, ccq):
+    """Greedy text through the adapter, graphed vs eager (fla's layers passed on the H200 for both
+    kinds, 2026-12-01)."""
     torch.manual_seed(0)
-    model = MODELS[kind](False).cuda().eval()
+    model = MODELS[kind](ccq).cuda().eval()
     tokenizer = byte_tokenizer()
     prompts = ["Once upon a time", "It was the best of times, it was", "Call me"]
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)

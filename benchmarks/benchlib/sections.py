@@ -386,8 +386,8 @@ def _timed_generation(bench: Bench, model, fn: Callable[[], Any],
 
 
 def _graphs(bench: Bench, case: dict[str, Any]) -> bool:
-    """--cuda-graphs applies to fla's layers only: the adapter refuses it for CCQ layers (not yet correct)."""
-    return bench.settings["cuda_graphs"] and case["method"] == "ccq_adapter" and not case["ccq"]
+    """--cuda-graphs applies to the adapter's decoding (fla's layers and CCQ's alike)."""
+    return bench.settings["cuda_graphs"] and case["method"] == "ccq_adapter"
 
 
 def _generator(method: str, bench: Bench, model, prompt: str, ids: list[int],

@@ -45,6 +45,20 @@ def _ccq_model(kind, seed=0, dtype=torch.float64, **ccq):
     return model
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_convolution_over_qkv_equals_three(kind):
+    """Without a cache, a CCQ layer runs its q, k, v short convolutions as one call over the stacked
+    channels: the same values as three calls (the cache path), bit for bit."""
+    layer = _ccq_model(kind, ccq=True).model.layers[0].attn
+    hidden = torch.randn(2, 37, TINY[kind]["hidden_size"], dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(3))
+    fused = layer.short_conv_qkv(hidden, None, use_cache=False)
+    separate = layer.short_conv_qkv(hidden, None, use_cache=True)  # three calls, returning conv states
+    assert fused[3] == (None, None, None) and all(state is not None for state in separate[3])
+    for a, b in zip(fused[:3], separate[:3]):
+        assert torch.equal(a, b)
+
+
 def _save(model, folder, tokenizer=True):
     model.save_pretrained(folder)
     if tokenizer:

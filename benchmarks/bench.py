@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--archs", help="gla,gated_deltanet")
     p.add_argument("--ccq", help="off,on: which CCQ settings to run (off = fla's own layer forward)")
-    p.add_argument("--modes", help="model section: forward,train")
+    p.add_argument("--modes", help="model section: forward,train (eager), forward_graphed,train_graphed (the "
+                   "same call captured once in a CUDA graph and replayed: no host-side cost)")
     p.add_argument(
         "--lengths", help="model section: sequence lengths T, e.g. 4096,8192,16384,20480 (k = 1024)"
     )
@@ -130,7 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--harness-docs", type=int, help="harness: documents scored per timed call")
     p.add_argument("--no-hflm", action="store_true", help="skip lm-eval's HFLM comparisons")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="the adapter replays decode steps from CUDA graphs (generation, sniah; CUDA only)")
+                   help="the adapter replays decode steps (generation, sniah) and, as extra harness rows, "
+                        "scoring forwards from CUDA graphs (CUDA only)")
     p.add_argument("--gen-lengths", help="generation: S-NIAH lengths (prompt + 128-token budget)")
     p.add_argument("--new-tokens", type=int, help="generation: greedy tokens to generate")
     p.add_argument("--gen-warmup", type=int)
@@ -206,7 +208,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sections": _choices(raw["sections"], SECTION_NAMES, "sections"),
         "archs": archs,
         "ccq": _choices(raw["ccq"], ("off", "on"), "ccq"),
-        "modes": _choices(raw["modes"], ("forward", "train"), "modes"),
+        "modes": _choices(raw["modes"], ("forward", "train", "forward_graphed", "train_graphed"), "modes"),
         "lengths": _ints(raw["lengths"], "lengths"),
         "batch": raw["batch"],
         "warmup": max(0, raw["warmup"]),

@@ -208,8 +208,10 @@ class CCQEvalLM(LM):
             prompts of any length together.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
-        cuda_graphs: replay each one-token decode step from a CUDA graph (fla models on CUDA;
-            ccq_eval.graphed_decode). Off by default until measured on a GPU.
+        cuda_graphs: replay each one-token decode step (ccq_eval.graphed_decode) and each scoring
+            forward that fits one slice (ccq_eval.graphed_score) from CUDA graphs; recurrent fla models
+            on CUDA. Off by default: graphs hold GPU memory, and scores differ from eager ones by
+            rounding (other matrix shapes).
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
@@ -306,6 +308,11 @@ class CCQEvalLM(LM):
         if self.cuda_graphs and (self._device.type != "cuda" or not self._stackable):
             raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
                              f"device; got {type(self.model).__name__} on {self._device}")
+        self._graphed_scoring = None
+        if self.cuda_graphs:
+            from ccq_eval.graphed_score import GraphedScoring
+
+            self._graphed_scoring = GraphedScoring(self._score_every_position, self._device)
 
         # Truncation bookkeeping (the runner copies it into the results metadata).
         self.truncation_policy_counts: Counter[str] = Counter()  # policy -> requests that used it
@@ -488,6 +495,22 @@ class CCQEvalLM(LM):
             logprob, greedy = logprob.cpu(), greedy.cpu()
         return logprob, greedy, last_logits, cache
 
+    def _score_every_position(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprob, greedy, _, _ = self._run(input_ids, 0, to_cpu=False, keep_cache=False)
+        return logprob, greedy
+
+    def _score(self, input_ids: torch.Tensor, score_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob, greedy) on the device for positions score_from .. T-2, no cache kept: replayed from
+        a CUDA graph (every position scored, then sliced) when cuda_graphs is on and the padded rows fit
+        one slice; valid until the next call."""
+        from ccq_eval.graphed_score import padded_length
+
+        if self._graphed_scoring is not None and padded_length(input_ids.shape[1]) <= self.chunk_size:
+            logprob, greedy = self._graphed_scoring(input_ids)
+            return logprob[:, score_from:], greedy[:, score_from:]
+        logprob, greedy, _, _ = self._run(input_ids, score_from, to_cpu=False, keep_cache=False)
+        return logprob, greedy
+
     def _batches(self, lengths: list[int], any_length: bool = False) -> Iterator[list[int]]:
         """Index groups of equal length (longest first), at most batch_size each; with any_length,
         groups of batch_size in order of decreasing length."""
@@ -575,7 +598,7 @@ class CCQEvalLM(LM):
             total = len(rows[0])
             n_scored = [prepared[i][1] for i in batch]
             score_from = total - 1 - max(n_scored)
-            logprob, greedy, _, _ = self._run(self._tensor(rows), score_from, keep_cache=False)
+            logprob, greedy = (x.cpu() for x in self._score(self._tensor(rows), score_from))
             for row, index in enumerate(batch):
                 n = n_scored[row]
                 if n == 0:
@@ -624,7 +647,7 @@ class CCQEvalLM(LM):
             self._warned_rolling_over_length = True
         if len(rows[0]) < 2:  # nothing to predict
             return indices, torch.zeros(len(rows), 0), None
-        logprob, _, _, _ = self._run(self._tensor(rows), 0, to_cpu=False, keep_cache=False)
+        logprob, _ = self._score(self._tensor(rows), 0)
         if logprob.device.type != "cuda":
             return indices, logprob.cpu(), None
         host = torch.empty(logprob.shape, dtype=logprob.dtype, pin_memory=True)

@@ -1,4 +1,5 @@
-"""CUDA-graph decode steps (ccq_eval.graphed_decode) give the same greedy text as eager decoding."""
+"""CUDA graphs: decode steps (ccq_eval.graphed_decode) give the same greedy text as eager decoding, and
+scoring forwards (ccq_eval.graphed_score) the same log-likelihoods as eager ones."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from lm_eval.api.instance import Instance
 
 import ccq_eval  # noqa: F401
 from ccq_eval.graphed_decode import GraphedDecodeStep
+from ccq_eval.graphed_score import padded_length
 from ccq_eval.lm_adapter import CCQEvalLM
 from ccq_eval.modeling_ccq import CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, CCQGLAConfig, CCQGLAForCausalLM
 
@@ -26,6 +28,41 @@ def test_cuda_graphs_are_refused_without_cuda():
     model = MODELS["gla"](False).eval()
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
         CCQEvalLM(model=model, tokenizer=byte_tokenizer(), cuda_graphs=True)
+
+
+def test_padded_lengths_add_under_an_eighth_and_few_shapes():
+    """Graph lengths: at least the text's, multiples of 64, padding under 1/8 of the positions or 64
+    tokens, at most 16 shapes per octave."""
+    for length in range(2, 40000):
+        padded = padded_length(length)
+        assert padded >= length and padded % 64 == 0, length
+        assert padded - length < max(64, length / 8), (length, padded)
+    for octave in range(7, 15):
+        assert len({padded_length(n) for n in range(2 ** octave + 1, 2 ** (octave + 1) + 1)}) <= 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("ccq", [False, True])
+def test_graphed_scoring_equals_eager_scoring(kind, ccq):
+    """loglikelihood_rolling and loglikelihood with cuda_graphs=True (each length's second text on
+    replays a graph of a padded length) against eager scoring: per-token NLL within 1e-4 (fp32; the
+    padded shapes change matrix tiling, not the values)."""
+    torch.manual_seed(0)
+    model = MODELS[kind](ccq).cuda().eval()
+    tokenizer = byte_tokenizer()
+    texts = ["The quick brown fox jumps over the lazy dog. " * 9, "Call me Ishmael. " * 13] * 3
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    pairs = [Instance("loglikelihood", {}, (t, " and so on"), i) for i, t in enumerate(texts)]
+    eager = CCQEvalLM(model=model, tokenizer=tokenizer)
+    graphed = CCQEvalLM(model=model, tokenizer=tokenizer, cuda_graphs=True)
+    expected, got = eager.loglikelihood_rolling(rolling), graphed.loglikelihood_rolling(rolling)
+    assert len(graphed._graphed_scoring._graphs) == 2  # both lengths captured (the second time each)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a.token_nll), torch.tensor(b.token_nll), rtol=1e-4, atol=1e-4)
+    for (a, greedy_a), (b, greedy_b) in zip(graphed.loglikelihood(pairs), eager.loglikelihood(pairs)):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-4) and greedy_a == greedy_b
 
 
 @pytest.mark.gpu

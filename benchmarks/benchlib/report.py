@@ -100,7 +100,8 @@ def targets(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) 
     out = []
     model_rows = results.get("model", [])
     for arch in settings["archs"]:
-        for mode, pick, limit in (("forward", max, 1.15), ("train", min, 1.25)):
+        for mode, pick, limit in (("forward", max, 1.15), ("train", min, 1.25),
+                                  ("forward_graphed", max, 1.15), ("train_graphed", min, 1.25)):
             rows = [
                 r for r in model_rows if r["arch"] == arch and r["mode"] == mode and "ratio_vs_baseline" in r
             ]
@@ -108,7 +109,8 @@ def targets(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) 
                 continue
             T = pick(r["T"] for r in rows)
             row = next(r for r in rows if r["T"] == T)
-            label = "forward" if mode == "forward" else "forward+backward"
+            label = ("forward" if mode.startswith("forward") else "forward+backward") + (
+                " (CUDA graph)" if mode.endswith("_graphed") else "")
             out.append(
                 _target(
                     f"{arch} {label} CCQ/baseline time at T={T}",
@@ -259,7 +261,7 @@ def markdown(report: dict[str, Any]) -> str:
             rows.append(
                 [
                     arch,
-                    "fwd+bwd" if mode == "train" else "fwd",
+                    ("fwd+bwd" if mode.startswith("train") else "fwd") + (" graph" if mode.endswith("_graphed") else ""),
                     str(T),
                     g(base, "median_ms"),
                     g(ccq, "median_ms"),

@@ -111,22 +111,21 @@ def _model_case(
             p.grad = None
         model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
 
+    training = mode.startswith("train")
     with workload.ccq_mode(model, ccq):
-        model.train(mode == "train")
+        model.train(training)
         try:
-            m = measure(
-                forward if mode == "forward" else train_step,
-                bench.device,
-                warmup=s["warmup"],
-                repeats=s["repeats"],
-            )
+            call = train_step if training else forward
+            if mode.endswith("_graphed"):
+                call = _graphed(call, bench.device)
+            m = measure(call, bench.device, warmup=s["warmup"], repeats=s["repeats"])
         finally:
             model.eval()
             for p in model.parameters():
                 p.grad = None
         flops = workload.forward_flops_per_token(model, ccq)
     n_tokens = s["batch"] * T
-    step_flops = flops["total"] * n_tokens * (3 if mode == "train" else 1)
+    step_flops = flops["total"] * n_tokens * (3 if training else 1)
     seconds = m.median_ms / 1000.0
     return {
         "arch": arch,
@@ -143,9 +142,28 @@ def _model_case(
     }
 
 
+def _graphed(call: Callable[[], Any], device: torch.device) -> Callable[[], None]:
+    """`call` captured in a CUDA graph (after warm-up calls on a side stream, which compile and autotune
+    the kernels): its replay runs the same kernels with one launch, the GPU-side cost alone. A training
+    step's gradients are allocated inside the graph and rewritten by every replay."""
+    if device.type != "cuda":
+        raise ValueError("the *_graphed modes need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def run_model(bench: Bench) -> None:
     """Forward (eval, use_cache=False, logits for every position) and forward + backward (train mode,
-    loss on the same tokens) at each T, CCQ off and on, on the same weights."""
+    loss on the same tokens) at each T, CCQ off and on, on the same weights; eagerly, or (*_graphed
+    modes) replayed from a CUDA graph."""
     s = bench.settings
     ceiling = bench.matmul_ceiling()["flops_per_s"]
     for arch in s["archs"]:
@@ -230,7 +248,8 @@ def run_ops(bench: Bench) -> None:
 
 
 # ------------------------------------------------------------------------------------------ harness
-def _scorer(method: str, bench: Bench, model, n_tokens: int, chunk: int | None) -> Callable[[list], Any]:
+def _scorer(method: str, bench: Bench, model, n_tokens: int, chunk: int | None,
+            cuda_graphs: bool = False) -> Callable[[list], Any]:
     """A callable scoring loglikelihood_rolling requests: the ccq adapter or lm-eval's stock HFLM."""
     if method == "hflm":
         from lm_eval.models.huggingface import HFLM
@@ -252,8 +271,12 @@ def _scorer(method: str, bench: Bench, model, n_tokens: int, chunk: int | None) 
             max_length=max(n_tokens, 2),
             batch_size=1,
             chunk_size=chunk,
+            cuda_graphs=cuda_graphs,
         )
     return functools.partial(lm.loglikelihood_rolling, disable_tqdm=True)
+
+
+GRAPHS_SUFFIX = " cuda_graphs"
 
 
 def _harness_case(
@@ -274,7 +297,8 @@ def _harness_case(
                         model(input_ids=input_ids, use_cache=False)
         else:
             score = _scorer(
-                "hflm" if case["method"] == "lm_eval HFLM" else "adapter", bench, model, n_tokens, chunk
+                "hflm" if case["method"] == "lm_eval HFLM" else "adapter", bench, model, n_tokens, chunk,
+                cuda_graphs=case["method"].endswith(GRAPHS_SUFFIX),
             )
             # What an evaluation does: n_docs texts scored in one call, each tokenised by the harness.
             requests = [
@@ -312,6 +336,8 @@ def run_harness(bench: Bench) -> None:
     input_ids = torch.tensor([ids], device=bench.device)
     methods: list[tuple[str, int | None]] = [("bare_forward", None)]
     methods += [(f"ccq_adapter chunk={chunk}", chunk) for chunk in s["adapter_chunk_sizes"]]
+    if s["cuda_graphs"]:  # the adapter's scoring forwards replayed from CUDA graphs (ccq_eval.graphed_score)
+        methods += [(f"ccq_adapter chunk={chunk}{GRAPHS_SUFFIX}", chunk) for chunk in s["adapter_chunk_sizes"]]
     if s["hflm"]:
         methods.append(("lm_eval HFLM", None))
     for arch in s["archs"]:

@@ -74,6 +74,10 @@ def run(
         help="Folder with LongBench jsonl files (<dataset>.jsonl, the original format).")] = None,
     keep_going: Annotated[bool, typer.Option(
         help="Continue with the next unit when one fails (default: stop).")] = False,
+    cuda_graphs: Annotated[bool, typer.Option(
+        help="Replay decode steps and scoring forwards from CUDA graphs (recurrent fla models on CUDA): "
+        "removes the host-side cost that bounds 340M-shape models on an H200; scores then differ from "
+        "eager ones by rounding.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     report: Annotated[bool, typer.Option(
         help="After the run, write the paper-style table (table.md) and figures (figures/) into the "
@@ -90,6 +94,7 @@ def run(
         samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, keep_going=keep_going,
+        cuda_graphs=cuda_graphs,
     )
     try:
         plan = runner.plan_run(options)

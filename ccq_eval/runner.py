@@ -265,6 +265,7 @@ class RunOptions:
     lm_eval_args: list[str] = field(default_factory=list)
     longbench_dir: Path | None = None
     keep_going: bool = False
+    cuda_graphs: bool = False  # the adapter's CUDA-graph decode steps and scoring forwards
 
 
 def options_command_line(options: RunOptions) -> list[str]:
@@ -286,6 +287,8 @@ def options_command_line(options: RunOptions) -> list[str]:
         argv += ["--lm-eval-arg", pair]
     if options.keep_going:
         argv.append("--keep-going")
+    if options.cuda_graphs:
+        argv.append("--cuda-graphs")
     return argv
 
 
@@ -395,6 +398,8 @@ def plan_run(
         raise PlanError("--max-length must be a positive number of tokens")
     if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
         raise PlanError(f"--dtype {options.dtype!r}: valid choices are {', '.join(DTYPE_CHOICES)}")
+    if options.cuda_graphs and not str(options.device).startswith("cuda"):
+        raise PlanError(f"--cuda-graphs needs a CUDA device (--device cuda); got --device {options.device}")
     if options.longbench_dir is not None and not Path(options.longbench_dir).is_dir():
         raise PlanError(f"--longbench-dir {options.longbench_dir}: no such folder")
     lm_eval_args = parse_lm_eval_args(options.lm_eval_args)
@@ -811,10 +816,12 @@ def _load_model_default(source: str, device: str, dtype: str | None) -> tuple[An
     return load_model(source, device=device, dtype=dtype)
 
 
-def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int, seed: int) -> Any:
+def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int, seed: int,
+                          cuda_graphs: bool) -> Any:
     from ccq_eval.lm_adapter import CCQEvalLM
 
-    kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "batch_size": batch_size, "seed": seed}
+    kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "batch_size": batch_size, "seed": seed,
+                              "cuda_graphs": cuda_graphs}
     if max_length is not None:
         kwargs["max_length"] = max_length
     return CCQEvalLM(**kwargs)
@@ -846,7 +853,7 @@ class LmEvalUnitEvaluator:
         self,
         *,
         load_model: Callable[[str, str, str | None], tuple[Any, Any]] = _load_model_default,
-        make_adapter: Callable[[Any, Any, int | None, int, int], Any] = _make_adapter_default,
+        make_adapter: Callable[[Any, Any, int | None, int, int, bool], Any] = _make_adapter_default,
         task_catalog: TaskCatalog | None = None,
     ) -> None:
         self._load_model = load_model
@@ -869,7 +876,8 @@ class LmEvalUnitEvaluator:
 
         options = context.plan.options
         model, tokenizer = self._model(unit.model_source, options.device, options.dtype)
-        adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed)
+        adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
+                                     options.cuda_graphs)
         wrapped = ResumableLM(adapter, context.cache, chunk_size=options.batch_size,
                               on_progress=context.on_progress)
         catalog = self._task_catalog or default_task_catalog()
@@ -1005,6 +1013,7 @@ def execute_plan(
                 "cwd": os.getcwd(),
                 "versions": package_versions(),
                 "gpu_kernels": kernels if str(plan.options.device).startswith("cuda") else None,
+                "cuda_graphs": plan.options.cuda_graphs,
                 "platform": platform.platform(),
             } | outcome.meta
             results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)

@@ -142,8 +142,8 @@ def fake_world(tmp_path, monkeypatch):
 
         return runner.LmEvalUnitEvaluator(
             load_model=load,
-            make_adapter=lambda model, tokenizer, max_length, batch_size, seed: FakeLM(model, World.calls,
-                                                                                       World.fail_after),
+            make_adapter=lambda model, tokenizer, max_length, batch_size, seed, cuda_graphs: FakeLM(
+                model, World.calls, World.fail_after),
             task_catalog=catalog,
         )
 
@@ -237,6 +237,7 @@ def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path):
                                              "samples_per_cell": 2}
     assert meta["versions"]["lm_eval"] and meta["wall_time_s"] >= 0
     assert meta["gpu_kernels"] is None  # a CPU run: no GPU kernels ran
+    assert meta["cuda_graphs"] is False
     assert "--samples-per-cell" in meta["command_line"]
     # the seed reached the task's document generator (values depend on it)
     assert samples[0]["doc"]["value"] == str(1000000 + 7919 + 3)
@@ -278,6 +279,7 @@ def test_default_run_uses_registry_defaults(fake_world, monkeypatch):
         (["--dtype", "int3"], "valid choices are float32"),
         (["--max-length", "1000"], "shorter than the longest of --lengths"),
         (["--longbench-dir", "missing-folder"], "no such folder"),
+        (["--cuda-graphs"], "--cuda-graphs needs a CUDA device (--device cuda); got --device cpu"),
     ],
 )
 def test_bad_options_fail_before_any_model_loads(fake_world, args, expected):

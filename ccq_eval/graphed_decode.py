@@ -11,14 +11,13 @@ state the previous replay wrote. Kernels are warmed up (triton compiled and auto
 copy first: autotuning cannot run inside a capture. During capture nothing executes, so the buffers
 still hold the prefill state when decoding starts.
 
-Status: on the H200 (2026-12-01) graphed decoding of fla's GLA and Gated DeltaNet (ccq=false) gave
-the same greedy text as eager decoding (tests/test_graphed_decode.py, marked gpu). With CCQ layers the
-logits drifted from the first step on (max |diff| 0.036 for Gated DeltaNet, 1.6e-4 for GLA, growing).
-The likely cause, fixed since but not yet rerun on a GPU: the state buffers the graph reads were not
-kept alive once CCQ's new P, m, n replaced them in the cache, so their memory was reused between
-replays (fla's own states are updated in place and stayed referenced). CCQEvalLM refuses
-cuda_graphs=True for CCQ models until test_graphed_step_equals_eager_step passes with CCQ on a GPU.
-Off by default.
+Status: on the H200 (2026-12-01) graphed decoding gave the same greedy text as eager decoding for
+fla's GLA and Gated DeltaNet, with and without CCQ layers, at head dims 64 (CCQ's torch recurrence)
+and 128 (the fused decoding kernel), and 16 replays gave the same logits as 16 eager steps
+(tests/test_graphed_decode.py, marked gpu; benchmarks/results/h200/fused-v3/). An earlier version
+drifted with CCQ layers: the state buffers the graph reads were not kept alive once CCQ's new P, m, n
+replaced them in the cache, so their memory was reused between replays; they are held now (below).
+Off by default (CCQEvalLM's cuda_graphs).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ whole read is three kernels:
    forward time at 20K from 1.21 to 1.12 on the H200, Gated DeltaNet's stayed at 1.20.)
 3. `_ccq_read_kernel`: every chunk in parallel; the in-chunk cumulative decay, the intra-chunk part
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
-   the gate product and q~ = r - lambda Sigma r, written once in the input dtype.
+   the gate product and q~ = r - lambda Sigma r, written once in the input dtype. The chunk's scores
+   r kappa^T are formed once per program, which then walks its columns of q~ (at d_k = 256 on the
+   H200: 380 us per layer at 20K, against 649 us when each column block recomputed them).
 
 `_ccq_decode_kernel` is the one-token step of the recurrence (state update and q~ in one launch).
 The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
@@ -54,7 +56,7 @@ SCAN_STEPS = 16  # chunks loaded at once by the scan
 # as before, recomputed the scores K / BV times, and with its K loop unrolled it spilled 1-1.5 KB
 # per thread at K = 256.)
 _READ_CONFIGS = [triton.Config({"BK": 32, "BV": bv, "SPLIT": split}, num_warps=8, num_stages=2)
-                 for bv, split in ((64, 1), (32, 1), (64, 2), (32, 2))]  # a cap of 2 keeps the 64-wide
+                 for bv, split in ((64, 1), (32, 1), (64, 2), (32, 2))]  # a cap of 2 keeps (64, 1), (64, 2)
 
 
 class _FirstConfig:

@@ -52,6 +52,9 @@ class Measurement:
     peak_mem_bytes: int | None  # torch.cuda.max_memory_allocated over the timed calls (CUDA only)
     mem_before_bytes: int | None  # memory allocated before the timed calls (weights, inputs)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Host time of each timed call: until fn() returned, before the GPU finished. Close to times_ms:
+    # the call is bound by the host (Python, launches), not by the GPU.
+    host_times_ms: list[float] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
@@ -69,6 +72,7 @@ class Measurement:
             "first_call_ms": self.first_call_ms,
             "peak_mem_bytes": self.peak_mem_bytes,
             "mem_before_bytes": self.mem_before_bytes,
+            "host_median_ms": float(statistics.median(self.host_times_ms)) if self.host_times_ms else None,
         }
 
 
@@ -101,13 +105,14 @@ def measure(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats
         if i == 0:
             first_call_ms = (time.perf_counter() - start) * 1000.0
     mem_before = reset_peak(device)
-    times = []
+    times, host_times = [], []
     for _ in range(repeats):
-        begin = Stamp(device)
+        begin, host_start = Stamp(device), time.perf_counter()
         fn()
+        host_times.append((time.perf_counter() - host_start) * 1000.0)
         end = Stamp(device)
-        times.append(begin.ms_until(end))
-    return Measurement(times, first_call_ms, read_peak(device), mem_before)
+        times.append(begin.ms_until(end))  # waits for the call's GPU work: calls never overlap
+    return Measurement(times, first_call_ms, read_peak(device), mem_before, host_times_ms=host_times)
 
 
 def matmul_rate(

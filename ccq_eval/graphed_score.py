@@ -85,6 +85,11 @@ class GraphedScoring:
                 self._run(ids)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logprob, greedy = self._run(ids)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logprob, greedy = self._run(ids)
+        except RuntimeError as error:  # e.g. a host synchronisation inside the model's forward
+            raise RuntimeError(f"capturing the scoring forward ({rows} x {length} tokens) in a CUDA graph "
+                               f"failed: {error}. Score without CUDA graphs (cuda_graphs=False, no "
+                               "--cuda-graphs)") from error
         return _Captured(graph, ids, logprob, greedy)

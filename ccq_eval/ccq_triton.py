@@ -420,9 +420,12 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
 #   d log_gamma_j = sum_{t>=j} d c_t                                  (c_t: cumulative log decay)
 # (derived by hand; tests check all four gradients against autograd through ccq_read_reference).
 
-# BK 16 and 32 (8 warps): with 64 the query kernel spilled 1-2 KB per thread (ptxas sm_90, triton 3.9),
-# with 32 about 250 bytes, with 16 nothing.
-_BWD_CONFIGS = [triton.Config({"BK": bk}, num_warps=8, num_stages=2) for bk in (16, 32)]
+# BK: the width of a column block, RK: the reduction tile of the products with a K x K state (8 warps).
+# With BK = 64 the query kernel spilled 1-2 KB per thread (ptxas sm_90, triton 3.9), with 32 about
+# 250 bytes, with 16 nothing (RK 16-32; 36 bytes with RK 64 at K = 256). A larger RK takes the state
+# products in fewer, larger tensor-core steps.
+_BWD_CONFIGS = [triton.Config({"BK": bk, "RK": rk}, num_warps=8, num_stages=2)
+                for bk, rk in ((16, 16), (16, 32), (32, 32), (16, 64))]
 
 
 @triton.jit
@@ -435,13 +438,13 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _rows_times_state(x, base, row_ok, state, js, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      RK: tl.constexpr, IEEE: tl.constexpr):
     """x[t, :] @ state[:, js] for the C rows of x at `base` and a K x K state (pointer at its start):
-    [C, BK] fp32, the K reduction in BK-wide tiles. The backward's head-dim loops are runtime loops:
+    [C, BK] fp32, the K reduction in RK-wide tiles. The backward's head-dim loops are runtime loops:
     unrolled, ptxas (triton 3.6) took about 2 minutes for the fp32 query kernel at K = 128."""
     out = tl.zeros([C, BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
+    for k0 in range(0, K, RK):
+        ks = k0 + tl.arange(0, RK)
         x_k = tl.load(x + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         out += _mm(x_k, tl.load(state + ks[:, None] * K + js[None, :]), IEEE)
     return out
@@ -453,7 +456,7 @@ def _ccq_bwd_query_kernel(
     r, kappa, log_gamma, lam, P_in, m_in, n_in, dq,
     dr, dPu_out, dm_out, dn_out, dlam_out,
     T, NT,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr,
     CENTERED: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per chunk: recomputes the forward's Pu, m, n, then dlam, dPu, dm, dn and dr."""
@@ -485,7 +488,7 @@ def _ccq_bwd_query_kernel(
     ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
+        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, RK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
         m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
@@ -527,7 +530,7 @@ def _ccq_bwd_query_kernel(
     ED = E * D
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
+        carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, RK, IEEE)
         kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
         grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
@@ -582,7 +585,7 @@ def _ccq_bwd_key_kernel(
     r, kappa, log_gamma, dPu, dm, dn, Q, g_acc, h_acc,
     dkappa, dc,
     T, NT,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr,
     CENTERED: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per chunk: dkappa (in-chunk part plus the decayed sums of the later chunks) and d c = -Y."""
@@ -610,7 +613,7 @@ def _ccq_bwd_key_kernel(
     Y = tl.sum(D * dn_t[:, None], 0) + to_end * tl.load(h_acc + later)
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, IEEE)
+        carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, RK, IEEE)
         dPu_j = tl.load(dPu + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         grad_Q = _mm(A_T, dPu_j, IEEE) + _mm(E_T, r_j, IEEE) + to_end[:, None] * carried

@@ -121,11 +121,10 @@ class CCQReadMixin:
     def short_conv_qkv(self, hidden_states, last_state, use_cache):
         """q, k, v through the layer's short convolutions, continuing from the cached conv states."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        if last_state is None and not use_cache and _same_convolutions(convs) and _host_bound(hidden_states):
+        if last_state is None and not use_cache and _same_convolutions(convs):
             # No state in or out: one depthwise convolution over the q, k, v channels side by side,
             # as fla's GatedDeltaNet does for its baseline. Each channel is computed as before; one
-            # call instead of three saves host time, which bounds the 340M shapes' forward on the H200,
-            # for copies of the activations (the concatenation here, v made contiguous by fla).
+            # call instead of three saves host time, which bounds the 340M shapes' forward on the H200.
             projected = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states),
                                    self.v_proj(hidden_states)], dim=-1)
             weight = torch.cat([conv.weight.squeeze(1) for conv in convs], dim=0)
@@ -154,12 +153,6 @@ class CCQReadMixin:
             log_decay = torch.zeros_like(log_decay)
         return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=self.ccq_order,
                              centered=self.ccq_centered, initial_state=ccq_state)
-
-
-def _host_bound(x: torch.Tensor) -> bool:
-    """False while a CUDA graph is being captured: its replays cost no host time, so there the layers
-    take their paths with the fewest copies instead of the fewest calls (the values are the same)."""
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _same_convolutions(convs) -> bool:
@@ -300,10 +293,9 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
             q, k, v = (F.silu(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = (rearrange(x, "... (h d) -> ... h d", d=self.head_k_dim) for x in (q, k))
         v = rearrange(v, "... (h d) -> ... h d", d=self.head_v_dim)
-        if _host_bound(q):  # one normalisation call for q and k (stacked in front: each comes out contiguous)
-            q, k = backend.l2norm(torch.stack([q, k])).unbind(0)
-        else:  # no copy for the stack
-            q, k = backend.l2norm(q), backend.l2norm(k)
+        # One normalisation call for q and k (host time, as in short_conv_qkv); stacked in front, each
+        # comes out contiguous.
+        q, k = backend.l2norm(torch.stack([q, k])).unbind(0)
 
         a = self.a_proj(hidden_states)
         beta = self.b_proj(hidden_states)

@@ -325,6 +325,57 @@ class _FusedOrder1(torch.autograd.Function):
         return dr, dkappa, dlog_gamma, dlam, None
 
 
+class _FusedOrder1Keys(torch.autograd.Function):
+    """Training's order-1 read from a zero state on raw keys k and the gate (a, b, lam_max): the fused
+    kernels normalise the keys and form lambda themselves, as for inference, so the forward records
+    neither unit_keys nor the gate's elementwise passes. The backward recomputes kappa and lambda and
+    applies their chain rules to the fused backward's gradients:
+      kappa = k / max(||k||, 1e-6):  dk = (dkappa - kappa (kappa . dkappa)) / ||k||  (dkappa / 1e-6 below it)
+      lambda = lam_max sigmoid(a . r + b):  dlogit = dlambda lambda (1 - lambda / lam_max),
+      dr += dlogit a,  da = sum_t dlogit r,  db = sum_t dlogit."""
+
+    @staticmethod
+    def forward(ctx, r, k, log_gamma, gate_weight, gate_bias, lam_max, centered):
+        from ccq_eval.ccq_triton import ccq_order1_forward
+
+        H, K = r.shape[2], r.shape[3]
+        weight = (gate_weight.float() if gate_weight is not None
+                  else torch.zeros(H, K, device=r.device))  # a zero weight: the constant gate
+        bias = gate_bias.float()
+        q, (P, m, n), chunk_states = ccq_order1_forward(
+            r.contiguous(), k.to(r.dtype).contiguous(), log_gamma.float().contiguous(), None, centered,
+            output_final_state=True, return_chunk_states=True, raw_keys=True, gate=(weight, bias, lam_max))
+        ctx.save_for_backward(r, k, log_gamma, weight, bias, *chunk_states)
+        ctx.centered, ctx.lam_max, ctx.query_gate = centered, float(lam_max), gate_weight is not None
+        ctx.gate_dtypes = (None if gate_weight is None else gate_weight.dtype, gate_bias.dtype)
+        ctx.mark_non_differentiable(P, m, n)
+        return q, P, m, n
+
+    @staticmethod
+    def backward(ctx, dq, *_state_grads):
+        from ccq_eval.ccq_triton import ccq_order1_backward
+
+        r, k, log_gamma, weight, bias, P_in, m_in, n_in = ctx.saved_tensors
+        norm = k.float().norm(dim=-1, keepdim=True)
+        kappa = k.float() / norm.clamp_min(1e-6)
+        sig = torch.sigmoid((r.float() * weight).sum(-1) + bias)
+        lam = ctx.lam_max * sig
+        dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(
+            r.contiguous(), kappa.to(r.dtype).contiguous(), log_gamma.float().contiguous(), lam.contiguous(),
+            dq, P_in, m_in, n_in, centered=ctx.centered)
+        dkappa = dkappa.float()
+        dk = torch.where(norm > 1e-6, (dkappa - kappa * (kappa * dkappa).sum(-1, keepdim=True)) / norm.clamp_min(1e-6),
+                         dkappa / 1e-6)
+        dlogit = dlam * ctx.lam_max * sig * (1 - sig)
+        weight_dtype, bias_dtype = ctx.gate_dtypes  # the parameters' own (bf16 in a bf16 model)
+        d_weight = None
+        if ctx.query_gate:
+            dr = dr.float() + dlogit.unsqueeze(-1) * weight
+            d_weight = torch.einsum("bth,bthk->hk", dlogit, r.float()).to(weight_dtype)
+        d_bias = dlogit.sum((0, 1)).to(bias_dtype)
+        return (dr.to(r.dtype), dk.to(k.dtype), dlog_gamma.to(log_gamma.dtype), d_weight, d_bias, None, None)
+
+
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
     """The fused path (where `_fused_applies`) for any call without gradients (scoring, prefill with a
     cached state) and training calls from a zero state, else None: a gradient through an initial state
@@ -383,14 +434,18 @@ class CCQGate(NamedTuple):
 
 
 def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None):
-    """What a layer calls, with its raw keys k and its gate. Inference on CUDA with the fused
-    kernels (nothing needs a gradient, order 1) normalises the keys and forms lambda inside them: the
-    chunked read for prefill and scoring, a one-step kernel for decoding. Everything else forms
-    unit_keys(k) and lambda here and calls ccq_read."""
+    """What a layer calls, with its raw keys k and its gate. On CUDA with the fused kernels (order 1)
+    the kernels normalise the keys and form lambda themselves: for inference, the chunked read for
+    prefill and scoring and a one-step kernel for decoding; for training from a zero state,
+    _FusedOrder1Keys. Everything else forms unit_keys(k) and lambda here and calls ccq_read."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
+    B, T, H, K = r.shape
+    if _fused_applies(r, order) and _needs_grad(*inputs) and initial_state is None and T > 1:
+        _check(r, k, log_gamma, log_gamma, order)
+        q, P, m, n = _FusedOrder1Keys.apply(r, k, log_gamma, gate.weight, gate.bias, gate.lam_max, centered)
+        return q, CCQState(P, m, n)  # training from a zero state
     fused = _fused_applies(r, order) and not _needs_grad(*inputs)
     if fused:
-        B, T, H, K = r.shape
         fused = T > 1 or K & (K - 1) == 0  # the decoding kernel needs a power-of-two head dim
     if not fused:
         return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)

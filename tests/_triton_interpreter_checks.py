@@ -106,6 +106,43 @@ def gradient_checks():
     return out
 
 
+def raw_key_gradient_checks():
+    """Training on raw keys with the gate formed in the kernels (_FusedOrder1Keys) against autograd
+    through unit_keys, the gate and ccq_read_reference in fp64: relative L2 error of every gradient,
+    for the query gate and the constant gate, with one zero key (the 1e-6 floor of unit_keys)."""
+    from ccq_eval.ccq import CCQGate, _FusedOrder1Keys
+
+    out = {}
+    g = torch.Generator().manual_seed(13)
+    B, T, H, K = 1, 150, 2, 64
+    r, _, log_gamma, _ = inputs(B, T, H, K, seed=14)
+    k = 3 * torch.randn(B, T, H, K, generator=g)
+    k[0, 5, 1] = 0.0
+    weights = torch.randn(B, T, H, K, generator=g)
+    for query_gate in (True, False):
+        gate_weight = 0.3 * torch.randn(H, K, generator=g) if query_gate else None
+        gate_bias = torch.randn(H, generator=g)
+        leaves = [x.double().requires_grad_(True) for x in (r, k, log_gamma, gate_bias)]
+        extra = [gate_weight.double().requires_grad_(True)] if query_gate else []
+        gate64 = CCQGate(extra[0] if query_gate else None, leaves[3], 4.0)
+        q_ref, _ = ccq_read_reference(leaves[0], unit_keys(leaves[1]), leaves[2], gate64.values(leaves[0]))
+        ref = torch.autograd.grad((q_ref * weights.double()).sum(), leaves + extra)
+        leaves32 = [x.clone().requires_grad_(True) for x in (r, k, log_gamma, gate_bias)]
+        extra32 = [gate_weight.clone().requires_grad_(True)] if query_gate else []
+        q, *_ = _FusedOrder1Keys.apply(leaves32[0], leaves32[1], leaves32[2], extra32[0] if query_gate else None,
+                                       leaves32[3], 4.0, True)
+        got = torch.autograd.grad((q * weights).sum(), leaves32 + extra32)
+        names = ("r", "k", "log_gamma", "gate_bias") + (("gate_weight",) if query_gate else ())
+        for name, a, b in zip(names, got, ref):
+            out[f"{'query' if query_gate else 'constant'}_gate_d{name}"] = ((a.double() - b).norm() / b.norm()).item()
+    # Gate parameters in half precision (a model cast to bf16 / fp16): gradients come back in their dtype.
+    half = [x.half().requires_grad_(True) for x in (0.3 * torch.randn(H, K, generator=g), torch.randn(H, generator=g))]
+    q, *_ = _FusedOrder1Keys.apply(r, k, log_gamma, half[0], half[1], 4.0, True)
+    grads = torch.autograd.grad((q * weights).sum(), half)
+    out["half_gate_parameters_dtype_mismatch"] = float(any(x.dtype != torch.float16 for x in grads))
+    return out
+
+
 def decode_checks():
     """Five decoding steps of the one-step kernel against ccq_read_recurrent, from a prior state."""
     from ccq_eval.ccq import CCQGate, ccq_read_recurrent
@@ -239,12 +276,14 @@ def _overrun_is_caught() -> bool:
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["forward", "gradient", "logprob", "decode", "candidates"]
+    which = sys.argv[1:] or ["forward", "gradient", "raw_key_gradient", "logprob", "decode", "candidates"]
     result = {}
     if "forward" in which:
         result["forward"] = forward_checks()
     if "gradient" in which:
         result["gradient"] = gradient_checks()
+    if "raw_key_gradient" in which:
+        result["raw_key_gradient"] = raw_key_gradient_checks()
     if "logprob" in which:
         result["logprob"] = logprob_checks()
     if "decode" in which:

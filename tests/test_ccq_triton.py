@@ -49,6 +49,16 @@ def test_fused_gradients_match_reference_in_interpreter():
         assert relative < 1e-5, (name, relative)
 
 
+def test_training_on_raw_keys_matches_reference_in_interpreter():
+    """The training path of the layers on CUDA (_FusedOrder1Keys: keys normalised and lambda formed in
+    the kernels, their chain rules in the backward): every gradient, the gate's included, against
+    autograd in fp64; gate parameters in half precision get their gradients in their dtype."""
+    result = _interpreter("raw_key_gradient")
+    assert len(result) == 10
+    for name, relative in result.items():
+        assert relative < 1e-5, (name, relative)
+
+
 def _gpu_inputs(T, H, K, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = torch.randn(1, T, H, K, generator=g)
@@ -199,6 +209,35 @@ def one_candidate_at_a_time():
         kernel.configs = configs
         kernel.cache.clear()
         kernel.cache.update(cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("K", [128, 256])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_training_on_raw_keys_matches_fp64_on_cuda(K, dtype, tolerance, fused):
+    """What the layers' training calls on CUDA (ccq_read_keys with gradients: _FusedOrder1Keys, the gate
+    parameters in the model's dtype): every gradient against autograd through unit_keys, the gate and
+    the reference in fp64 on CPU."""
+    from ccq_eval.ccq import CCQGate, ccq_read_keys
+
+    r, _, log_gamma, _ = _gpu_inputs(1000, 2, K, torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    k = 3 * torch.randn(r.shape, generator=g)
+    weight, bias = 0.2 * torch.randn(2, K, generator=g), torch.randn(2, generator=g)
+    weights = torch.randn(r.shape, generator=g)
+    leaves = [x.double().requires_grad_(True) for x in (r, k, log_gamma, weight, bias)]
+    q_ref, _ = ccq_read_keys(*leaves[:3], CCQGate(leaves[3], leaves[4], 4.0))
+    ref = torch.autograd.grad((q_ref * weights.double()).sum(), leaves)
+    leaves = [x.to("cuda", dtype if i != 2 else torch.float32).requires_grad_(True)
+              for i, x in enumerate((r, k, log_gamma, weight, bias))]
+    q, _ = ccq_read_keys(*leaves[:3], CCQGate(leaves[3], leaves[4], 4.0))
+    got = torch.autograd.grad((q.float() * weights.cuda()).sum(), leaves)
+    for name, a, b in zip(("r", "k", "log_gamma", "gate_weight", "gate_bias"), got, ref):
+        assert a.dtype == leaves[("r", "k", "log_gamma", "gate_weight", "gate_bias").index(name)].dtype
+        relative = ((a.cpu().double() - b).norm() / b.norm()).item()
+        print(f"{dtype} K={K} d{name}: relative L2 error {relative:.2e}")
+        assert relative < tolerance, (name, relative)
 
 
 @pytest.mark.gpu

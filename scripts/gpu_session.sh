@@ -15,7 +15,7 @@
 # Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
 # tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
 # sniah,generation,profile; default all but profile), GPU_TESTS (the pytest arguments of the GPU tests),
-# PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
+# PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
 # STEPS (training steps), COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
@@ -113,7 +113,7 @@ pipeline() {
   fi
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
   group() { [[ ",${BENCH:-model,train4,harness,ops,sniah,generation}," == *",$1,"* ]]; }
-  group model && { timeout 360 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths 4096,20480 \
+  group model && { timeout 360 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths "${MODEL_LENGTHS:-4096,20480}" \
     --modes "${MODEL_MODES:-forward,train}" --repeats "${MODEL_REPEATS:-5}" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"; }
   # 32 documents of 20K tokens per timed call (tokenisation included: the first document's cannot be
   # hidden, so few documents per call understate an evaluation's throughput), one slice per document.

@@ -41,34 +41,39 @@ class _Captured(NamedTuple):
 
 
 class GraphedScoring:
-    """score(ids [B, T] on the device) -> (logprob [B, T - 1] fp32, greedy [B, T - 1] bool): the
+    """score(ids [B, T] on the device) -> (logprob [B, T - 1] fp32, greedy [B, T - 1] bool) replayed
+    from a graph, or None where this shape is not replayed (the caller scores eagerly): the
     log-probability of each next token and whether it is the greedy choice, as `run(ids)` computes
-    them eagerly (run: ids -> (logprob, greedy) for every position, no cache)."""
+    them eagerly (run: ids -> (logprob, greedy) for every position, no cache). Padded lengths above
+    max_length are not captured."""
 
     def __init__(self, run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 max_graphs: int = MAX_GRAPHS, warmup_calls: int = 2):
+                 max_length: int, max_graphs: int = MAX_GRAPHS, warmup_calls: int = 2):
         if torch.device(device).type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self._run = run
         self._device = torch.device(device)
+        self._max_length = max_length
         self._max_graphs = max_graphs
         self._warmup_calls = warmup_calls
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._seen: dict[tuple[int, int], int] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows, length = ids.shape
         if length < 2:
             raise ValueError(f"scoring needs at least 2 tokens per row, got {length}")
         key = (rows, padded_length(length))
+        if key[1] > self._max_length:
+            return None
         entry = self._graphs.get(key)
         if entry is None:
             # A shape is captured the second time it comes (a capture costs about three forwards), while
             # there is room: texts of scattered lengths run eagerly instead of capturing again and again.
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < 2 or len(self._graphs) >= self._max_graphs:
-                return self._run(ids)
+                return None
             entry = self._graphs[key] = self._capture(*key)
         entry.ids[:, :length].copy_(ids)
         entry.ids[:, length:].zero_()  # seen only by later positions (causal): deterministic padding

@@ -312,7 +312,8 @@ class CCQEvalLM(LM):
         if self.cuda_graphs:
             from ccq_eval.graphed_score import GraphedScoring
 
-            self._graphed_scoring = GraphedScoring(self._score_every_position, self._device)
+            # Graphs of at most one slice: a longer text's cache would be built inside the capture.
+            self._graphed_scoring = GraphedScoring(self._score_eagerly, self._device, self.chunk_size)
 
         # Truncation bookkeeping (the runner copies it into the results metadata).
         self.truncation_policy_counts: Counter[str] = Counter()  # policy -> requests that used it
@@ -495,21 +496,19 @@ class CCQEvalLM(LM):
             logprob, greedy = logprob.cpu(), greedy.cpu()
         return logprob, greedy, last_logits, cache
 
-    def _score_every_position(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprob, greedy, _, _ = self._run(input_ids, 0, to_cpu=False, keep_cache=False)
+    def _score_eagerly(self, input_ids: torch.Tensor, score_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        logprob, greedy, _, _ = self._run(input_ids, score_from, to_cpu=False, keep_cache=False)
         return logprob, greedy
 
     def _score(self, input_ids: torch.Tensor, score_from: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob, greedy) on the device for positions score_from .. T-2, no cache kept: replayed from
-        a CUDA graph (every position scored, then sliced) when cuda_graphs is on and the padded rows fit
-        one slice; valid until the next call."""
-        from ccq_eval.graphed_score import padded_length
-
-        if self._graphed_scoring is not None and padded_length(input_ids.shape[1]) <= self.chunk_size:
-            logprob, greedy = self._graphed_scoring(input_ids)
-            return logprob[:, score_from:], greedy[:, score_from:]
-        logprob, greedy, _, _ = self._run(input_ids, score_from, to_cpu=False, keep_cache=False)
-        return logprob, greedy
+        a CUDA graph (every position scored, then sliced; valid until the next call) where cuda_graphs
+        is on and the graphs take this shape, else eagerly."""
+        graphed = None if self._graphed_scoring is None else self._graphed_scoring(input_ids)
+        if graphed is None:
+            return self._score_eagerly(input_ids, score_from)
+        logprob, greedy = graphed
+        return logprob[:, score_from:], greedy[:, score_from:]
 
     def _batches(self, lengths: list[int], any_length: bool = False) -> Iterator[list[int]]:
         """Index groups of equal length (longest first), at most batch_size each; with any_length,

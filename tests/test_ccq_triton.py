@@ -233,8 +233,8 @@ def test_training_on_raw_keys_matches_fp64_on_cuda(K, dtype, tolerance, fused):
               for i, x in enumerate((r, k, log_gamma, weight, bias))]
     q, _ = ccq_read_keys(*leaves[:3], CCQGate(leaves[3], leaves[4], 4.0))
     got = torch.autograd.grad((q.float() * weights.cuda()).sum(), leaves)
-    for name, a, b in zip(("r", "k", "log_gamma", "gate_weight", "gate_bias"), got, ref):
-        assert a.dtype == leaves[("r", "k", "log_gamma", "gate_weight", "gate_bias").index(name)].dtype
+    for name, a, b, leaf in zip(("r", "k", "log_gamma", "gate_weight", "gate_bias"), got, ref, leaves):
+        assert a.dtype == leaf.dtype
         relative = ((a.cpu().double() - b).norm() / b.norm()).item()
         print(f"{dtype} K={K} d{name}: relative L2 error {relative:.2e}")
         assert relative < tolerance, (name, relative)

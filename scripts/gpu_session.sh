@@ -15,7 +15,7 @@
 # Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
 # tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
 # sniah,generation,profile; default all but profile), GPU_TESTS (the pytest arguments of the GPU tests),
-# PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
+# PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
 # STEPS (training steps), COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
@@ -130,14 +130,15 @@ pipeline() {
   group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 --cuda-graphs \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }
   # Where the time goes (stdout tables only): the harness steps at 20K, and the forward at 20K.
+  profile() { [[ ",${PROFILES:-score,forward,train}," == *",$1,"* ]]; }
   group profile && {
-    timeout 240 python3 benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs "${PROFILE_DOCS:-8}" \
-      --rows 20 > "$WORK/logs/profile-score.log" 2>&1 || stage "profile score rc $?"
+    profile score && { timeout 240 python3 benchmarks/profile_forward.py --arch gla --T 20480 --mode score \
+      --docs "${PROFILE_DOCS:-8}" --rows 20 > "$WORK/logs/profile-score.log" 2>&1 || stage "profile score rc $?"; }
     for arch in ${PROFILE_ARCHS:-gla gated_deltanet}; do
-      timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 20480 --rows 20 \
-        > "$WORK/logs/profile-forward-$arch.log" 2>&1 || stage "profile forward $arch rc $?"
-      timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 4096 --mode train --rows 20 \
-        > "$WORK/logs/profile-train-$arch.log" 2>&1 || stage "profile train $arch rc $?"
+      profile forward && { timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 20480 --rows 20 \
+        > "$WORK/logs/profile-forward-$arch.log" 2>&1 || stage "profile forward $arch rc $?"; }
+      profile train && { timeout 120 python3 benchmarks/profile_forward.py --arch $arch --T 4096 --mode train --rows 20 \
+        > "$WORK/logs/profile-train-$arch.log" 2>&1 || stage "profile train $arch rc $?"; }
     done
   }
   fi

@@ -422,10 +422,11 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
 
 # BK: the width of a column block, RK: the reduction tile of the products with a K x K state (8 warps).
 # With BK = 64 the query kernel spilled 1-2 KB per thread (ptxas sm_90, triton 3.9), with 32 about
-# 250 bytes, with 16 nothing (RK 16-32; 36 bytes with RK 64 at K = 256). A larger RK takes the state
-# products in fewer, larger tensor-core steps.
-_BWD_CONFIGS = [triton.Config({"BK": bk, "RK": rk}, num_warps=8, num_stages=2)
-                for bk, rk in ((16, 16), (16, 32), (32, 32), (16, 64))]
+# 250 bytes, with 16 nothing (RK 16-32; 36 bytes with RK 64 at K = 256). RK != BK is not offered:
+# with (16, 32), (32, 32) and (16, 64) as candidates, autotuning the bf16 key kernel of GLA-340M
+# (K = 128, 4K tokens) hit an illegal memory access on the H200 (triton 3.6, commit 91aa55e), while
+# RK = BK in 16 and 32 had trained both 340M shapes in bf16 before; the fp32 candidate test passed.
+_BWD_CONFIGS = [triton.Config({"BK": bk, "RK": bk}, num_warps=8, num_stages=2) for bk in (16, 32)]
 
 
 @triton.jit

@@ -327,11 +327,11 @@ class _FusedOrder1(torch.autograd.Function):
 
 class _FusedOrder1Keys(torch.autograd.Function):
     """Training's order-1 read from a zero state on raw keys k and the gate (a, b, lam_max): the fused
-    kernels normalise the keys and form lambda themselves, as for inference, so the forward records
-    neither unit_keys nor the gate's elementwise passes. The backward recomputes kappa and lambda and
-    applies their chain rules to the fused backward's gradients:
+    kernels normalise the keys and form lambda themselves, forward and backward, as for inference, so
+    neither pass records or recomputes unit_keys or the gate's elementwise passes. The backward
+    kernels apply their chain rules (ccq_triton.ccq_order1_backward):
       kappa = k / max(||k||, 1e-6):  dk = (dkappa - kappa (kappa . dkappa)) / ||k||  (dkappa / 1e-6 below it)
-      lambda = lam_max sigmoid(a . r + b):  dlogit = dlambda lambda (1 - lambda / lam_max),
+      lambda = lam_max sigmoid(a . r + b):  dlogit = dlambda lam_max s (1 - s),
       dr += dlogit a,  da = sum_t dlogit r,  db = sum_t dlogit."""
 
     @staticmethod
@@ -342,12 +342,13 @@ class _FusedOrder1Keys(torch.autograd.Function):
         weight = (gate_weight.float() if gate_weight is not None
                   else torch.zeros(H, K, device=r.device))  # a zero weight: the constant gate
         bias = gate_bias.float()
+        r, keys, log_gamma = r.contiguous(), k.to(r.dtype).contiguous(), log_gamma.float().contiguous()
         q, (P, m, n), chunk_states = ccq_order1_forward(
-            r.contiguous(), k.to(r.dtype).contiguous(), log_gamma.float().contiguous(), None, centered,
-            output_final_state=True, return_chunk_states=True, raw_keys=True, gate=(weight, bias, lam_max))
-        ctx.save_for_backward(r, k, log_gamma, weight, bias, *chunk_states)
+            r, keys, log_gamma, None, centered, output_final_state=True, return_chunk_states=True,
+            raw_keys=True, gate=(weight, bias, lam_max))
+        ctx.save_for_backward(r, keys, log_gamma, weight, bias, *chunk_states)
         ctx.centered, ctx.lam_max, ctx.query_gate = centered, float(lam_max), gate_weight is not None
-        ctx.gate_dtypes = (None if gate_weight is None else gate_weight.dtype, gate_bias.dtype)
+        ctx.dtypes = (k.dtype, None if gate_weight is None else gate_weight.dtype, gate_bias.dtype)
         ctx.mark_non_differentiable(P, m, n)
         return q, P, m, n
 
@@ -355,25 +356,15 @@ class _FusedOrder1Keys(torch.autograd.Function):
     def backward(ctx, dq, *_state_grads):
         from ccq_eval.ccq_triton import ccq_order1_backward
 
-        r, k, log_gamma, weight, bias, P_in, m_in, n_in = ctx.saved_tensors
-        norm = k.float().norm(dim=-1, keepdim=True)
-        kappa = k.float() / norm.clamp_min(1e-6)
-        sig = torch.sigmoid((r.float() * weight).sum(-1) + bias)
-        lam = ctx.lam_max * sig
-        dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(
-            r.contiguous(), kappa.to(r.dtype).contiguous(), log_gamma.float().contiguous(), lam.contiguous(),
-            dq, P_in, m_in, n_in, centered=ctx.centered)
-        dkappa = dkappa.float()
-        dk = torch.where(norm > 1e-6, (dkappa - kappa * (kappa * dkappa).sum(-1, keepdim=True)) / norm.clamp_min(1e-6),
-                         dkappa / 1e-6)
-        dlogit = dlam * ctx.lam_max * sig * (1 - sig)
-        weight_dtype, bias_dtype = ctx.gate_dtypes  # the parameters' own (bf16 in a bf16 model)
-        d_weight = None
-        if ctx.query_gate:
-            dr = dr.float() + dlogit.unsqueeze(-1) * weight
-            d_weight = torch.einsum("bth,bthk->hk", dlogit, r.float()).to(weight_dtype)
+        r, keys, log_gamma, weight, bias, P_in, m_in, n_in = ctx.saved_tensors
+        dr, dk, dlog_gamma, dlogit, d_weight = ccq_order1_backward(
+            r, keys, log_gamma, None, dq, P_in, m_in, n_in, centered=ctx.centered, raw_keys=True,
+            gate=(weight, bias, ctx.lam_max))
+        key_dtype, weight_dtype, bias_dtype = ctx.dtypes  # the parameters' own (bf16 in a bf16 model)
+        # The constant gate's zero weight adds nothing to dr and has no gradient.
+        d_weight = d_weight.to(weight_dtype) if ctx.query_gate else None
         d_bias = dlogit.sum((0, 1)).to(bias_dtype)
-        return (dr.to(r.dtype), dk.to(k.dtype), dlog_gamma.to(log_gamma.dtype), d_weight, d_bias, None, None)
+        return dr, dk.to(key_dtype), dlog_gamma, d_weight, d_bias, None, None
 
 
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):

@@ -451,16 +451,28 @@ def _rows_times_state(x, base, row_ok, state, js, C: tl.constexpr, K: tl.constex
     return out
 
 
-@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "IEEE"])
+@triton.jit
+def _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE: tl.constexpr):
+    """kappa[t, js] for the chunk's rows, fp32; raw keys (NORMALIZE) scaled to unit length."""
+    x = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    if NORMALIZE:
+        x = x * inv_norm[:, None]
+    return x
+
+
+@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_bwd_query_kernel(
-    r, kappa, log_gamma, lam, P_in, m_in, n_in, dq,
-    dr, dPu_out, dm_out, dn_out, dlam_out,
+    r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, dq,
+    dr, dPu_out, dm_out, dn_out, dlam_out, dweight_out,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr,
-    CENTERED: tl.constexpr, IEEE: tl.constexpr,
+    CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per chunk: recomputes the forward's Pu, m, n, then dlam, dPu, dm, dn and dr."""
+    """Per chunk: recomputes the forward's Pu, m, n, then dlam, dPu, dm, dn and dr. NORMALIZE: kappa
+    holds raw keys, normalised here as in the forward. GATE: lambda = lam_max sigmoid(a . r + b)
+    formed here; dlam_out then receives d logit = dlam lam_max s (1 - s), dr includes d logit a, and
+    dweight_out[c, b, h] this chunk's sum_t d logit_t r_t (the gate weight's gradient, in parts)."""
     c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
@@ -468,16 +480,29 @@ def _ccq_bwd_query_kernel(
     from_start = tl.exp(b)
     D = _in_chunk_decays(pos, t_ok, b)
     row_ok = t_ok[:, None]
-    lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
 
     scores = tl.zeros([C, C], dtype=tl.float32)
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
+    key_squares = tl.zeros([C], dtype=tl.float32)
+    gate_logit = tl.zeros([C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         scores += _mm(r_k, tl.trans(kap_k), IEEE)
         r_dot_m_in += tl.sum(r_k.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
+        if NORMALIZE:
+            key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
+        if GATE:
+            gate_logit += tl.sum(r_k.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
+    inv_norm = 1.0 / tl.maximum(tl.sqrt(key_squares), 1e-6)
+    if NORMALIZE:
+        scores = scores * inv_norm[None, :]
+    if GATE:
+        gate = tl.sigmoid(gate_logit + tl.load(gate_bias + i_h))
+        lam_t = tl.where(t_ok, lam_max * gate, 0.0)
+    else:
+        lam_t = tl.load(lam + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0).to(tl.float32)
     A = scores * D
     n = tl.where(t_ok, from_start * tl.load(n_in + state) + tl.sum(D, 1), 1.0)
     m_dot_r = from_start * r_dot_m_in + tl.sum(A, 1)
@@ -490,7 +515,7 @@ def _ccq_bwd_query_kernel(
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, RK, IEEE)
-        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
         Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
         m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
         s = Pu / n[:, None]
@@ -508,36 +533,43 @@ def _ccq_bwd_query_kernel(
     else:
         dalpha = tl.zeros([C], dtype=tl.float32)
         dn = -ds_dot_Pu / (n * n)
+    if GATE:
+        dlam = dlam * lam_max * gate * (1.0 - gate)  # now d logit
 
     # Pass 2: dPu and dm (to memory, for the key gradients) and E = dPu kappa^T.
     E = tl.zeros([C, C], dtype=tl.float32)
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
         dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
         dPu = -lam_t[:, None] * dq_j / n[:, None]
         E += _mm(dPu, tl.trans(kap_j), IEEE)
-        tl.store(dPu_out + base[:, None] + js[None, :], dPu, mask=row_ok)
+        tl.store(dPu_out + base[:, None] + js[None, :], dPu.to(dPu_out.dtype.element_ty), mask=row_ok)
         if CENTERED:
             r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
             dm = -alpha[:, None] * dPu + dalpha[:, None] * r_j / n[:, None]
-            tl.store(dm_out + base[:, None] + js[None, :], dm, mask=row_ok)
+            tl.store(dm_out + base[:, None] + js[None, :], dm.to(dm_out.dtype.element_ty), mask=row_ok)
     out = (i_b * T + t) * H + i_h
     tl.store(dn_out + out, dn, mask=t_ok)
     tl.store(dlam_out + out, dlam, mask=t_ok)
     tl.debug_barrier()  # dPu of this chunk, just written by other threads of this program, is read below
 
-    # Pass 3: dr = dq + dalpha mu + P_t dPu_t.
+    # Pass 3: dr = dq + dalpha mu + P_t dPu_t (+ d logit a with GATE).
     ED = E * D
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, RK, IEEE)
-        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
         grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
         grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
         if CENTERED:
             m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
             grad += dalpha[:, None] * m / n[:, None]
+        if GATE:
+            grad += dlam[:, None] * tl.load(gate_weight + i_h * K + js)[None, :]
+            r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            part = (c * tl.num_programs(1) + i_bh).to(tl.int64)  # [NT, B * H, K]
+            tl.store(dweight_out + part * K + js, tl.sum(dlam[:, None] * r_j, 0))
         tl.store(dr + base[:, None] + js[None, :], grad.to(dr.dtype.element_ty), mask=row_ok)
 
 
@@ -566,7 +598,7 @@ def _ccq_bwd_local_kernel(
     r_cols = tl.load(r + base[:, None] + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
     local = _mm(tl.trans(dPu_rows), r_cols, IEEE) + _mm(tl.trans(r_rows), dPu_cols, IEEE)
     slot = (i_bh * (NT + 1) + NT - c).to(tl.int64)
-    tl.store(Q + slot * K * K + rows[:, None] * K + cols[None, :], local)
+    tl.store(Q + slot * K * K + rows[:, None] * K + cols[None, :], local.to(Q.dtype.element_ty))
     if i_v == 0:
         if CENTERED:
             dm_rows = tl.load(dm + base[:, None] + rows[None, :], mask=row_ok, other=0.0)
@@ -580,16 +612,19 @@ def _ccq_bwd_local_kernel(
             tl.store(chunk_decay_rev + i_bh * NT + NT - 1 - c, tl.sum(g, 0))
 
 
-@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "IEEE"])
+@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "IEEE"])
 @triton.jit
 def _ccq_bwd_key_kernel(
     r, kappa, log_gamma, dPu, dm, dn, Q, g_acc, h_acc,
-    dkappa, dc,
+    dkappa, dk, dc,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr,
-    CENTERED: tl.constexpr, IEEE: tl.constexpr,
+    CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per chunk: dkappa (in-chunk part plus the decayed sums of the later chunks) and d c = -Y."""
+    """Per chunk: dkappa (in-chunk part plus the decayed sums of the later chunks) and d c = -Y.
+    NORMALIZE: kappa holds raw keys k, kappa = k / max(||k||, 1e-6); dkappa (fp32) is then scratch and
+    dk receives the raw keys' gradient (dkappa - kappa (kappa . dkappa)) / ||k|| (dkappa / 1e-6 when
+    ||k|| <= 1e-6, where the clamp holds)."""
     c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     # The scan left in slot NT - 1 - c the sums over chunks c + 1 .. NT - 1, decayed to the end of c.
@@ -602,67 +637,108 @@ def _ccq_bwd_key_kernel(
 
     scores = tl.zeros([C, C], dtype=tl.float32)  # r_t . kappa_i
     E = tl.zeros([C, C], dtype=tl.float32)  # dPu_t . kappa_i
+    key_squares = tl.zeros([C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         scores += _mm(tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0), tl.trans(kap_k), IEEE)
         E += _mm(tl.load(dPu + base[:, None] + ks[None, :], mask=row_ok, other=0.0), tl.trans(kap_k), IEEE)
+        if NORMALIZE:
+            key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
+    norms = tl.sqrt(key_squares)
+    inv_norm = 1.0 / tl.maximum(norms, 1e-6)
+    if NORMALIZE:
+        scores = scores * inv_norm[None, :]
+        E = E * inv_norm[None, :]
     A_T = tl.trans(scores * D)
     E_T = tl.trans(E * D)
     D_T = tl.trans(D)
     dn_t = tl.load(dn + out, mask=t_ok, other=0.0)
     Y = tl.sum(D * dn_t[:, None], 0) + to_end * tl.load(h_acc + later)
+    radial = tl.zeros([C], dtype=tl.float32)  # kappa . dkappa (NORMALIZE)
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
         carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, RK, IEEE)
+        if NORMALIZE:
+            carried = carried * inv_norm[:, None]
         dPu_j = tl.load(dPu + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0)
         grad_Q = _mm(A_T, dPu_j, IEEE) + _mm(E_T, r_j, IEEE) + to_end[:, None] * carried
         grad_m = to_end[:, None] * tl.load(g_acc + later * K + js)[None, :]
         if CENTERED:
             grad_m += _mm(D_T, tl.load(dm + base[:, None] + js[None, :], mask=row_ok, other=0.0), IEEE)
-        kap_j = tl.load(kappa + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
         Y += tl.sum(kap_j * (0.5 * grad_Q + grad_m), 1)
-        tl.store(dkappa + base[:, None] + js[None, :], (grad_Q + grad_m).to(dkappa.dtype.element_ty), mask=row_ok)
+        grad = grad_Q + grad_m
+        radial += tl.sum(kap_j * grad, 1)
+        tl.store(dkappa + base[:, None] + js[None, :], grad.to(dkappa.dtype.element_ty), mask=row_ok)
     tl.store(dc + out, -Y, mask=t_ok)
+    if NORMALIZE:
+        tl.debug_barrier()  # dkappa, just written by other threads of this program, is read below
+        radial = tl.where(norms > 1e-6, radial, 0.0)
+        for j0 in range(0, K, BK):
+            js = j0 + tl.arange(0, BK)
+            grad = tl.load(dkappa + base[:, None] + js[None, :], mask=row_ok, other=0.0)
+            kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
+            dk_j = (grad - kap_j * radial[:, None]) * inv_norm[:, None]
+            tl.store(dk + base[:, None] + js[None, :], dk_j.to(dk.dtype.element_ty), mask=row_ok)
 
 
 def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered: bool = True,
-                        chunk_size: int = CHUNK):
+                        chunk_size: int = CHUNK, raw_keys: bool = False, gate=None):
     """(dr, dkappa, dlog_gamma, dlam) for a call of `ccq_order1_forward` from a zero state, given the
-    chunk states (P_in, m_in, n_in) that the forward computed."""
+    chunk states (P_in, m_in, n_in) that the forward computed. raw_keys and gate as in the forward:
+    with raw_keys, kappa holds the raw keys and the second gradient is theirs; with gate (a, b, lam_max),
+    lam is not read and the result is (dr, dkappa, dlog_gamma, dlogit, da): dr includes dlogit a, dlogit
+    [B, T, H] is the gradient of the gate's logit a . r + b (so db = dlogit summed over B and T) and da
+    [H, K] fp32 the gate weight's. The chain rules of the normalisation and the gate run in the
+    kernels: no elementwise torch passes over [B, T, H, K] around them."""
     B, T, H, K = r.shape
     C = chunk_size
     NT = triton.cdiv(T, C)
     ieee = r.dtype == torch.float32
     dq = dq.contiguous()
     f32 = dict(device=r.device, dtype=torch.float32)
-    dPu, dm = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
+    # dPu, dm and the anti-causal sums Q are only ever tensor-core operands (converted to the input
+    # dtype there), so outside fp32 they are stored in it: half the memory traffic.
+    work = dict(device=r.device, dtype=torch.float32 if ieee else r.dtype)
+    dPu, dm = torch.empty(B, T, H, K, **work), torch.empty(B, T, H, K, **work)
     dn, dlam = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
     dr = torch.empty_like(r)
+    if gate is not None:
+        gate_weight, gate_bias, lam_max = gate
+        gate_weight, gate_bias = gate_weight.float().contiguous(), gate_bias.float().contiguous()
+        dweight_parts = torch.empty(NT, B, H, K, **f32)
+    else:
+        gate_weight = gate_bias = dweight_parts = log_gamma  # unused placeholders
+        lam_max = 0.0
     _ccq_bwd_query_kernel[(NT, B * H)](
-        r, kappa, log_gamma, lam, P_in, m_in, n_in, dq, dr, dPu, dm, dn, dlam, T, NT,
-        H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee,
+        r, kappa, log_gamma, lam if lam is not None else log_gamma, gate_weight, gate_bias, float(lam_max),
+        P_in, m_in, n_in, dq, dr, dPu, dm, dn, dlam, dweight_parts, T, NT,
+        H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,
     )
     # Anti-causal sums, accumulated from the last chunk backwards by the forward's scan kernel.
-    Q = torch.empty(B * H, NT + 1, K, K, **f32)
+    Q = torch.empty(B * H, NT + 1, K, K, **work)
     g_acc, h_acc = torch.empty(B * H, NT + 1, K, **f32), torch.empty(B * H, NT + 1, **f32)
     decay_rev = torch.empty(B * H, NT, **f32)
     local_grid = lambda meta: (NT * B * H, K // meta["BK"], K // meta["BV"])  # noqa: E731
     _ccq_bwd_local_kernel[local_grid](r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, decay_rev, T, NT,
                                       H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee)
     _scan_states(Q, g_acc, h_acc, decay_rev, NT, K)
-    dkappa = torch.empty_like(kappa)
+    dkappa = torch.empty(B, T, H, K, **f32) if raw_keys else torch.empty_like(kappa)
+    dk = torch.empty_like(kappa) if raw_keys else dkappa
     dc = torch.empty(B, T, H, **f32)
     _ccq_bwd_key_kernel[(NT, B * H)](
-        r, kappa, log_gamma, dPu, dm, dn, Q, g_acc, h_acc, dkappa, dc, T, NT,
-        H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee,
+        r, kappa, log_gamma, dPu, dm, dn, Q, g_acc, h_acc, dkappa, dk, dc, T, NT,
+        H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, IEEE=ieee,
     )
     # Sums over t >= j along time, time made the innermost axis: torch scans an outer axis with one
     # thread per inner element (B * H of them), which took 500 us per layer at 4K tokens on the H200
     # (the Gated DeltaNet training profile at 250850d).
     dlog_gamma = dc.transpose(1, 2).flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
-    return dr, dkappa, dlog_gamma, dlam
+    if gate is not None:
+        return dr, dk, dlog_gamma, dlam, dweight_parts.sum((0, 1))
+    return dr, dk, dlog_gamma, dlam
 
 
 # ------------------------------------------------------------------------------------------ decode

@@ -214,7 +214,8 @@ def _relative(a, b):
 
 
 def _every_kernel_once(candidate):
-    """Forward (raw keys, gate, prior state), forward + backward (zero state) and one decoding step,
+    """Forward (raw keys, gate, prior state), forward + backward (zero state; given unit keys and lambda,
+    and on raw keys with the gate) and one decoding step,
     each against fp64: the worst relative L2 error of its outputs, per shape. The backward's values
     only in fp32: in half precision it multiplies in bf16, and the interpreter's bf16 tl.dot returns
     garbage (a 16 x 16 product off by 1e9 relative, checked), so there it is run for the bounds alone."""
@@ -245,7 +246,17 @@ def _every_kernel_once(candidate):
         leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, lam64)]
         q_ref, _ = ccq_read_reference(*leaves, 1, True)
         grads_ref = torch.autograd.grad((q_ref * dq.double()).sum(), leaves)
-        backward = (max(_relative(x, y) for x, y in zip((q, *grads), (q_ref, *grads_ref)))
+        # The training path of the layers: raw keys and the gate's chain rules in the kernels.
+        _, _, raw_states = ccq_order1_forward(r, kappa, log_gamma, None, True, return_chunk_states=True,
+                                              raw_keys=True, gate=kernel_gate)
+        dr, dk, dlg, dlogit, dweight = ccq_order1_backward(r, kappa, log_gamma, None, dq, *raw_states,
+                                                           raw_keys=True, gate=kernel_gate)
+        leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, gate64.weight, gate64.bias)]
+        q_raw_ref, _ = ccq_read_reference(leaves[0], unit_keys(leaves[1]), leaves[2],
+                                          CCQGate(leaves[3], leaves[4], gate.lam_max).values(leaves[0]))
+        raw_ref = torch.autograd.grad((q_raw_ref * dq.double()).sum(), leaves)
+        raw = (dr, dk, dlg, dweight, dlogit.sum((0, 1)))
+        backward = (max(_relative(x, y) for x, y in zip((q, *grads, *raw), (q_ref, *grads_ref, *raw_ref)))
                     if dtype == torch.float32 else None)
 
         step = ccq_order1_decode(r[:, :1], kappa[:, :1], log_gamma[:, :1], kernel_gate, state)

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ccq_eval import backend
 from ccq_eval.ccq import CCQGate, CCQState, ccq_read_keys
+from ccq_eval.l2norm_pair import l2norm_pair
 
 CCQ_DECAYS = ("state", "none")
 CCQ_GATES = ("query", "constant")
@@ -293,9 +294,9 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
             q, k, v = (F.silu(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = (rearrange(x, "... (h d) -> ... h d", d=self.head_k_dim) for x in (q, k))
         v = rearrange(v, "... (h d) -> ... h d", d=self.head_v_dim)
-        # One normalisation call for q and k (host time, as in short_conv_qkv); stacked in front, each
-        # comes out contiguous.
-        q, k = backend.l2norm(torch.stack([q, k])).unbind(0)
+        # q and k normalised together, read from their strided views (one Triton launch on CUDA, no
+        # torch.stack copy: ccq_eval/l2norm_pair.py); each comes out contiguous.
+        q, k = l2norm_pair(q, k)
 
         a = self.a_proj(hidden_states)
         beta = self.b_proj(hidden_states)

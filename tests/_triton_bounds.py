@@ -44,13 +44,15 @@ def install():
             return
         width = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
         low, high = int(addresses.min()), int(addresses.max()) + width
-        # All addresses of one access must lie in one tensor: the one that holds the lowest.
-        for start, end in launch["extents"]:
-            if start <= low < end:
-                if high <= end:
-                    return
-                raise OutOfBounds(f"{launch['kernel']}: {op} runs {(high - end) // width} elements past the end "
-                                  f"of a tensor of {(end - start) // width} elements")
+        # All addresses of one access must lie in one tensor that holds the lowest (several can, when
+        # arguments are overlapping views of one buffer, e.g. q and k sliced from one q|k|v tensor).
+        holding = [(start, end) for start, end in launch["extents"] if start <= low < end]
+        if any(high <= end for _, end in holding):
+            return
+        if holding:
+            start, end = max(holding, key=lambda e: e[1])
+            raise OutOfBounds(f"{launch['kernel']}: {op} runs {(high - end) // width} elements past the end "
+                              f"of a tensor of {(end - start) // width} elements")
         nearest = min(launch["extents"], key=lambda e: min(abs(low - e[0]), abs(low - e[1])))
         raise OutOfBounds(f"{launch['kernel']}: {op} starts outside every argument "
                           f"({(low - nearest[0]) // width:+d} elements from the nearest tensor's start)")

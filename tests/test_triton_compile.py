@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
-from ccq_eval import ccq_triton, token_logprob
+from ccq_eval import ccq_triton, l2norm_pair, token_logprob
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS) or os.environ.get("TRITON_INTERPRET") == "1",
@@ -49,17 +49,18 @@ KERNELS = {
                   P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
              dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
     "bwd_query": (ccq_triton._ccq_bwd_query_kernel,
-                  dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, P_in=BF16, m_in=F32, n_in=F32, dq=BF16, dr=BF16,
-                       dPu_out=F32, dm_out=F32, dn_out=F32, dlam_out=F32, T="i32", NT="i32"),
-                  dict(**CHUNK, CENTERED=True, IEEE=False)),
+                  dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",
+                       P_in=BF16, m_in=F32, n_in=F32, dq=BF16, dr=BF16, dPu_out=BF16, dm_out=BF16, dn_out=F32,
+                       dlam_out=F32, dweight_out=F32, T="i32", NT="i32"),
+                  dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
     "bwd_local": (ccq_triton._ccq_bwd_local_kernel,
-                  dict(r=BF16, dPu=F32, dm=F32, dn=F32, log_gamma=F32, Q=F32, g_acc=F32, h_acc=F32,
+                  dict(r=BF16, dPu=BF16, dm=BF16, dn=F32, log_gamma=F32, Q=BF16, g_acc=F32, h_acc=F32,
                        chunk_decay_rev=F32, T="i32", NT="i32"),
                   dict(**CHUNK, CENTERED=True, IEEE=False)),
     "bwd_key": (ccq_triton._ccq_bwd_key_kernel,
-                dict(r=BF16, kappa=BF16, log_gamma=F32, dPu=F32, dm=F32, dn=F32, Q=F32, g_acc=F32, h_acc=F32,
-                     dkappa=BF16, dc=F32, T="i32", NT="i32"),
-                dict(**CHUNK, CENTERED=True, IEEE=False)),
+                dict(r=BF16, kappa=BF16, log_gamma=F32, dPu=BF16, dm=BF16, dn=F32, Q=BF16, g_acc=F32, h_acc=F32,
+                     dkappa=F32, dk=BF16, dc=F32, T="i32", NT="i32"),
+                dict(**CHUNK, CENTERED=True, NORMALIZE=True, IEEE=False)),
     "decode": (ccq_triton._ccq_decode_kernel,
                dict(r=BF16, k=BF16, log_gamma=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32", P=F32, m=F32,
                     n=F32, P_out=F32, m_out=F32, n_out=F32, q_out=BF16),
@@ -67,6 +68,13 @@ KERNELS = {
     "token_logprob": (token_logprob._token_logprob_kernel,
                       dict(logits=BF16, targets="*i64", logprob_out=F32, greedy_out="*i1", V="i32", stride_row="i32"),
                       dict(BLOCK=4096)),
+    "l2norm_pair_fwd": (l2norm_pair._l2norm_pair_fwd_kernel,
+                        dict(q=BF16, k=BF16, y=BF16, rstd=F32, **{f"{x}_s{d}": "i32" for x in "qk" for d in "bth"},
+                             T="i32", H="i32", N="i32", eps="fp32"),
+                        dict(K=256, BD=256, BLOCK_ROWS=l2norm_pair.TILE // 256)),
+    "l2norm_pair_bwd": (l2norm_pair._l2norm_pair_bwd_kernel,
+                        dict(y=BF16, rstd=F32, dy=BF16, dx=BF16, M="i32"),
+                        dict(K=48, BD=64, BLOCK_ROWS=l2norm_pair.TILE // 64)),
 }
 
 

@@ -45,15 +45,8 @@ CHUNK = 64
 
 
 # Few candidates on purpose: each compiles on the first call of a shape.
-# The local kernel over 128-token state chunks (inference): ptxas for sm_90 showed no spills for
-# (32, 8 warps), (16, 4 or 8); (32, 4 warps) spilled 192 bytes at K = 256, (64, 8) 324 (kept: it
-# had the largest tiles of the 64-token chunks that training still uses).
 _LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stages=2)
-                  for bk, warps in ((32, 8), (16, 8), (16, 4), (64, 8))]
-# Inference keeps a state every STATE_BLOCKS chunks (128 tokens): at d_k = 256 the K x K states were
-# the read's main memory traffic (written by the local kernel, read and written by the scan, read by
-# the read kernel), while the extra in-chunk scores cost little.
-STATE_BLOCKS = 2
+                  for bk in (32, 64) for warps in (4, 8)]
 SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per head
 SCAN_STEPS = 16  # chunks loaded at once by the scan
 # Read and backward kernels hold several C x C fp32 tiles: with 4 warps they used all 255 registers
@@ -62,9 +55,8 @@ SCAN_STEPS = 16  # chunks loaded at once by the scan
 # scores r kappa^T once and then walks its columns in BV-wide blocks. (One program per BV columns,
 # as before, recomputed the scores K / BV times, and with its K loop unrolled it spilled 1-1.5 KB
 # per thread at K = 256.)
-# With the previous block's scores (SUB = 2) BV = 64 spills 232 bytes per thread at K = 256, 32 nothing.
 _READ_CONFIGS = [triton.Config({"BK": 32, "BV": bv, "SPLIT": split}, num_warps=8, num_stages=2)
-                 for bv, split in ((32, 1), (64, 1), (32, 2), (64, 2))]  # a cap of 2 keeps (32, 1), (32, 2)
+                 for bv, split in ((64, 1), (32, 1), (64, 2), (32, 2))]  # a cap of 2 keeps (64, 1), (64, 2)
 
 
 class _FirstConfig:
@@ -266,48 +258,28 @@ def _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None)
     )
 
 
-@_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "SUB", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
+@_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_read_kernel(
     r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
-    T, NS,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, SPLIT: tl.constexpr,
+    T, NT,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SPLIT: tl.constexpr,
     CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """q~ for the C rows of block c. The states are kept every SUB blocks (NS of them): with SUB = 2,
-    block c = 2 s + 1 starts from the state entering block 2 s, and block 2 s's keys reach it through
-    scores r kappa_prev^T, as in-chunk keys do (half the states to write, scan and read)."""
     i_s, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    state = (i_bh * (NS + 1) + c // SUB).to(tl.int64)
+    state = (i_bh * (NT + 1) + c).to(tl.int64)
     pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     row_ok = t_ok[:, None]
+    from_start = tl.exp(b)
     D = _in_chunk_decays(pos, t_ok, b)
-    if SUB > 1:
-        # The block before this one in the same state chunk (none for its first block): its keys'
-        # decays to the end of that block, w_i = exp(G_prev - b_i), 0 where there is no such block.
-        t_prev = (c - 1) * C + pos
-        prev_ok = (c % SUB + 0 * pos) == 1  # compared as a block: the interpreter rejects scalar & block masks
-        g_prev = tl.load(log_gamma + (i_b * T + t_prev) * H + i_h, mask=prev_ok, other=0.0).to(tl.float32)
-        b_prev = tl.cumsum(g_prev, 0)
-        G_prev = tl.sum(g_prev, 0)
-        w_prev = tl.where(prev_ok, tl.exp(G_prev - b_prev), 0.0)
-        base_prev = tl.where(prev_ok, ((i_b * T + t_prev) * H + i_h).to(tl.int64) * K, 0)
-        prev_rows = prev_ok[:, None]
-        to_t = tl.exp(b)  # from the end of the previous block to t
-        from_start = tl.exp(G_prev + b)  # from the state's position to t
-    else:
-        from_start = tl.exp(b)
 
     # Per chunk, once: the scores r_t . kappa_i and the per-position sums over the head dim.
     scores = tl.zeros([C, C], dtype=tl.float32)
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
     key_squares = tl.zeros([C], dtype=tl.float32)  # ||k_t||^2 (NORMALIZE: raw keys in)
     gate_logit = tl.zeros([C], dtype=tl.float32)  # a_h . r_t (GATE: lambda from the query)
-    if SUB > 1:
-        scores_prev = tl.zeros([C, C], dtype=tl.float32)  # r_t . kappa_i for the previous block's keys
-        prev_squares = tl.zeros([C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
@@ -321,28 +293,12 @@ def _ccq_read_kernel(
             key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
         if GATE:
             gate_logit += tl.sum(r_k.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
-        if SUB > 1:
-            kap_p = tl.load(kappa + base_prev[:, None] + ks[None, :], mask=prev_rows, other=0.0)
-            if IEEE:
-                scores_prev += tl.dot(r_k.to(tl.float32), tl.trans(kap_p.to(tl.float32)), input_precision="ieee")
-            else:
-                scores_prev += tl.dot(r_k, tl.trans(kap_p.to(r_k.dtype)))
-            if NORMALIZE:
-                prev_squares += tl.sum(kap_p.to(tl.float32) * kap_p.to(tl.float32), 1)
     if NORMALIZE:
         inv_norm = 1.0 / tl.maximum(tl.sqrt(key_squares), 1e-6)
         scores = scores * inv_norm[None, :]
     A = scores * D
     n = tl.where(t_ok, from_start * tl.load(n_in + state) + tl.sum(D, 1), 1.0)
-    m_dot_r = from_start * r_dot_m_in + tl.sum(A, 1)
-    if SUB > 1:
-        if NORMALIZE:
-            inv_norm_prev = 1.0 / tl.maximum(tl.sqrt(prev_squares), 1e-6)
-            scores_prev = scores_prev * inv_norm_prev[None, :]
-        A_prev = scores_prev * w_prev[None, :]  # times to_t[t] (applied after the products)
-        n += tl.where(t_ok, to_t * tl.sum(w_prev, 0), 0.0)
-        m_dot_r += to_t * tl.sum(A_prev, 1)
-    mu_dot_r = m_dot_r / n  # mu_t . r_t = (m_t . r_t) / n_t
+    mu_dot_r = (from_start * r_dot_m_in + tl.sum(A, 1)) / n  # mu_t . r_t = (m_t . r_t) / n_t
     if GATE:
         lam_t = lam_max * tl.sigmoid(gate_logit + tl.load(gate_bias + i_h))
     else:
@@ -350,8 +306,6 @@ def _ccq_read_kernel(
     if not IEEE:  # the tensor-core operands, converted once
         A = A.to(r.dtype.element_ty)
         D = D.to(r.dtype.element_ty)
-        if SUB > 1:
-            A_prev = A_prev.to(r.dtype.element_ty)
 
     # This program's columns of q~, BW at a time: q~ = r - lambda (Pu / n - mu (mu . r)).
     COLS: tl.constexpr = K // SPLIT
@@ -380,25 +334,13 @@ def _ccq_read_kernel(
         else:
             kap_v = kap_v.to(r.dtype.element_ty)
             Pu = from_start[:, None] * carried + tl.dot(A, kap_v)
+        sigma_r = Pu / n[:, None]
         if CENTERED:
             m_v = tl.load(m_in + state * K + cols, mask=col_in, other=0.0)
             if IEEE:
                 m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v, input_precision="ieee")
             else:
                 m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v)
-        if SUB > 1:
-            kap_p = tl.load(kappa + base_prev[:, None] + cols[None, :], mask=prev_rows & col_in[None, :],
-                            other=0.0).to(tl.float32)
-            if NORMALIZE:
-                kap_p = kap_p * inv_norm_prev[:, None]
-            if IEEE:
-                Pu += to_t[:, None] * tl.dot(A_prev, kap_p, input_precision="ieee")
-            else:
-                Pu += to_t[:, None] * tl.dot(A_prev, kap_p.to(r.dtype.element_ty))
-            if CENTERED:  # the previous block's decayed key sum: rank one over t
-                m += to_t[:, None] * tl.sum(w_prev[:, None] * kap_p, 0)[None, :]
-        sigma_r = Pu / n[:, None]
-        if CENTERED:
             sigma_r -= (m / n[:, None]) * mu_dot_r[:, None]
         r_v = tl.load(r + base[:, None] + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
         q = r_v - lam_t[:, None] * sigma_r
@@ -428,9 +370,6 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
         raise ValueError(f"the fused CCQ kernels need a head dim that is a multiple of 64, got {K}")
     C = chunk_size
     NT = triton.cdiv(T, C)
-    # States every SUB blocks; the backward reads one per block, so a call that returns them keeps 1.
-    SUB = 1 if return_chunk_states else STATE_BLOCKS
-    NS = triton.cdiv(T, C * SUB)
     ieee = r.dtype == torch.float32
     r, kappa = r.contiguous(), kappa.to(r.dtype).contiguous()
     log_gamma = log_gamma.float().contiguous()
@@ -441,27 +380,26 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     else:
         gate_weight, gate_bias, lam_max = log_gamma, log_gamma, 0.0  # unused placeholders
     state_dtype = torch.float32 if ieee else r.dtype
-    # Slot s: the state entering state chunk s (C * SUB tokens); slot NS: the state after the last.
-    P_in = torch.empty(B * H, NS + 1, K, K, device=r.device, dtype=state_dtype)
-    m_in = torch.empty(B * H, NS + 1, K, device=r.device, dtype=torch.float32)
-    n_in = torch.empty(B * H, NS + 1, device=r.device, dtype=torch.float32)
-    chunk_decay = torch.empty(B * H, NS, device=r.device, dtype=torch.float32)
+    # Slot c: the state entering chunk c; slot NT: the state after the last chunk.
+    P_in = torch.empty(B * H, NT + 1, K, K, device=r.device, dtype=state_dtype)
+    m_in = torch.empty(B * H, NT + 1, K, device=r.device, dtype=torch.float32)
+    n_in = torch.empty(B * H, NT + 1, device=r.device, dtype=torch.float32)
+    chunk_decay = torch.empty(B * H, NT, device=r.device, dtype=torch.float32)
     final = None
     if output_final_state:
         final = (torch.empty(B, H, K, K, device=r.device, dtype=torch.float32),
                  torch.empty(B, H, K, device=r.device, dtype=torch.float32),
                  torch.empty(B, H, device=r.device, dtype=torch.float32))
     init = None if initial_state is None else tuple(s.float().contiguous() for s in initial_state)
-    local_grid = lambda meta: (NS * B * H, K // meta["BK"])  # noqa: E731
-    _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NS,
-                                        H=H, K=K, C=C * SUB, NORMALIZE=raw_keys, IEEE=ieee)
-    _scan_states(P_in, m_in, n_in, chunk_decay, NS, K, init, final)
+    local_grid = lambda meta: (NT * B * H, K // meta["BK"])  # noqa: E731
+    _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
+                                        H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
+    _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, init, final)
     q = torch.empty_like(r)
     read_grid = lambda meta: (meta["SPLIT"], NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](
         r, kappa, log_gamma, lam, gate_weight, gate_bias, float(lam_max), P_in, m_in, n_in, q,
-        T, NS, H=H, K=K, C=C, SUB=SUB, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None,
-        IEEE=ieee,
+        T, NT, H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,
     )
     if return_chunk_states:
         return q, final, (P_in, m_in, n_in)

@@ -338,17 +338,12 @@ class _FusedOrder1Keys(torch.autograd.Function):
     def forward(ctx, r, k, log_gamma, gate_weight, gate_bias, lam_max, centered):
         from ccq_eval.ccq_triton import ccq_order1_forward
 
-        H, K = r.shape[2], r.shape[3]
-        weight = (gate_weight.float() if gate_weight is not None
-                  else torch.zeros(H, K, device=r.device))  # a zero weight: the constant gate
-        bias = gate_bias.float()
         r, keys, log_gamma = r.contiguous(), k.to(r.dtype).contiguous(), log_gamma.float().contiguous()
         q, (P, m, n), chunk_states = ccq_order1_forward(
             r, keys, log_gamma, None, centered, output_final_state=True, return_chunk_states=True,
-            raw_keys=True, gate=(weight, bias, lam_max))
-        ctx.save_for_backward(r, keys, log_gamma, weight, bias, *chunk_states)
-        ctx.centered, ctx.lam_max, ctx.query_gate = centered, float(lam_max), gate_weight is not None
-        ctx.dtypes = (k.dtype, None if gate_weight is None else gate_weight.dtype, gate_bias.dtype)
+            raw_keys=True, gate=(gate_weight, gate_bias, lam_max))
+        ctx.save_for_backward(r, keys, log_gamma, gate_weight, gate_bias, *chunk_states)
+        ctx.centered, ctx.lam_max, ctx.key_dtype = centered, float(lam_max), k.dtype
         ctx.mark_non_differentiable(P, m, n)
         return q, P, m, n
 
@@ -356,15 +351,15 @@ class _FusedOrder1Keys(torch.autograd.Function):
     def backward(ctx, dq, *_state_grads):
         from ccq_eval.ccq_triton import ccq_order1_backward
 
-        r, keys, log_gamma, weight, bias, P_in, m_in, n_in = ctx.saved_tensors
+        r, keys, log_gamma, gate_weight, gate_bias, P_in, m_in, n_in = ctx.saved_tensors
         dr, dk, dlog_gamma, dlogit, d_weight = ccq_order1_backward(
             r, keys, log_gamma, None, dq, P_in, m_in, n_in, centered=ctx.centered, raw_keys=True,
-            gate=(weight, bias, ctx.lam_max))
-        key_dtype, weight_dtype, bias_dtype = ctx.dtypes  # the parameters' own (bf16 in a bf16 model)
-        # The constant gate's zero weight adds nothing to dr and has no gradient.
-        d_weight = d_weight.to(weight_dtype) if ctx.query_gate else None
-        d_bias = dlogit.sum((0, 1)).to(bias_dtype)
-        return dr, dk.to(key_dtype), dlog_gamma, d_weight, d_bias, None, None
+            gate=(gate_weight, gate_bias, ctx.lam_max))
+        # Gradients in the parameters' own dtypes (bf16 in a bf16 model). The constant gate (no weight)
+        # adds nothing to dr.
+        d_weight = None if gate_weight is None else d_weight.to(gate_weight.dtype)
+        d_bias = dlogit.sum((0, 1)).to(gate_bias.dtype)
+        return dr, dk.to(ctx.key_dtype), dlog_gamma, d_weight, d_bias, None, None
 
 
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
@@ -443,14 +438,12 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward
 
     _check(r, k, log_gamma, log_gamma, order)  # lam has log_gamma's shape; the kernels form it
-    weight = gate.weight if gate.weight is not None else torch.zeros(H, K, device=r.device)
-    kernel_gate = (weight, gate.bias, gate.lam_max)
     if T == 1:
         state = zero_state(B, H, K, r.device) if initial_state is None else initial_state
-        q, new_state = ccq_order1_decode(r, k, log_gamma, kernel_gate, state, centered)
+        q, new_state = ccq_order1_decode(r, k, log_gamma, gate, state, centered)
         return q, CCQState(*new_state)
     q, final = ccq_order1_forward(r, k, log_gamma, None, centered, initial_state, output_final_state=True,
-                                  raw_keys=True, gate=kernel_gate)
+                                  raw_keys=True, gate=gate)
     return q, CCQState(*final)
 
 

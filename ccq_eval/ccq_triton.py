@@ -353,6 +353,15 @@ def supports_head_dim(K: int) -> bool:
     return K % 128 == 0
 
 
+def _kernel_gate(gate, H: int, K: int, device):
+    """The kernels' gate arguments from gate = (a [H, K] or None, b [H], lam_max): a and b fp32 and
+    contiguous, lam_max a float. A None weight is the constant gate lambda = lam_max sigmoid(b), which
+    the kernels compute with a zero weight."""
+    weight, bias, lam_max = gate
+    weight = torch.zeros(H, K, device=device) if weight is None else weight.float().contiguous()
+    return weight, bias.float().contiguous(), float(lam_max)
+
+
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
                        output_final_state: bool = False, chunk_size: int = CHUNK,
                        return_chunk_states: bool = False, raw_keys: bool = False, gate=None):
@@ -361,9 +370,10 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     initial_state: (P [B, H, K, K], m [B, H, K], n [B, H]) fp32, or None for zero. Returns q~ in r's
     dtype and the final (P, m, n) in fp32 (None unless output_final_state); with return_chunk_states
     also the states entering every chunk (P_in, m_in, n_in), which the backward reuses.
-    raw_keys: kappa holds the layer's keys, normalised in the kernels. gate: (a [H, K], b [H],
-    lam_max) instead of lam, lambda_t = lam_max * sigmoid(a_h . r_t + b_h) computed in the kernel.
-    Both save the separate elementwise passes (no gradient flows through this path: inference).
+    raw_keys: kappa holds the layer's keys, normalised in the kernels. gate: (a [H, K] or None for the
+    constant gate, b [H], lam_max) instead of lam, lambda_t = lam_max * sigmoid(a_h . r_t + b_h)
+    computed in the kernel. Both save the separate elementwise passes (autograd is not tracked here:
+    training reaches this through ccq._FusedOrder1Keys and ccq_order1_backward).
     """
     B, T, H, K = r.shape
     if K % 64:  # the kernels tile the head dim in whole 64-wide blocks
@@ -375,8 +385,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     log_gamma = log_gamma.float().contiguous()
     lam = log_gamma if lam is None else lam.float().contiguous()  # with a gate, lam is never read
     if gate is not None:
-        gate_weight, gate_bias, lam_max = gate
-        gate_weight, gate_bias = gate_weight.float().contiguous(), gate_bias.float().contiguous()
+        gate_weight, gate_bias, lam_max = _kernel_gate(gate, H, K, r.device)
     else:
         gate_weight, gate_bias, lam_max = log_gamma, log_gamma, 0.0  # unused placeholders
     state_dtype = torch.float32 if ieee else r.dtype
@@ -398,7 +407,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     q = torch.empty_like(r)
     read_grid = lambda meta: (meta["SPLIT"], NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](
-        r, kappa, log_gamma, lam, gate_weight, gate_bias, float(lam_max), P_in, m_in, n_in, q,
+        r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q,
         T, NT, H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,
     )
     if return_chunk_states:
@@ -420,13 +429,13 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
 #   d log_gamma_j = sum_{t>=j} d c_t                                  (c_t: cumulative log decay)
 # (derived by hand; tests check all four gradients against autograd through ccq_read_reference).
 
-# BK: the width of a column block, RK: the reduction tile of the products with a K x K state (8 warps).
-# With BK = 64 the query kernel spilled 1-2 KB per thread (ptxas sm_90, triton 3.9), with 32 about
-# 250 bytes, with 16 nothing (RK 16-32; 36 bytes with RK 64 at K = 256). RK != BK is not offered:
-# with (16, 32), (32, 32) and (16, 64) as candidates, autotuning the bf16 key kernel of GLA-340M
-# (K = 128, 4K tokens) hit an illegal memory access on the H200 (triton 3.6, commit 91aa55e), while
-# RK = BK in 16 and 32 had trained both 340M shapes in bf16 before; the fp32 candidate test passed.
-_BWD_CONFIGS = [triton.Config({"BK": bk, "RK": bk}, num_warps=8, num_stages=2) for bk in (16, 32)]
+# BK: the width of a column block, and of the reduction tile of the products with a K x K state
+# (8 warps). With BK = 64 the query kernel spilled 1-2 KB per thread (ptxas sm_90, triton 3.9), with 32
+# about 250 bytes, with 16 nothing. A separate reduction tile (16 x 32, 32 x 32, 16 x 64 besides 16 x 16)
+# was tried: autotuning the bf16 key kernel of GLA-340M (K = 128, 4K tokens) with those candidates hit
+# an illegal memory access on the H200 (triton 3.6, commit 91aa55e), though the fp32 candidate test
+# passed; equal tiles of 16 and 32 train both 340M shapes in bf16.
+_BWD_CONFIGS = [triton.Config({"BK": bk}, num_warps=8, num_stages=2) for bk in (16, 32)]
 
 
 @triton.jit
@@ -439,13 +448,13 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _rows_times_state(x, base, row_ok, state, js, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      RK: tl.constexpr, IEEE: tl.constexpr):
+                      IEEE: tl.constexpr):
     """x[t, :] @ state[:, js] for the C rows of x at `base` and a K x K state (pointer at its start):
-    [C, BK] fp32, the K reduction in RK-wide tiles. The backward's head-dim loops are runtime loops:
+    [C, BK] fp32, the K reduction in BK-wide tiles. The backward's head-dim loops are runtime loops:
     unrolled, ptxas (triton 3.6) took about 2 minutes for the fp32 query kernel at K = 128."""
     out = tl.zeros([C, BK], dtype=tl.float32)
-    for k0 in range(0, K, RK):
-        ks = k0 + tl.arange(0, RK)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
         x_k = tl.load(x + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         out += _mm(x_k, tl.load(state + ks[:, None] * K + js[None, :]), IEEE)
     return out
@@ -466,7 +475,7 @@ def _ccq_bwd_query_kernel(
     r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, dq,
     dr, dPu_out, dm_out, dn_out, dlam_out, dweight_out,
     T, NT,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per chunk: recomputes the forward's Pu, m, n, then dlam, dPu, dm, dn and dr. NORMALIZE: kappa
@@ -514,7 +523,7 @@ def _ccq_bwd_query_kernel(
     ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, RK, IEEE)
+        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
         Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
         m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
@@ -558,7 +567,7 @@ def _ccq_bwd_query_kernel(
     ED = E * D
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, RK, IEEE)
+        carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
         kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
         grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
         grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
@@ -618,7 +627,7 @@ def _ccq_bwd_key_kernel(
     r, kappa, log_gamma, dPu, dm, dn, Q, g_acc, h_acc,
     dkappa, dk, dc,
     T, NT,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per chunk: dkappa (in-chunk part plus the decayed sums of the later chunks) and d c = -Y.
@@ -658,7 +667,7 @@ def _ccq_bwd_key_kernel(
     radial = tl.zeros([C], dtype=tl.float32)  # kappa . dkappa (NORMALIZE)
     for j0 in range(0, K, BK):
         js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, RK, IEEE)
+        carried = _rows_times_state(kappa, base, row_ok, Q + later * K * K, js, C, K, BK, IEEE)
         if NORMALIZE:
             carried = carried * inv_norm[:, None]
         dPu_j = tl.load(dPu + base[:, None] + js[None, :], mask=row_ok, other=0.0)
@@ -706,14 +715,13 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     dn, dlam = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
     dr = torch.empty_like(r)
     if gate is not None:
-        gate_weight, gate_bias, lam_max = gate
-        gate_weight, gate_bias = gate_weight.float().contiguous(), gate_bias.float().contiguous()
+        gate_weight, gate_bias, lam_max = _kernel_gate(gate, H, K, r.device)
         dweight_parts = torch.empty(NT, B, H, K, **f32)
     else:
         gate_weight = gate_bias = dweight_parts = log_gamma  # unused placeholders
         lam_max = 0.0
     _ccq_bwd_query_kernel[(NT, B * H)](
-        r, kappa, log_gamma, lam if lam is not None else log_gamma, gate_weight, gate_bias, float(lam_max),
+        r, kappa, log_gamma, lam if lam is not None else log_gamma, gate_weight, gate_bias, lam_max,
         P_in, m_in, n_in, dq, dr, dPu, dm, dn, dlam, dweight_parts, T, NT,
         H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,
     )
@@ -784,18 +792,18 @@ DECODE_ROWS = 16
 
 
 def ccq_order1_decode(r, k, log_gamma, gate, state, centered: bool = True):
-    """One token, r and raw keys k [B, 1, H, K], log_gamma [B, 1, H], gate (a [H, K], b [H], lam_max),
+    """One token, r and raw keys k [B, 1, H, K], log_gamma [B, 1, H], gate (a [H, K] or None, b [H], lam_max),
     state (P, m, n) fp32: returns q~ [B, 1, H, K] and the new state (new tensors). K a power of two."""
     B, T, H, K = r.shape
     if T != 1 or K & (K - 1):
         raise ValueError(f"ccq_order1_decode: one token and a power-of-two head dim, got T={T}, K={K}")
     P, m, n = (x.float().contiguous() for x in state)
-    weight, bias, lam_max = gate
+    weight, bias, lam_max = _kernel_gate(gate, H, K, r.device)
     P_out, m_out, n_out = torch.empty_like(P), torch.empty_like(m), torch.empty_like(n)
     q = torch.empty_like(r)
     _ccq_decode_kernel[(K // DECODE_ROWS, B * H)](
-        r.contiguous(), k.contiguous(), log_gamma.float().contiguous(), weight.float().contiguous(),
-        bias.float().contiguous(), float(lam_max), P, m, n, P_out, m_out, n_out, q,
+        r.contiguous(), k.contiguous(), log_gamma.float().contiguous(), weight, bias, lam_max,
+        P, m, n, P_out, m_out, n_out, q,
         H=H, K=K, BK=DECODE_ROWS, CENTERED=bool(centered), num_warps=4,
     )
     return q, (P_out, m_out, n_out)

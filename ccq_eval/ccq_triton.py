@@ -1,22 +1,24 @@
 """Fused Triton kernels for the CCQ read of order 1 (the default), forward and backward, for CUDA.
 
-The default CCQ read on CUDA for head dims that are multiples of 128 (CCQ_EVAL_CCQ_KERNEL=unfused
+The default CCQ read on CUDA for head dims 128 and 256 (CCQ_EVAL_CCQ_KERNEL=unfused
 switches it off; see ccq.fused_kernel_enabled); checked on the H200 by the GPU tests and
 scripts/fused_smoke.py (benchmarks/README.md).
 
 The unfused kernel path (`ccq._ccq_chunk_kernel`) spends about 60 kernel launches per layer (the
 decayed sums m and n, fla's chunk_simple_gla with its own preparation kernels, and the polynomial):
 on the H200 that host-side cost, not arithmetic, made CCQ 1.6-2x slower than the backbone. Here the
-whole read is three kernels:
+whole read is four launches of three kernels:
 
-1. `_ccq_local_state_kernel`: every chunk in parallel, its own decayed sum of kappa kappa^T (and of
-   kappa and 1 for m, n).
-2. `_ccq_state_scan_kernel`: one elementwise pass over the chunks turns those into the state entering
-   every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c], n_in[c], SCAN_STEPS chunks
-   at a time. (A single sequential kernel with a matmul per chunk, as fla's chunk_fwd_h, was
-   latency-bound: 88 us per layer at 4K tokens on the H200, five times that at 20K. A scan loading
-   one chunk per step waits for each load in turn; loading 16 at once took GLA-340M's CCQ / fla
-   forward time at 20K from 1.21 to 1.12 on the H200, Gated DeltaNet's stayed at 1.20.)
+1. `_ccq_chunk_states_kernel`, run twice around a scan: the sums P = sum w kappa kappa^T, m and n
+   walked chunk by chunk (one tensor-core product per chunk, the state in registers) inside segments
+   of the sequence that run in parallel. The first run sums each segment from zero;
+2. `_ccq_state_scan_kernel` turns those sums into the state entering every segment (SCAN_STEPS
+   segments loaded at once); the second run walks the segments again from their entering states and
+   writes the state entering every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c],
+   n_in[c], once. (Before, every chunk's own sum was written, then scanned in place over all chunks:
+   the K x K states went through memory three times, 445 us per Gated DeltaNet layer at 20K tokens on
+   the H200. A single sequential kernel, as fla's chunk_fwd_h, was latency-bound: 88 us per layer at
+   4K tokens, five times that at 20K.)
 3. `_ccq_read_kernel`: every chunk in parallel; the in-chunk cumulative decay, the intra-chunk part
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype. The chunk's scores
@@ -49,14 +51,15 @@ _LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stage
                   for bk in (32, 64) for warps in (4, 8)]
 SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per head
 SCAN_STEPS = 16  # chunks loaded at once by the scan
-# Read and backward kernels hold several C x C fp32 tiles: with 4 warps they used all 255 registers
-# and spilled 1.6-4 KB per thread (ptxas for sm_90, triton 3.9); 8 warps with 32-wide tiles do not.
 # The read kernel: SPLIT programs per chunk share the K columns of q~; each computes the chunk's
 # scores r kappa^T once and then walks its columns in BV-wide blocks. (One program per BV columns,
-# as before, recomputed the scores K / BV times, and with its K loop unrolled it spilled 1-1.5 KB
-# per thread at K = 256.)
-_READ_CONFIGS = [triton.Config({"BK": 32, "BV": bv, "SPLIT": split}, num_warps=8, num_stages=2)
-                 for bv, split in ((64, 1), (32, 1), (64, 2), (32, 2))]  # a cap of 2 keeps (64, 1), (64, 2)
+# as before, recomputed the scores K / BV times.) WHOLE: the chunk's K-wide rows of r and kappa are
+# loaded once and every product is one dot over the whole head dim (at d_k = 256: 255 registers and
+# 124 KB of shared memory, 1 program per SM); otherwise the products walk K in BK-wide tiles (121
+# registers, 32 KB: 2 programs per SM). 8 warps: with 4, the tiled kernel takes 216 registers and the
+# whole one spills (ptxas for sm_90, triton 3.9, pointers 16-byte aligned as on a GPU).
+_READ_CONFIGS = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8, num_stages=2)
+                 for whole in (False, True) for split in (1, 2)]
 
 
 class _FirstConfig:
@@ -104,57 +107,91 @@ def _in_chunk_decays(pos, t_ok, b):
     return tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
 
 
-@triton.jit
-def _inverse_key_norms(kappa, base, row_ok, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """1 / max(||k_t||, 1e-6) for the C keys at `base` (the unit_keys of ccq.py)."""
-    squares = tl.zeros([C], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        x = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, 1)
-    return 1.0 / tl.maximum(tl.sqrt(squares), 1e-6)
+# The chunk states: grid (K / BR row blocks, segments, B * H). Each program holds its BR x K rows of
+# the state in fp32 registers (64 x 256 at d_k = 256: 64 registers per thread at 8 warps) and walks its
+# segment's chunks in order, one tensor-core product per chunk. Segments make the walk parallel over
+# time: a first run of the kernel sums each segment from zero, the state scan turns those sums into
+# the states entering the segments, and a second run walks the segments again from those states,
+# writing the state entering every chunk. (Computing every chunk's own sum in parallel and scanning
+# those, as before, wrote the K x K states twice and read them once more: at d_k = 256 on the H200,
+# 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
+_STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (8, 4) for stages in (2, 3)]
+STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product
 
 
-@_tuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "NORMALIZE", "IEEE"])
+@_tuned(configs=_STATE_CONFIGS, key=["H", "K", "C", "BR", "NORMALIZE", "IEEE", "STATES"])
 @triton.jit
-def _ccq_local_state_kernel(
-    kappa, log_gamma, P_in, m_in, n_in, chunk_decay,
-    T, NT,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NORMALIZE: tl.constexpr, IEEE: tl.constexpr,
+def _ccq_chunk_states_kernel(
+    kappa, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
+    T, NT, NSEG, SEG,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
+    NORMALIZE: tl.constexpr, IEEE: tl.constexpr, STATES: tl.constexpr,
 ):
-    """Every chunk in parallel: its own decayed sums, sum_{i in c} exp(G_c - b_i) kappa_i kappa_i^T
-    (and m, n alike), written to slot c + 1 of P_in / m_in / n_in for the scan to accumulate; the
-    chunk's total log decay G_c goes to chunk_decay. One program per (chunk, BK rows): it walks the
-    column tiles itself, so raw keys' norms are computed K / BK times per chunk, not per tile."""
-    i_cbh, i_k = tl.program_id(0), tl.program_id(1)  # chunks x heads on axis 0: no 65535 limit there
-    i_bh, c = i_cbh // NT, i_cbh % NT
+    """The decayed sums P = sum w kappa kappa^T, m = sum w kappa, n = sum w over segment s (chunks
+    s * SEG .. min((s + 1) * SEG, NT) - 1), chunk by chunk: state <- exp(G_c) state + local_c, with
+    local_c = sum_{i in c} exp(G_c - b_i) kappa_i kappa_i^T and G_c the chunk's total log decay.
+    STATES=False: from zero; the segment's sums go to slot s + 1 of seg_P / seg_m / seg_n and its total
+    log decay to seg_decay. STATES=True: from slot s (the state entering the segment, after the scan);
+    the state entering each chunk c goes to slot c of P_in / m_in / n_in, and after chunk NT - 1 to
+    slot NT. n is kept by the programs of row block 0."""
+    i_r, s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    rows = i_k * BK + tl.arange(0, BK)
-    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
-    g_chunk = tl.sum(g, 0)
-    to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
-    scale = to_end
-    if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6)
-        inv_norm = _inverse_key_norms(kappa, base, t_ok[:, None], C, K, BK)
-        scale = to_end * inv_norm
-    k_rows = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0)
-    weighted = k_rows.to(tl.float32) * scale[:, None]
-    slot = (i_bh * (NT + 1) + c + 1).to(tl.int64)
-    for j0 in tl.static_range(0, K, BV):
-        cols = j0 + tl.arange(0, BV)
-        k_cols = tl.load(kappa + base[:, None] + cols[None, :], mask=t_ok[:, None], other=0.0)
-        if NORMALIZE:
-            k_cols = (k_cols.to(tl.float32) * inv_norm[:, None]).to(k_cols.dtype)
+    rows = i_r * BR + tl.arange(0, BR)
+    cols = tl.arange(0, K)
+    tile = rows[:, None] * K + cols[None, :]
+    if STATES:
+        entering = (i_bh * (NSEG + 1) + s).to(tl.int64)
+        S = tl.load(seg_P + entering * K * K + tile)
+        m = tl.load(seg_m + entering * K + rows)
+        n = tl.load(seg_n + entering)
+    else:
+        S = tl.zeros([BR, K], dtype=tl.float32)
+        m = tl.zeros([BR], dtype=tl.float32)
+        n = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
+    log_total = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
+    c_end = tl.minimum((s + 1) * SEG, NT)
+    for c in range(s * SEG, c_end):
+        pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+        if STATES:
+            slot = (i_bh * (NT + 1) + c).to(tl.int64)
+            tl.store(P_in + slot * K * K + tile, S.to(P_in.dtype.element_ty))
+            tl.store(m_in + slot * K + rows, m)
+            if i_r == 0:
+                tl.store(n_in + slot, n)
+        g_chunk = tl.sum(g, 0)
+        to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
+        keys = tl.load(kappa + base[:, None] + cols[None, :], mask=t_ok[:, None], other=0.0)
+        row_keys = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+        scale = to_end  # of kappa_i in m
+        outer_scale = to_end  # of k_i k_i^T in P
+        if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6), so kappa kappa^T = k k^T / ||k||^2
+            # (both norms on the row side: the K-wide keys stay as loaded, no fp32 copy of them)
+            inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(keys.to(tl.float32) * keys.to(tl.float32), 1)), 1e-6)
+            scale = to_end * inv_norm
+            outer_scale = scale * inv_norm
+        decay = tl.exp(g_chunk)
         if IEEE:
-            local = tl.dot(tl.trans(weighted), k_cols.to(tl.float32), input_precision="ieee")
+            S = tl.dot(tl.trans(row_keys * outer_scale[:, None]), keys.to(tl.float32), S * decay,
+                       input_precision="ieee")
         else:
-            local = tl.dot(tl.trans(weighted.to(k_cols.dtype)), k_cols)
-        tl.store(P_in + slot * K * K + rows[:, None] * K + cols[None, :], local.to(P_in.dtype.element_ty))
-    tl.store(m_in + slot * K + rows, tl.sum(weighted, 0))
-    if i_k == 0:
-        tl.store(n_in + slot, tl.sum(to_end, 0))
-        tl.store(chunk_decay + i_bh * NT + c, g_chunk)
+            S = tl.dot(tl.trans((row_keys * outer_scale[:, None]).to(keys.dtype)), keys, S * decay)
+        m = m * decay + tl.sum(row_keys * scale[:, None], 0)
+        n = n * decay + tl.sum(to_end, 0)
+        log_total += g_chunk
+    if STATES:
+        if c_end == NT:  # the last segment: the state after the last chunk
+            slot = (i_bh * (NT + 1) + NT).to(tl.int64)
+            tl.store(P_in + slot * K * K + tile, S.to(P_in.dtype.element_ty))
+            tl.store(m_in + slot * K + rows, m)
+            if i_r == 0:
+                tl.store(n_in + slot, n)
+    else:
+        total = (i_bh * (NSEG + 1) + s + 1).to(tl.int64)
+        tl.store(seg_P + total * K * K + tile, S)
+        tl.store(seg_m + total * K + rows, m)
+        if i_r == 0:
+            tl.store(seg_n + total, n)
+            tl.store(seg_decay + i_bh * NSEG + s, log_total)
 
 
 @triton.jit
@@ -264,7 +301,7 @@ def _ccq_read_kernel(
     r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, WHOLE: tl.constexpr,
     CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_s, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -280,19 +317,33 @@ def _ccq_read_kernel(
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
     key_squares = tl.zeros([C], dtype=tl.float32)  # ||k_t||^2 (NORMALIZE: raw keys in)
     gate_logit = tl.zeros([C], dtype=tl.float32)  # a_h . r_t (GATE: lambda from the query)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
-        kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+    if WHOLE:  # the chunk's K-wide rows of r and kappa held once, every product one dot over K
+        ks = tl.arange(0, K)
+        r_all = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+        kap_all = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
         if IEEE:
-            scores += tl.dot(r_k.to(tl.float32), tl.trans(kap_k.to(tl.float32)), input_precision="ieee")
+            scores = tl.dot(r_all.to(tl.float32), tl.trans(kap_all.to(tl.float32)), input_precision="ieee")
         else:
-            scores += tl.dot(r_k, tl.trans(kap_k.to(r_k.dtype)))
-        r_dot_m_in += tl.sum(r_k.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
+            scores = tl.dot(r_all, tl.trans(kap_all.to(r_all.dtype)))
+        r_dot_m_in = tl.sum(r_all.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
         if NORMALIZE:
-            key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
+            key_squares = tl.sum(kap_all.to(tl.float32) * kap_all.to(tl.float32), 1)
         if GATE:
-            gate_logit += tl.sum(r_k.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
+            gate_logit = tl.sum(r_all.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
+    else:
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            kap_k = tl.load(kappa + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+            if IEEE:
+                scores += tl.dot(r_k.to(tl.float32), tl.trans(kap_k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores += tl.dot(r_k, tl.trans(kap_k.to(r_k.dtype)))
+            r_dot_m_in += tl.sum(r_k.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
+            if NORMALIZE:
+                key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
+            if GATE:
+                gate_logit += tl.sum(r_k.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
     if NORMALIZE:
         inv_norm = 1.0 / tl.maximum(tl.sqrt(key_squares), 1e-6)
         scores = scores * inv_norm[None, :]
@@ -315,16 +366,23 @@ def _ccq_read_kernel(
         cols = j0 + tl.arange(0, BW)
         col_in = cols < col_end
         col_mask = row_ok & col_in[None, :]
-        carried = tl.zeros([C, BW], dtype=tl.float32)  # r_t @ P_in[c][:, cols]
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
-            P_k = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :], mask=col_in[None, :],
-                          other=0.0)
+        if WHOLE:  # r_t @ P_in[c][:, cols]
+            P_v = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :], mask=col_in[None, :], other=0.0)
             if IEEE:
-                carried += tl.dot(r_k.to(tl.float32), P_k.to(tl.float32), input_precision="ieee")
+                carried = tl.dot(r_all.to(tl.float32), P_v.to(tl.float32), input_precision="ieee")
             else:
-                carried += tl.dot(r_k, P_k.to(r_k.dtype))
+                carried = tl.dot(r_all, P_v.to(r_all.dtype))
+        else:
+            carried = tl.zeros([C, BW], dtype=tl.float32)  # r_t @ P_in[c][:, cols]
+            for k0 in range(0, K, BK):
+                ks = k0 + tl.arange(0, BK)
+                r_k = tl.load(r + base[:, None] + ks[None, :], mask=row_ok, other=0.0)
+                P_k = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :], mask=col_in[None, :],
+                              other=0.0)
+                if IEEE:
+                    carried += tl.dot(r_k.to(tl.float32), P_k.to(tl.float32), input_precision="ieee")
+                else:
+                    carried += tl.dot(r_k, P_k.to(r_k.dtype))
         kap_v = tl.load(kappa + base[:, None] + cols[None, :], mask=col_mask, other=0.0)
         if NORMALIZE:
             kap_v = (kap_v.to(tl.float32) * inv_norm[:, None]).to(kap_v.dtype)
@@ -347,10 +405,23 @@ def _ccq_read_kernel(
         tl.store(q_out + base[:, None] + cols[None, :], q.to(q_out.dtype.element_ty), mask=col_mask)
 
 
+FORWARD_HEAD_DIMS = (64, 128, 256)
+
+
 def supports_head_dim(K: int) -> bool:
     """Head dims checked on the H200: 128 (GLA-340M) and 256 (Gated DeltaNet-340M). With 32 and 64
-    the read kernel hit an illegal memory access in bf16 (cause not found); they take the unfused path."""
-    return K % 128 == 0
+    the read kernel hit an illegal memory access in bf16 (cause not found); they take the unfused path,
+    and so do wider heads (the state kernel keeps K-wide rows in registers)."""
+    return K in (128, 256)
+
+
+def _segment_chunks(NT: int, programs_per_segment: int, device) -> int:
+    """Chunks per segment of _ccq_chunk_states_kernel: segments enough for about four programs per
+    SM (longer ones walk more chunks in series; shorter ones only add entering states to scan). Off
+    CUDA (the interpreter), as for a GPU of 8 SMs, so that small test shapes get several segments of
+    several chunks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return triton.cdiv(NT, max(1, 4 * sms // programs_per_segment))
 
 
 def _kernel_gate(gate, H: int, K: int, device):
@@ -364,7 +435,8 @@ def _kernel_gate(gate, H: int, K: int, device):
 
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
                        output_final_state: bool = False, chunk_size: int = CHUNK,
-                       return_chunk_states: bool = False, raw_keys: bool = False, gate=None):
+                       return_chunk_states: bool = False, raw_keys: bool = False, gate=None,
+                       segment_chunks: int | None = None):
     """q~ = r - lam * Sigma r for r, kappa [B, T, H, K] (kappa unit keys), log_gamma, lam [B, T, H].
 
     initial_state: (P [B, H, K, K], m [B, H, K], n [B, H]) fp32, or None for zero. Returns q~ in r's
@@ -374,10 +446,11 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     constant gate, b [H], lam_max) instead of lam, lambda_t = lam_max * sigmoid(a_h . r_t + b_h)
     computed in the kernel. Both save the separate elementwise passes (autograd is not tracked here:
     training reaches this through ccq._FusedOrder1Keys and ccq_order1_backward).
+    segment_chunks: chunks per segment of the state kernel (None: from the GPU's size; tests set it).
     """
     B, T, H, K = r.shape
-    if K % 64:  # the kernels tile the head dim in whole 64-wide blocks
-        raise ValueError(f"the fused CCQ kernels need a head dim that is a multiple of 64, got {K}")
+    if K not in FORWARD_HEAD_DIMS:  # whole 64-wide tiles; the state kernel holds K-wide rows
+        raise ValueError(f"the fused CCQ kernels need a head dim in {FORWARD_HEAD_DIMS}, got {K}")
     C = chunk_size
     NT = triton.cdiv(T, C)
     ieee = r.dtype == torch.float32
@@ -393,17 +466,26 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     P_in = torch.empty(B * H, NT + 1, K, K, device=r.device, dtype=state_dtype)
     m_in = torch.empty(B * H, NT + 1, K, device=r.device, dtype=torch.float32)
     n_in = torch.empty(B * H, NT + 1, device=r.device, dtype=torch.float32)
-    chunk_decay = torch.empty(B * H, NT, device=r.device, dtype=torch.float32)
     final = None
     if output_final_state:
         final = (torch.empty(B, H, K, K, device=r.device, dtype=torch.float32),
                  torch.empty(B, H, K, device=r.device, dtype=torch.float32),
                  torch.empty(B, H, device=r.device, dtype=torch.float32))
     init = None if initial_state is None else tuple(s.float().contiguous() for s in initial_state)
-    local_grid = lambda meta: (NT * B * H, K // meta["BK"])  # noqa: E731
-    _ccq_local_state_kernel[local_grid](kappa, log_gamma, P_in, m_in, n_in, chunk_decay, T, NT,
-                                        H=H, K=K, C=C, NORMALIZE=raw_keys, IEEE=ieee)
-    _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, init, final)
+    rows = min(STATE_ROWS, K)
+    SEG = segment_chunks or _segment_chunks(NT, K // rows * B * H, r.device)
+    NSEG = triton.cdiv(NT, SEG)
+    # Segment slot s: the sums over segment s - 1, which the scan turns into the state entering s.
+    seg_P = torch.empty(B * H, NSEG + 1, K, K, device=r.device, dtype=torch.float32)
+    seg_m = torch.empty(B * H, NSEG + 1, K, device=r.device, dtype=torch.float32)
+    seg_n = torch.empty(B * H, NSEG + 1, device=r.device, dtype=torch.float32)
+    seg_decay = torch.empty(B * H, NSEG, device=r.device, dtype=torch.float32)
+    for states in (False, True):
+        _ccq_chunk_states_kernel[(K // rows, NSEG, B * H)](
+            kappa, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in, T, NT, NSEG, SEG,
+            H=H, K=K, C=C, BR=rows, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
+        if not states:
+            _scan_states(seg_P, seg_m, seg_n, seg_decay, NSEG, K, init, final)
     q = torch.empty_like(r)
     read_grid = lambda meta: (meta["SPLIT"], NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](

@@ -45,7 +45,7 @@ def forward_checks():
         (1, 70, 2, 64, 32, False, True),
         (1, 90, 1, 128, 16, True, True),  # K over several tiles
         (1, 5, 1, 64, 16, True, False),  # shorter than one chunk
-        (1, 600, 1, 64, 16, True, True),  # 38 chunks: several groups of the state scan (SCAN_STEPS)
+        (1, 600, 1, 64, 16, True, True),  # 38 chunks: 19 segments of 2, two groups of the segment scan
     ]
     for B, T, H, K, chunk, centered, with_state in cases:
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T + K)
@@ -59,6 +59,16 @@ def forward_checks():
         # Errors relative to the size of the values (q ~ 1, P and n grow with the decayed count).
         out[name] = {"q": max_abs(q, q_ref),
                      "state": max(max_abs(a, b) / b.abs().max().item() for a, b in zip(final, s_ref))}
+    # The state kernel's segments (chunks walked in series per program, then scanned): one segment
+    # for all 38 chunks, and segments of 5 chunks with a ragged last one (the default above: 2).
+    r, kappa, log_gamma, lam = inputs(1, 600, 1, 64, seed=5)
+    state = prior_state(1, 1, 64, seed=6)
+    q_ref, s_ref = ccq_read_reference(r.double(), kappa.double(), log_gamma.double(), lam.double(), 1, True, state)
+    for segment in (38, 5):
+        q, final = ccq_order1_forward(r, kappa, log_gamma, lam, True, tuple(s.float() for s in state),
+                                      output_final_state=True, chunk_size=16, segment_chunks=segment)
+        out[f"B1_T600_H1_K64_C16_segments_of_{segment}"] = {
+            "q": max_abs(q, q_ref), "state": max(max_abs(a, b) / b.abs().max().item() for a, b in zip(final, s_ref))}
     # The half-precision path (tl.dot in the input dtype, as bf16 on GPU; the interpreter has no bf16).
     r, kappa, log_gamma, lam = inputs(1, 130, 2, 64, seed=3)
     q_ref, _ = ccq_read_reference(r.double(), kappa.double(), log_gamma.double(), lam.double())

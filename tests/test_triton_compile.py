@@ -28,17 +28,24 @@ def _signature(kernel, types):
 def _compile(kernel, types, constants):
     jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
     config = kernel.configs[0] if isinstance(kernel, Autotuner) else None
-    constants = {**constants, **(config.kwargs if config else {})}
+    constants = {**(config.kwargs if config else {}), **constants}  # an entry may pick another candidate
     options = {"num_warps": config.num_warps if config else 4, "num_stages": 2}
-    source = ASTSource(fn=jit, signature=_signature(jit, types), constexprs=constants)
+    # Pointers 16-byte aligned, as the launcher specialises them for torch's allocations: without the
+    # hint triton cannot vectorise loads, and the register counts (ptxas -v) are not the GPU's.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names)
+               if types.get(name, "").startswith("*")}
+    source = ASTSource(fn=jit, signature=_signature(jit, types), constexprs=constants, attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], f"{jit.__name__}: no cubin"
 
 
 KERNELS = {
-    "local_state": (ccq_triton._ccq_local_state_kernel,
-                    dict(kappa=BF16, log_gamma=F32, P_in=BF16, m_in=F32, n_in=F32, chunk_decay=F32, T="i32", NT="i32"),
-                    dict(**CHUNK, NORMALIZE=True, IEEE=False)),
+    **{f"chunk_states_{'states' if states else 'totals'}": (
+        ccq_triton._ccq_chunk_states_kernel,
+        dict(kappa=BF16, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32, P_in=BF16, m_in=F32,
+             n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
+        dict(H=6, K=256, C=64, BR=ccq_triton.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
+       for states in (False, True)},  # Gated DeltaNet-340M's heads: the widest state rows
     "state_scan": (ccq_triton._ccq_state_scan_kernel,
                    dict(P_in=BF16, m_in=F32, n_in=F32, chunk_decay=F32, P0=F32, m0=F32, n0=F32, P_final=F32,
                         m_final=F32, n_final=F32, NT="i32"),
@@ -48,6 +55,10 @@ KERNELS = {
              dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",
                   P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
              dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
+    "read_whole_k256": (ccq_triton._ccq_read_kernel,
+                        dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32,
+                             lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
+                        dict(H=6, K=256, C=64, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False, WHOLE=True)),
     "bwd_query": (ccq_triton._ccq_bwd_query_kernel,
                   dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",
                        P_in=BF16, m_in=F32, n_in=F32, dq=BF16, dr=BF16, dPu_out=BF16, dm_out=BF16, dn_out=F32,

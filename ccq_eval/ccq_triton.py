@@ -107,6 +107,22 @@ def _in_chunk_decays(pos, t_ok, b):
     return tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
 
 
+NORM_TILE = 16384  # entries per program of _inverse_norms_kernel
+
+
+@triton.jit
+def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
+    """1 / max(||x_i||, 1e-6) for the N rows of K entries of x (ccq.unit_keys), in fp32. Once per call
+    of the forward, for its state and read kernels: computed inside them, the norms of a chunk's keys
+    took a cross-warp reduction per chunk and program (about 100 us of the state kernel's 360 at d_k =
+    256, Gated DeltaNet-340M at 20K tokens on the H200)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < N
+    v = tl.load(x + rows[:, None].to(tl.int64) * K + tl.arange(0, K)[None, :], mask=ok[:, None], other=0.0)
+    v = v.to(tl.float32)
+    tl.store(inv_norm + rows, 1.0 / tl.maximum(tl.sqrt(tl.sum(v * v, 1)), 1e-6), mask=ok)
+
+
 # The chunk states: grid (K / BR row blocks, segments, B * H). Each program holds its BR x K rows of
 # the state in fp32 registers (64 x 256 at d_k = 256: 64 registers per thread at 8 warps) and walks its
 # segment's chunks in order, one tensor-core product per chunk. Segments make the walk parallel over
@@ -115,14 +131,16 @@ def _in_chunk_decays(pos, t_ok, b):
 # writing the state entering every chunk. (Computing every chunk's own sum in parallel and scanning
 # those, as before, wrote the K x K states twice and read them once more: at d_k = 256 on the H200,
 # 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
-_STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (8, 4) for stages in (2, 3)]
+# On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest though ptxas reports spills,
+# then 8 warps with 1 or 2 stages; 3 stages were never faster.
+_STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warps, stages in ((4, 2), (8, 2), (4, 1), (8, 1))]
 STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product
 
 
 @_tuned(configs=_STATE_CONFIGS, key=["H", "K", "C", "BR", "NORMALIZE", "IEEE", "STATES"])
 @triton.jit
 def _ccq_chunk_states_kernel(
-    kappa, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
+    kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
     T, NT, NSEG, SEG,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
     NORMALIZE: tl.constexpr, IEEE: tl.constexpr, STATES: tl.constexpr,
@@ -165,8 +183,8 @@ def _ccq_chunk_states_kernel(
         scale = to_end  # of kappa_i in m
         outer_scale = to_end  # of k_i k_i^T in P
         if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6), so kappa kappa^T = k k^T / ||k||^2
-            # (both norms on the row side: the K-wide keys stay as loaded, no fp32 copy of them)
-            inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(keys.to(tl.float32) * keys.to(tl.float32), 1)), 1e-6)
+            # (both norms on the row side: the K-wide keys go to the product as loaded)
+            inv_norm = tl.load(key_inv_norm + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0)
             scale = to_end * inv_norm
             outer_scale = scale * inv_norm
         decay = tl.exp(g_chunk)
@@ -298,7 +316,7 @@ def _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None)
 @_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_read_kernel(
-    r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
+    r, kappa, key_inv_norm, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
     T, NT,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPLIT: tl.constexpr, WHOLE: tl.constexpr,
@@ -315,7 +333,6 @@ def _ccq_read_kernel(
     # Per chunk, once: the scores r_t . kappa_i and the per-position sums over the head dim.
     scores = tl.zeros([C, C], dtype=tl.float32)
     r_dot_m_in = tl.zeros([C], dtype=tl.float32)
-    key_squares = tl.zeros([C], dtype=tl.float32)  # ||k_t||^2 (NORMALIZE: raw keys in)
     gate_logit = tl.zeros([C], dtype=tl.float32)  # a_h . r_t (GATE: lambda from the query)
     if WHOLE:  # the chunk's K-wide rows of r and kappa held once, every product one dot over K
         ks = tl.arange(0, K)
@@ -326,8 +343,6 @@ def _ccq_read_kernel(
         else:
             scores = tl.dot(r_all, tl.trans(kap_all.to(r_all.dtype)))
         r_dot_m_in = tl.sum(r_all.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
-        if NORMALIZE:
-            key_squares = tl.sum(kap_all.to(tl.float32) * kap_all.to(tl.float32), 1)
         if GATE:
             gate_logit = tl.sum(r_all.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
     else:
@@ -340,12 +355,10 @@ def _ccq_read_kernel(
             else:
                 scores += tl.dot(r_k, tl.trans(kap_k.to(r_k.dtype)))
             r_dot_m_in += tl.sum(r_k.to(tl.float32) * tl.load(m_in + state * K + ks)[None, :], 1)
-            if NORMALIZE:
-                key_squares += tl.sum(kap_k.to(tl.float32) * kap_k.to(tl.float32), 1)
             if GATE:
                 gate_logit += tl.sum(r_k.to(tl.float32) * tl.load(gate_weight + i_h * K + ks)[None, :], 1)
-    if NORMALIZE:
-        inv_norm = 1.0 / tl.maximum(tl.sqrt(key_squares), 1e-6)
+    if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6)
+        inv_norm = tl.load(key_inv_norm + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0)
         scores = scores * inv_norm[None, :]
     A = scores * D
     n = tl.where(t_ok, from_start * tl.load(n_in + state) + tl.sum(D, 1), 1.0)
@@ -472,6 +485,11 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
                  torch.empty(B, H, K, device=r.device, dtype=torch.float32),
                  torch.empty(B, H, device=r.device, dtype=torch.float32))
     init = None if initial_state is None else tuple(s.float().contiguous() for s in initial_state)
+    key_inv_norm = log_gamma  # placeholder, never read
+    if raw_keys:
+        key_inv_norm = torch.empty(B * T * H, device=r.device, dtype=torch.float32)
+        _inverse_norms_kernel[(triton.cdiv(B * T * H, NORM_TILE // K),)](kappa, key_inv_norm, B * T * H, K=K,
+                                                                          ROWS=NORM_TILE // K, num_warps=4)
     rows = min(STATE_ROWS, K)
     SEG = segment_chunks or _segment_chunks(NT, K // rows * B * H, r.device)
     NSEG = triton.cdiv(NT, SEG)
@@ -482,14 +500,14 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     seg_decay = torch.empty(B * H, NSEG, device=r.device, dtype=torch.float32)
     for states in (False, True):
         _ccq_chunk_states_kernel[(K // rows, NSEG, B * H)](
-            kappa, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in, T, NT, NSEG, SEG,
+            kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in, T, NT, NSEG, SEG,
             H=H, K=K, C=C, BR=rows, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
         if not states:
             _scan_states(seg_P, seg_m, seg_n, seg_decay, NSEG, K, init, final)
     q = torch.empty_like(r)
     read_grid = lambda meta: (meta["SPLIT"], NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](
-        r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q,
+        r, kappa, key_inv_norm, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q,
         T, NT, H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, GATE=gate is not None, IEEE=ieee,
     )
     if return_chunk_states:

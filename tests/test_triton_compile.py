@@ -42,7 +42,7 @@ def _compile(kernel, types, constants):
 KERNELS = {
     **{f"chunk_states_{'states' if states else 'totals'}": (
         ccq_triton._ccq_chunk_states_kernel,
-        dict(kappa=BF16, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32, P_in=BF16, m_in=F32,
+        dict(kappa=BF16, key_inv_norm=F32, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32, P_in=BF16, m_in=F32,
              n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
         dict(H=6, K=256, C=64, BR=ccq_triton.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
        for states in (False, True)},  # Gated DeltaNet-340M's heads: the widest state rows
@@ -52,12 +52,12 @@ KERNELS = {
                    dict(K=128, BLOCK=ccq_triton.SCAN_BLOCK, KB=128, STEPS=ccq_triton.SCAN_STEPS, HAS_INITIAL=True,
                         STORE_FINAL=True)),
     "read": (ccq_triton._ccq_read_kernel,
-             dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",
-                  P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
+             dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32,
+                  lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
              dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
     "read_whole_k256": (ccq_triton._ccq_read_kernel,
-                        dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32,
-                             lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
+                        dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, gate_weight=F32,
+                             gate_bias=F32, lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
                         dict(H=6, K=256, C=64, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False, WHOLE=True)),
     "bwd_query": (ccq_triton._ccq_bwd_query_kernel,
                   dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",
@@ -72,6 +72,8 @@ KERNELS = {
                 dict(r=BF16, kappa=BF16, log_gamma=F32, dPu=BF16, dm=BF16, dn=F32, Q=BF16, g_acc=F32, h_acc=F32,
                      dkappa=F32, dk=BF16, dc=F32, T="i32", NT="i32"),
                 dict(**CHUNK, CENTERED=True, NORMALIZE=True, IEEE=False)),
+    "inverse_norms": (ccq_triton._inverse_norms_kernel, dict(x=BF16, inv_norm=F32, N="i32"),
+                      dict(K=256, ROWS=ccq_triton.NORM_TILE // 256)),
     "decode": (ccq_triton._ccq_decode_kernel,
                dict(r=BF16, k=BF16, log_gamma=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32", P=F32, m=F32,
                     n=F32, P_out=F32, m_out=F32, n_out=F32, q_out=BF16),

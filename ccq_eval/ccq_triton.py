@@ -114,8 +114,9 @@ NORM_TILE = 16384  # entries per program of _inverse_norms_kernel
 def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
     """1 / max(||x_i||, 1e-6) for the N rows of K entries of x (ccq.unit_keys), in fp32. Once per call
     of the forward, for its state and read kernels: computed inside them, the norms of a chunk's keys
-    took a cross-warp reduction per chunk and program (about 100 us of the state kernel's 360 at d_k =
-    256, Gated DeltaNet-340M at 20K tokens on the H200)."""
+    took a cross-warp reduction per chunk and program, about 100 us of the state kernel's first pass
+    and 70 us of its second (d_k = 256, Gated DeltaNet-340M at 20K tokens on the H200,
+    benchmarks/results/h200/fused-v5/kernels-87b2092.txt)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < N
     v = tl.load(x + rows[:, None].to(tl.int64) * K + tl.arange(0, K)[None, :], mask=ok[:, None], other=0.0)
@@ -131,8 +132,9 @@ def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
 # writing the state entering every chunk. (Computing every chunk's own sum in parallel and scanning
 # those, as before, wrote the K x K states twice and read them once more: at d_k = 256 on the H200,
 # 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
-# On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest though ptxas reports spills,
-# then 8 warps with 1 or 2 stages; 3 stages were never faster.
+# On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest, though at d_k = 256 the second
+# pass spills about 250 bytes per thread with them (ptxas, sm_90), then 8 warps with 1 or 2 stages;
+# 3 stages were never faster.
 _STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warps, stages in ((4, 2), (8, 2), (4, 1), (8, 1))]
 STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product
 

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ccq_eval.triton_device import launches_on_input_device
+
 CHUNK = 64
 
 
@@ -448,6 +450,7 @@ def _kernel_gate(gate, H: int, K: int, device):
     return weight, bias.float().contiguous(), float(lam_max)
 
 
+@launches_on_input_device
 def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_state=None,
                        output_final_state: bool = False, chunk_size: int = CHUNK,
                        return_chunk_states: bool = False, raw_keys: bool = False, gate=None,
@@ -795,6 +798,7 @@ def _ccq_bwd_key_kernel(
             tl.store(dk + base[:, None] + js[None, :], dk_j.to(dk.dtype.element_ty), mask=row_ok)
 
 
+@launches_on_input_device
 def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered: bool = True,
                         chunk_size: int = CHUNK, raw_keys: bool = False, gate=None):
     """(dr, dkappa, dlog_gamma, dlam) for a call of `ccq_order1_forward` from a zero state, given the
@@ -893,6 +897,7 @@ def _ccq_decode_kernel(
 DECODE_ROWS = 16
 
 
+@launches_on_input_device
 def ccq_order1_decode(r, k, log_gamma, gate, state, centered: bool = True):
     """One token, r and raw keys k [B, 1, H, K], log_gamma [B, 1, H], gate (a [H, K] or None, b [H], lam_max),
     state (P, m, n) fp32: returns q~ [B, 1, H, K] and the new state (new tensors). K a power of two."""

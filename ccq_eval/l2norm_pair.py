@@ -21,13 +21,13 @@ is how tests/test_l2norm_pair.py checks them without a GPU.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import torch
 import triton
 import triton.language as tl
 
 from ccq_eval import backend
+from ccq_eval.triton_device import on_device_of
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program: BLOCK_ROWS = TILE // next_power_of_2(K) rows (16 at K = 256), 4 warps.
@@ -82,11 +82,6 @@ def _launch_shape(K: int) -> tuple[int, int, int]:
     return BD, block_rows, min(16, max(4, block_rows * BD // 1024))
 
 
-def _on_device(x: torch.Tensor):
-    """Launch on x's GPU, not the current one (as fla's input_guard does)."""
-    return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
-
-
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as a [B, T, H, K] view whose last dim has stride 1 (a copy only where that cannot be)."""
     if x.stride(-1) != 1 and x.shape[-1] > 1:
@@ -107,7 +102,7 @@ def _l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor, eps: float) -> tuple[torc
     rstd = torch.empty((2, N), device=q.device, dtype=torch.float32)
     if y.numel():
         BD, block_rows, num_warps = _launch_shape(K)
-        with _on_device(q):
+        with on_device_of(q):
             _l2norm_pair_fwd_kernel[(triton.cdiv(N, block_rows), 2)](
                 q4, k4, y, rstd, *q4.stride()[:3], *k4.stride()[:3], T, H, N, eps,
                 K=K, BD=BD, BLOCK_ROWS=block_rows, num_warps=num_warps)
@@ -121,7 +116,7 @@ def _l2norm_pair_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> t
         K = y.shape[-1]
         M = rstd.numel()
         BD, block_rows, num_warps = _launch_shape(K)
-        with _on_device(y):
+        with on_device_of(y):
             _l2norm_pair_bwd_kernel[(triton.cdiv(M, block_rows),)](
                 y, rstd, dy, dx, M, K=K, BD=BD, BLOCK_ROWS=block_rows, num_warps=num_warps)
     return dx

@@ -276,6 +276,10 @@ class CCQEvalLM(LM):
         self.pretrained = pretrained if pretrained is not None else getattr(
             getattr(model, "config", None), "_name_or_path", type(model).__name__)
         self._device = next(model.parameters()).device
+        if self._device.type == "cuda":
+            # The model's GPU made current: CUDA graphs capture on the current device's streams, and
+            # kernels that take no device from their inputs launch there (device="cuda:1").
+            torch.cuda.set_device(self._device)
 
         if max_length is None:
             logger.info("ccq adapter: no max_length given; using %d tokens (linear attention has no "

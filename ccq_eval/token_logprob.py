@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ccq_eval.triton_device import launches_on_input_device
+
 
 @triton.jit
 def _token_logprob_kernel(logits, targets, logprob_out, greedy_out, V, stride_row, BLOCK: tl.constexpr):
@@ -67,6 +69,7 @@ def token_logprob(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return logprob.view(shape), greedy.view(shape)
 
 
+@launches_on_input_device
 def token_logprob_triton(flat: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton pass on logits [rows, V] (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
     if flat.stride(-1) != 1:

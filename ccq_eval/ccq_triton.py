@@ -141,6 +141,35 @@ _STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warp
 STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product
 
 
+@triton.jit
+def _chunk_terms(kappa, key_inv_norm, log_gamma, i_b, i_h, c, rows, T, H: tl.constexpr, K: tl.constexpr,
+                 C: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Chunk c's terms of the state sums: its total log decay G_c, to_end_i = exp(G_c - b_i), the
+    weights of kappa_i in m (scale) and of k_i k_i^T in P (outer_scale), its K-wide keys as loaded and
+    their `rows` columns in fp32."""
+    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    g_chunk = tl.sum(g, 0)
+    to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
+    keys = tl.load(kappa + base[:, None] + tl.arange(0, K)[None, :], mask=t_ok[:, None], other=0.0)
+    row_keys = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+    scale = to_end
+    outer_scale = to_end
+    if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6), so kappa kappa^T = k k^T / ||k||^2
+        # (both norms on the row side: the K-wide keys go to the product as loaded)
+        inv_norm = tl.load(key_inv_norm + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0)
+        scale = to_end * inv_norm
+        outer_scale = scale * inv_norm
+    return g_chunk, to_end, scale, outer_scale, keys, row_keys
+
+
+@triton.jit
+def _add_outer(S, row_keys, weights, keys, IEEE: tl.constexpr):
+    """S + (row_keys * weights)^T @ keys on the tensor cores (in fp32 with IEEE)."""
+    if IEEE:
+        return tl.dot(tl.trans(row_keys * weights[:, None]), keys.to(tl.float32), S, input_precision="ieee")
+    return tl.dot(tl.trans((row_keys * weights[:, None]).to(keys.dtype)), keys, S)
+
+
 @_tuned(configs=_STATE_CONFIGS, key=["H", "K", "C", "BR", "NORMALIZE", "IEEE", "STATES"])
 @triton.jit
 def _ccq_chunk_states_kernel(
@@ -150,57 +179,34 @@ def _ccq_chunk_states_kernel(
     NORMALIZE: tl.constexpr, IEEE: tl.constexpr, STATES: tl.constexpr,
 ):
     """The decayed sums P = sum w kappa kappa^T, m = sum w kappa, n = sum w over segment s (chunks
-    s * SEG .. min((s + 1) * SEG, NT) - 1), chunk by chunk: state <- exp(G_c) state + local_c, with
-    local_c = sum_{i in c} exp(G_c - b_i) kappa_i kappa_i^T and G_c the chunk's total log decay.
-    STATES=False: from zero; the segment's sums go to slot s + 1 of seg_P / seg_m / seg_n and its total
-    log decay to seg_decay. STATES=True: from slot s (the state entering the segment, after the scan);
-    the state entering each chunk c goes to slot c of P_in / m_in / n_in, and after chunk NT - 1 to
-    slot NT. n is kept by the programs of row block 0."""
+    s * SEG .. min((s + 1) * SEG, NT) - 1), with w the decay from a key's step to the segment's end.
+    STATES=False: the segment's own sums, from zero, to slot s + 1 of seg_P / seg_m / seg_n, and its
+    total log decay to seg_decay. STATES=True: from slot s (the state entering the segment, after the
+    scan), chunk by chunk, state <- exp(G_c) state + local_c with local_c = sum_{i in c} exp(G_c - b_i)
+    kappa_i kappa_i^T and G_c the chunk's total log decay; the state entering each chunk c goes to slot
+    c of P_in / m_in / n_in, and after chunk NT - 1 to slot NT. Row block 0's programs keep n."""
     i_r, s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_r * BR + tl.arange(0, BR)
-    cols = tl.arange(0, K)
-    tile = rows[:, None] * K + cols[None, :]
+    tile = rows[:, None] * K + tl.arange(0, K)[None, :]
+    c_end = tl.minimum((s + 1) * SEG, NT)
     if STATES:
         entering = (i_bh * (NSEG + 1) + s).to(tl.int64)
         S = tl.load(seg_P + entering * K * K + tile)
         m = tl.load(seg_m + entering * K + rows)
         n = tl.load(seg_n + entering)
-    else:
-        S = tl.zeros([BR, K], dtype=tl.float32)
-        m = tl.zeros([BR], dtype=tl.float32)
-        n = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
-    log_total = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
-    c_end = tl.minimum((s + 1) * SEG, NT)
-    for c in range(s * SEG, c_end):
-        pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
-        if STATES:
+        for c in range(s * SEG, c_end):
             slot = (i_bh * (NT + 1) + c).to(tl.int64)
             tl.store(P_in + slot * K * K + tile, S.to(P_in.dtype.element_ty))
             tl.store(m_in + slot * K + rows, m)
             if i_r == 0:
                 tl.store(n_in + slot, n)
-        g_chunk = tl.sum(g, 0)
-        to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
-        keys = tl.load(kappa + base[:, None] + cols[None, :], mask=t_ok[:, None], other=0.0)
-        row_keys = tl.load(kappa + base[:, None] + rows[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        scale = to_end  # of kappa_i in m
-        outer_scale = to_end  # of k_i k_i^T in P
-        if NORMALIZE:  # raw keys in: kappa = k / max(||k||, 1e-6), so kappa kappa^T = k k^T / ||k||^2
-            # (both norms on the row side: the K-wide keys go to the product as loaded)
-            inv_norm = tl.load(key_inv_norm + (i_b * T + t) * H + i_h, mask=t_ok, other=0.0)
-            scale = to_end * inv_norm
-            outer_scale = scale * inv_norm
-        decay = tl.exp(g_chunk)
-        if IEEE:
-            S = tl.dot(tl.trans(row_keys * outer_scale[:, None]), keys.to(tl.float32), S * decay,
-                       input_precision="ieee")
-        else:
-            S = tl.dot(tl.trans((row_keys * outer_scale[:, None]).to(keys.dtype)), keys, S * decay)
-        m = m * decay + tl.sum(row_keys * scale[:, None], 0)
-        n = n * decay + tl.sum(to_end, 0)
-        log_total += g_chunk
-    if STATES:
+            g_chunk, to_end, scale, outer_scale, keys, row_keys = _chunk_terms(
+                kappa, key_inv_norm, log_gamma, i_b, i_h, c, rows, T, H, K, C, NORMALIZE)
+            decay = tl.exp(g_chunk)
+            S = _add_outer(S * decay, row_keys, outer_scale, keys, IEEE)
+            m = m * decay + tl.sum(row_keys * scale[:, None], 0)
+            n = n * decay + tl.sum(to_end, 0)
         if c_end == NT:  # the last segment: the state after the last chunk
             slot = (i_bh * (NT + 1) + NT).to(tl.int64)
             tl.store(P_in + slot * K * K + tile, S.to(P_in.dtype.element_ty))
@@ -208,6 +214,22 @@ def _ccq_chunk_states_kernel(
             if i_r == 0:
                 tl.store(n_in + slot, n)
     else:
+        # The chunks from the last back, each term weighted by its decay to the segment's end
+        # (exp(log_total) * to_end <= 1): the sum is never rescaled, so the tensor-core products
+        # accumulate in place and overlap the next chunk's work (ptxas: an asynchronous product with
+        # one pending; a rescaled sum, as in the other branch, waits for each product).
+        S = tl.zeros([BR, K], dtype=tl.float32)
+        m = tl.zeros([BR], dtype=tl.float32)
+        n = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
+        log_total = tl.sum(tl.zeros([1], dtype=tl.float32), 0)  # from the current chunk's end
+        for j in range(0, c_end - s * SEG):
+            g_chunk, to_end, scale, outer_scale, keys, row_keys = _chunk_terms(
+                kappa, key_inv_norm, log_gamma, i_b, i_h, c_end - 1 - j, rows, T, H, K, C, NORMALIZE)
+            later = tl.exp(log_total)  # decay from this chunk's end to the segment's end
+            S = _add_outer(S, row_keys, outer_scale * later, keys, IEEE)
+            m += tl.sum(row_keys * (scale * later)[:, None], 0)
+            n += tl.sum(to_end * later, 0)
+            log_total += g_chunk
         total = (i_bh * (NSEG + 1) + s + 1).to(tl.int64)
         tl.store(seg_P + total * K * K + tile, S)
         tl.store(seg_m + total * K + rows, m)

@@ -136,8 +136,10 @@ def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
 # 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
 # On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest, though at d_k = 256 the second
 # pass spills about 250 bytes per thread with them (ptxas, sm_90), then 8 warps with 1 or 2 stages;
-# 3 stages were never faster.
-_STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages) for warps, stages in ((4, 2), (8, 2), (4, 1), (8, 1))]
+# 3 stages were never faster. 16 warps (not yet timed): the second pass at d_k = 256 fits in 128
+# registers per thread, twice the warps per SM of 8 warps at 235, to hide its wait for each product.
+_STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages)
+                  for warps, stages in ((4, 2), (8, 2), (8, 1), (16, 2))]
 STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product
 
 

@@ -60,8 +60,8 @@ SCAN_STEPS = 16  # chunks loaded at once by the scan
 # 124 KB of shared memory, 1 program per SM); otherwise the products walk K in BK-wide tiles (121
 # registers, 32 KB: 2 programs per SM). 8 warps: with 4, the tiled kernel takes 216 registers and the
 # whole one spills (ptxas for sm_90, triton 3.9, pointers 16-byte aligned as on a GPU).
-_READ_CONFIGS = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8, num_stages=2)
-                 for whole in (False, True) for split in (1, 2)]
+_READ_CONFIGS = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8,
+                               num_stages=2) for whole in (False, True) for split in (1, 2)]
 
 
 class _FirstConfig:
@@ -128,12 +128,12 @@ def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
 
 # The chunk states: grid (K / BR row blocks, segments, B * H). Each program holds its BR x K rows of
 # the state in fp32 registers (64 x 256 at d_k = 256: 64 registers per thread at 8 warps) and walks its
-# segment's chunks in order, one tensor-core product per chunk. Segments make the walk parallel over
-# time: a first run of the kernel sums each segment from zero, the state scan turns those sums into
-# the states entering the segments, and a second run walks the segments again from those states,
-# writing the state entering every chunk. (Computing every chunk's own sum in parallel and scanning
-# those, as before, wrote the K x K states twice and read them once more: at d_k = 256 on the H200,
-# 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
+# segment's chunks, one tensor-core product per chunk. Segments make the walk parallel over time: a
+# first run of the kernel sums each segment (from its last chunk back), the state scan turns those
+# sums into the states entering the segments, and a second run walks the segments again in order from
+# those states, writing the state entering every chunk. (Computing every chunk's own sum in parallel
+# and scanning those, as before, wrote the K x K states twice and read them once more: at d_k = 256 on
+# the H200, 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
 # On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest, though at d_k = 256 the second
 # pass spills about 250 bytes per thread with them (ptxas, sm_90), then 8 warps with 1 or 2 stages;
 # 3 stages were never faster. 16 warps (not yet timed): the second pass at d_k = 256 fits in 128
@@ -408,7 +408,8 @@ def _ccq_read_kernel(
         col_in = cols < col_end
         col_mask = row_ok & col_in[None, :]
         if WHOLE:  # r_t @ P_in[c][:, cols]
-            P_v = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :], mask=col_in[None, :], other=0.0)
+            P_v = tl.load(P_in + state * K * K + ks[:, None] * K + cols[None, :], mask=col_in[None, :],
+                          other=0.0)
             if IEEE:
                 carried = tl.dot(r_all.to(tl.float32), P_v.to(tl.float32), input_precision="ieee")
             else:
@@ -529,8 +530,8 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     seg_decay = torch.empty(B * H, NSEG, device=r.device, dtype=torch.float32)
     for states in (False, True):
         _ccq_chunk_states_kernel[(K // rows, NSEG, B * H)](
-            kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in, T, NT, NSEG, SEG,
-            H=H, K=K, C=C, BR=rows, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
+            kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
+            T, NT, NSEG, SEG, H=H, K=K, C=C, BR=rows, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
         if not states:
             _scan_states(seg_P, seg_m, seg_n, seg_decay, NSEG, K, init, final)
     q = torch.empty_like(r)

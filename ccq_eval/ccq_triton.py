@@ -140,7 +140,7 @@ def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
 # registers per thread, twice the warps per SM of 8 warps at 235, to hide its wait for each product.
 _STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages)
                   for warps, stages in ((4, 2), (8, 2), (8, 1), (16, 2))]
-STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product
+STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product (<= every head dim)
 
 
 @triton.jit
@@ -520,8 +520,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
         key_inv_norm = torch.empty(B * T * H, device=r.device, dtype=torch.float32)
         _inverse_norms_kernel[(triton.cdiv(B * T * H, NORM_TILE // K),)](kappa, key_inv_norm, B * T * H, K=K,
                                                                           ROWS=NORM_TILE // K, num_warps=4)
-    rows = min(STATE_ROWS, K)
-    SEG = segment_chunks or _segment_chunks(NT, K // rows * B * H, r.device)
+    SEG = segment_chunks or _segment_chunks(NT, K // STATE_ROWS * B * H, r.device)
     NSEG = triton.cdiv(NT, SEG)
     # Segment slot s: the sums over segment s - 1, which the scan turns into the state entering s.
     seg_P = torch.empty(B * H, NSEG + 1, K, K, device=r.device, dtype=torch.float32)
@@ -529,9 +528,9 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     seg_n = torch.empty(B * H, NSEG + 1, device=r.device, dtype=torch.float32)
     seg_decay = torch.empty(B * H, NSEG, device=r.device, dtype=torch.float32)
     for states in (False, True):
-        _ccq_chunk_states_kernel[(K // rows, NSEG, B * H)](
+        _ccq_chunk_states_kernel[(K // STATE_ROWS, NSEG, B * H)](
             kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
-            T, NT, NSEG, SEG, H=H, K=K, C=C, BR=rows, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
+            T, NT, NSEG, SEG, H=H, K=K, C=C, BR=STATE_ROWS, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
         if not states:
             _scan_states(seg_P, seg_m, seg_n, seg_decay, NSEG, K, init, final)
     q = torch.empty_like(r)

@@ -62,6 +62,10 @@ FULL = {
     "sniah_length": 8192,
     "sniah_samples": 4,
     "sniah_batch": 1,
+    # The adapter's default (lm_adapter.DEFAULT_CHUNK_SIZE): an 8K prompt prefilled in one slice, as
+    # HFLM prefills it. Slices of another length give other segment sums in the CCQ state kernels, so
+    # the states, and on an untrained model the greedy texts, differ by rounding.
+    "sniah_chunk_size": 32768,
     "sniah_warmup": 1,
     "sniah_repeats": 1,
     "ops_shape": "20480,16,128,256",
@@ -140,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sniah-length", type=int, help="sniah: S-NIAH-1 length")
     p.add_argument("--sniah-samples", type=int, help="sniah: samples (needle depths spread over 0..100%%)")
     p.add_argument("--sniah-batch", type=int, help="sniah: the adapter's batch_size")
+    p.add_argument("--sniah-chunk-size", type=int, help="sniah: the adapter's chunk_size (prefill slice)")
     p.add_argument("--sniah-warmup", type=int, help="sniah: untimed generate_until calls on one sample first")
     p.add_argument("--sniah-repeats", type=int)
     p.add_argument("--ops-shape", help="ops: T,H,K,V")
@@ -225,6 +230,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sniah_length": raw["sniah_length"],
         "sniah_samples": max(1, raw["sniah_samples"]),
         "sniah_batch": max(1, raw["sniah_batch"]),
+        "sniah_chunk_size": max(1, raw["sniah_chunk_size"]),
         "sniah_warmup": max(0, raw["sniah_warmup"]),
         "sniah_repeats": max(1, raw["sniah_repeats"]),
         "ops_shape": ops_shape,

@@ -23,7 +23,10 @@ whole read is four launches of three kernels:
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype. The chunk's scores
    r kappa^T are formed once per program, which then walks its columns of q~ (at d_k = 256 on the
-   H200: 380 us per layer at 20K, against 649 us when each column block recomputed them).
+   H200: 380 us per layer at 20K, against 649 us when each column block recomputed them). Folding
+   the read into the second state pass, so that the chunk states are never written, was 2.6-3.3x
+   slower: that walk is serial, and the read lengthened each of its steps (benchmarks/README.md,
+   "Fused v5.1").
 
 `_ccq_decode_kernel` is the one-token step of the recurrence (state update and q~ in one launch).
 The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
@@ -136,8 +139,8 @@ def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
 # the H200, 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
 # On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest, though at d_k = 256 the second
 # pass spills about 250 bytes per thread with them (ptxas, sm_90), then 8 warps with 1 or 2 stages;
-# 3 stages were never faster. 16 warps (not yet timed): the second pass at d_k = 256 fits in 128
-# registers per thread, twice the warps per SM of 8 warps at 235, to hide its wait for each product.
+# 3 stages were never faster. 16 warps: the second pass at d_k = 256 fits in 128 registers per
+# thread, twice the warps per SM of 8 warps at 235 (with it, fc97e50, both passes still took 152 us).
 _STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages)
                   for warps, stages in ((4, 2), (8, 2), (8, 1), (16, 2))]
 STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product (<= every head dim)
@@ -218,8 +221,9 @@ def _ccq_chunk_states_kernel(
     else:
         # The chunks from the last back, each term weighted by its decay to the segment's end
         # (exp(log_total) * to_end <= 1): the sum is never rescaled, so the tensor-core products
-        # accumulate in place and overlap the next chunk's work (ptxas: an asynchronous product with
-        # one pending; a rescaled sum, as in the other branch, waits for each product).
+        # accumulate in place (ptxas: an asynchronous product with one pending; a rescaled sum, as in
+        # the other branch, waits for each product). On the H200 this pass took as long as before
+        # (151.6 us vs 151 at Gated DeltaNet's 20K forward): the wait was not what bounds it.
         S = tl.zeros([BR, K], dtype=tl.float32)
         m = tl.zeros([BR], dtype=tl.float32)
         n = tl.sum(tl.zeros([1], dtype=tl.float32), 0)

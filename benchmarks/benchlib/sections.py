@@ -554,7 +554,7 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
                 tokenizer=bench.tokenizer,
                 max_length=s["sniah_length"],
                 batch_size=s["sniah_batch"],
-                chunk_size=s["adapter_chunk_sizes"][0],
+                chunk_size=s["sniah_chunk_size"],
                 cuda_graphs=_graphs(bench, case),
             )
         for _ in range(s["sniah_warmup"]):

@@ -127,6 +127,41 @@ def test_generation_rows(smoke):
         assert row["total_ms"] >= row["prefill_ms"]
         # Both paths decode greedily from the same model and prompt tokens (fp32 on CPU).
         assert row["same_text_as_other_method"] is True
+        assert row["replay_ms_per_token"] is None  # no CUDA graphs on CPU
+
+
+def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypatch):
+    """The graphed decode time is split at the first replay: the graph's warm-up and capture come
+    before it (here a 30 ms sleep stands in for them), and the stamping wrapper is removed after."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from ccq_eval.graphed_decode import GraphedDecodeStep
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from benchlib import sections
+
+    replayed = []
+    step = object.__new__(GraphedDecodeStep)  # no CUDA here: the parts __call__ touches, faked
+    step._ids = torch.zeros(1, 1, dtype=torch.long)
+    step._graph = SimpleNamespace(replay=lambda: replayed.append(step._ids.item()))
+    step._logits = torch.ones(1, 3)
+    original = GraphedDecodeStep.__call__
+
+    def generate():
+        time.sleep(0.03)
+        for token in (5, 6, 7):
+            step(torch.tensor([token]))
+        return "text"
+
+    timing, out = sections._timed_generation(SimpleNamespace(device=torch.device("cpu")),
+                                             torch.nn.Linear(2, 2), generate, lambda: 3)
+    assert out == "text" and replayed == [5, 6, 7]
+    assert timing["decode_steps"] == 3
+    assert 0 <= timing["replay_ms"] < timing["total_ms"] - 20
+    assert GraphedDecodeStep.__call__ is original
 
 
 def test_sniah_rows_and_known_failures(smoke):

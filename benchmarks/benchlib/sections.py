@@ -387,12 +387,26 @@ class CallRecorder:
 
 def _timed_generation(bench: Bench, model, fn: Callable[[], Any],
                       steps_counter: Callable[[], int] | None = None) -> tuple[dict[str, Any], Any]:
+    from ccq_eval.graphed_decode import GraphedDecodeStep
+
     recorder = CallRecorder(model, bench.device)
+    # The first CUDA-graph replay, stamped: the decode time from the first one-token call includes the
+    # graph's eager warm-up steps and its capture, host-bound work that does not recur per token.
+    replays: list[Stamp] = []
+    replay = GraphedDecodeStep.__call__
+
+    def stamped_replay(step, tokens):
+        if not replays:
+            replays.append(Stamp(bench.device))
+        return replay(step, tokens)
+
+    GraphedDecodeStep.__call__ = stamped_replay
     try:
         start = Stamp(bench.device)
         out = fn()
         end = Stamp(bench.device)
     finally:
+        GraphedDecodeStep.__call__ = replay
         recorder.close()
     total = start.ms_until(end)
     decode_calls = [stamp for length, stamp in recorder.calls if length == 1]
@@ -407,6 +421,9 @@ def _timed_generation(bench: Bench, model, fn: Callable[[], Any],
         "prefill_ms": prefill_ms,
         "decode_ms": decode_ms,
         "decode_steps": steps,
+        # From the first graph replay to the end (None without graphs): the replays and the host's
+        # per-token loop only.
+        "replay_ms": replays[0].ms_until(end) if replays else None,
         "prefill_calls": len(prefill_calls),
     }, out
 
@@ -485,6 +502,9 @@ def _generation_case(
         for key in ("total_ms", "prefill_ms", "decode_ms", "decode_steps")
     }
     per_token = med["decode_ms"] / med["decode_steps"] if med["decode_steps"] else None
+    replay_ms = [r["replay_ms"] for r in runs if r["replay_ms"] is not None]
+    replay_per_token = (statistics.median(replay_ms) / med["decode_steps"]
+                        if replay_ms and med["decode_steps"] else None)
     return {
         **case,
         "prompt_tokens": len(ids),
@@ -492,6 +512,7 @@ def _generation_case(
         "prefill_calls": runs[-1]["prefill_calls"],
         **med,
         "decode_ms_per_token": per_token,
+        "replay_ms_per_token": replay_per_token,
         "decode_tokens_per_s": 1000.0 / per_token if per_token else None,
         "prefill_tokens_per_s": len(ids) / (med["prefill_ms"] / 1000.0),
         "runs": runs,

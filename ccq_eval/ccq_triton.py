@@ -55,7 +55,7 @@ CHUNK = 64
 _LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stages=2)
                   for bk in (32, 64) for warps in (4, 8)]
 SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per head
-SCAN_STEPS = 16  # chunks loaded at once by the scan
+SCAN_STEPS = 16  # slots loaded at once by the scan (segments in the forward, chunks in the backward)
 # The read kernel: SPLIT programs per chunk share the K columns of q~; each computes the chunk's
 # scores r kappa^T once and then walks its columns in BV-wide blocks. (One program per BV columns,
 # as before, recomputed the scores K / BV times.) WHOLE: the chunk's K-wide rows of r and kappa are
@@ -298,8 +298,9 @@ def _ccq_state_scan_kernel(
     K: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, STEPS: tl.constexpr,
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
 ):
-    """In place over slots 0..NT: slot c becomes the state entering chunk c (slot NT: after the last),
-    state_c = exp(G_{c-1}) state_{c-1} + local_{c-1}. Elementwise; programs 0..cdiv(K*K, BLOCK)-1 take
+    """In place over slots 0..NT: slot c becomes the state entering step c (slot NT: after the last),
+    state_c = exp(G_{c-1}) state_{c-1} + local_{c-1}, a step being a segment of the forward's state
+    kernel or a chunk of the backward's anti-causal sums. Elementwise; programs 0..cdiv(K*K, BLOCK)-1 take
     BLOCK entries of P each, the last one m (KB >= K entries) and n."""
     i_blk, i_bh = tl.program_id(0), tl.program_id(1)
     n_blocks = tl.cdiv(K * K, BLOCK)

@@ -43,6 +43,8 @@ def _compile(kernel, types, constants, candidate=0):
         f"{SM90_SHARED_BYTES} (the launch would fail with OutOfResources)")
 
 
+READ_TYPES = dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32,
+                  lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32")
 KERNELS = {
     **{f"chunk_states_{'states' if states else 'totals'}": (
         ccq_triton._ccq_chunk_states_kernel,
@@ -55,13 +57,9 @@ KERNELS = {
                         m_final=F32, n_final=F32, NT="i32"),
                    dict(K=128, BLOCK=ccq_triton.SCAN_BLOCK, KB=128, STEPS=ccq_triton.SCAN_STEPS, HAS_INITIAL=True,
                         STORE_FINAL=True)),
-    "read": (ccq_triton._ccq_read_kernel,
-             dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32,
-                  lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
+    "read": (ccq_triton._ccq_read_kernel, READ_TYPES,
              dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
-    "read_k256": (ccq_triton._ccq_read_kernel,  # Gated DeltaNet-340M's heads
-                  dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, gate_weight=F32,
-                       gate_bias=F32, lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32"),
+    "read_k256": (ccq_triton._ccq_read_kernel, READ_TYPES,  # Gated DeltaNet-340M's heads
                   dict(H=6, K=256, C=64, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
     "bwd_query": (ccq_triton._ccq_bwd_query_kernel,
                   dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",

@@ -4,6 +4,10 @@ step), CCQ off and on, on the same weights; plus the host (enqueue) time of a ca
     python benchmarks/profile_forward.py --arch gla --T 4096 [--mode train] [--rows 25]
     python benchmarks/profile_forward.py --arch gla --T 20480 --mode score --docs 4
 
+--mode generate profiles the adapter's greedy generation (CUDA-graph decode, 128 new tokens) after a
+prompt of T tokens, and first times its steps: tokenising, the prefill, building the decode graph
+(deep copies of the cache, eager warm-up steps, capture) and the graph replays.
+
 --mode score profiles the harness instead: the ccq adapter's loglikelihood_rolling on --docs documents
 of T tokens (tokenisation included) against bare forwards of the same token ids, and first splits the
 difference into steps (each timed over --docs documents): the bare forward, the same with the
@@ -35,7 +39,7 @@ def main() -> None:
     p.add_argument("--arch", default="gla", choices=workload.ARCHS)
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--mode", default="forward", choices=("forward", "train", "score"))
+    p.add_argument("--mode", default="forward", choices=("forward", "train", "score", "generate"))
     p.add_argument("--docs", type=int, default=4, help="score mode: documents per call")
     p.add_argument("--rows", type=int, default=25, help="rows per profiler table")
     args = p.parse_args()
@@ -58,10 +62,23 @@ def main() -> None:
         lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=args.T, batch_size=1)
         requests = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0,
                              task_name="profile", doc_id=i) for i in range(args.docs)]
+    if args.mode == "generate":
+        from lm_eval.api.instance import Instance
+
+        from ccq_eval.lm_adapter import CCQEvalLM
+
+        tokenizer, _ = workload.load_tokenizer("mistral")
+        text = workload.long_document(tokenizer, args.T)
+        lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=args.T + 256, batch_size=1,
+                       cuda_graphs=True)
+        requests = [Instance(request_type="generate_until", doc={}, idx=0, task_name="profile",
+                             arguments=(text, {"until": [], "max_gen_toks": 128, "do_sample": False}))]
 
     def call():
         if args.mode == "score":
             lm.loglikelihood_rolling(requests, disable_tqdm=True)
+        elif args.mode == "generate":
+            lm.generate_until(requests, disable_tqdm=True)
         elif args.mode == "train":
             model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
         else:
@@ -72,6 +89,8 @@ def main() -> None:
         with workload.ccq_mode(model, ccq):
             if args.mode == "score":
                 score_steps(model, lm, tokens, requests, ccq)
+            if args.mode == "generate":
+                generate_steps(lm, text, ccq)
             model.train(args.mode == "train")
             for _ in range(3):
                 call()
@@ -102,6 +121,44 @@ def main() -> None:
             print(table.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
             model.zero_grad(set_to_none=True)
             model.eval()
+
+
+def _median_wall_ms(fn, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    wall = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return 1e3 * sorted(wall)[repeats // 2]
+
+
+def generate_steps(lm, text: str, ccq: bool) -> None:
+    """Wall time of the steps of the adapter's generate_until (median of 5 after one warm-up)."""
+    from ccq_eval.graphed_decode import GraphedDecodeStep
+
+    ids = lm.tok_encode(text)
+    input_ids = lm._tensor([ids])
+    _, _, logits, cache = lm._run(input_ids, len(ids))
+    graph = GraphedDecodeStep(lm._backbone, lm._lm_head, cache, 1)
+    tokens = logits.argmax(-1)
+
+    def replays():
+        for _ in range(127):
+            graph(tokens)
+
+    steps = [
+        ("tokenise the prompt", lambda: lm.tok_encode(text)),
+        ("prefill (_run, one slice, cache kept)", lambda: lm._run(input_ids, len(ids))),
+        ("build the decode graph (copies, warm-up, capture)",
+         lambda: GraphedDecodeStep(lm._backbone, lm._lm_head, cache, 1)),
+        ("127 graph replays", replays),
+    ]
+    print(f"\n=== generate steps, ccq={ccq}: a prompt of {len(ids)} tokens")
+    for name, fn in steps:
+        print(f"    {name:<50} {_median_wall_ms(fn):8.1f} ms")
 
 
 def score_steps(model, lm, tokens, requests, ccq: bool) -> None:

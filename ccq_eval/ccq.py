@@ -419,11 +419,17 @@ class CCQGate(NamedTuple):
         return self.lam_max * torch.sigmoid((r.float() * self.weight.float()).sum(-1) + bias)
 
 
-def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None):
+def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None,
+                  keys_unit: bool = False):
     """What a layer calls, with its raw keys k and its gate. On CUDA with the fused kernels (order 1)
     the kernels normalise the keys and form lambda themselves: for inference, the chunked read for
     prefill and scoring and a one-step kernel for decoding; for training from a zero state,
-    _FusedOrder1Keys. Everything else forms unit_keys(k) and lambda here and calls ccq_read."""
+    _FusedOrder1Keys. Everything else forms unit_keys(k) and lambda here and calls ccq_read.
+    keys_unit: k is already L2-normalised (Gated DeltaNet's l2norm; ccq.md: its keys "are already
+    unit-norm"), so the fused chunked read takes it as kappa and skips its normalising pass (about
+    20 us per layer at d_k = 256 and 20K tokens). The other paths normalise it again, which changes
+    it by rounding, and for keys fla's l2norm leaves shorter than unit (its eps = 1e-6 is added to
+    ||k||^2, so below ||k|| ~ 1e-3) by their length."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
     B, T, H, K = r.shape
     if _fused_applies(r, order) and _needs_grad(*inputs) and initial_state is None and T > 1:
@@ -443,7 +449,7 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
         q, new_state = ccq_order1_decode(r, k, log_gamma, gate, state, centered)
         return q, CCQState(*new_state)
     q, final = ccq_order1_forward(r, k, log_gamma, None, centered, initial_state, output_final_state=True,
-                                  raw_keys=True, gate=gate)
+                                  raw_keys=not keys_unit, gate=gate)
     return q, CCQState(*final)
 
 

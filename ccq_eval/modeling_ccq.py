@@ -148,12 +148,13 @@ class CCQReadMixin:
         weight = None if self.ccq_gate == "constant" else self.ccq_gate_weight
         return CCQGate(weight, self.ccq_gate_bias, self.ccq_lambda_max)
 
-    def ccq_query(self, r, k, log_decay, ccq_state: CCQState | None):
-        """q~ for the backbone's read; log_decay [B, T, H] is the layer's scalar log forgetting."""
+    def ccq_query(self, r, k, log_decay, ccq_state: CCQState | None, keys_unit: bool = False):
+        """q~ for the backbone's read; log_decay [B, T, H] is the layer's scalar log forgetting;
+        keys_unit: k is L2-normalised already (ccq.ccq_read_keys)."""
         if self.ccq_decay == "none":
             log_decay = torch.zeros_like(log_decay)
         return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=self.ccq_order,
-                             centered=self.ccq_centered, initial_state=ccq_state)
+                             centered=self.ccq_centered, initial_state=ccq_state, keys_unit=keys_unit)
 
 
 def _same_convolutions(convs) -> bool:
@@ -304,7 +305,7 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
         log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
         S, ccq_state = _split_state(last_state)
-        q, ccq_state = self.ccq_query(q, k, log_decay, ccq_state)
+        q, ccq_state = self.ccq_query(q, k, log_decay, ccq_state, keys_unit=True)
 
         kernel = (fla_gdn_layer.chunk_gated_delta_rule if mode == "chunk"
                   else fla_gdn_layer.fused_recurrent_gated_delta_rule)

@@ -187,6 +187,30 @@ def test_layer_entry_fused_matches_fp64_on_cuda(constant_gate, fused):
         assert ((a.cpu().double() - b).norm() / b.norm()).item() < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("K", [128, 256])
+def test_keys_unit_takes_the_keys_as_kappa_on_cuda(K, fused):
+    """keys_unit=True (Gated DeltaNet's already-normalised keys): the fused prefill reads k as kappa.
+    Unit keys give the normalising path's q~ and state; keys of length 2 give the fp64 reference read
+    with kappa = k, unnormalised (so a flag that were ignored fails here)."""
+    from ccq_eval.ccq import CCQGate, ccq_read_chunk, ccq_read_keys
+
+    r, k, log_gamma, _ = _gpu_inputs(2000, 2, K, torch.float32, seed=31)
+    unit = torch.nn.functional.normalize(k, dim=-1)
+    gate = CCQGate(None, torch.zeros(2), 4.0)
+    lam = gate.values(r).double()
+    on_gpu = CCQGate(None, gate.bias.cuda(), 4.0)
+    with torch.no_grad():
+        q_given, state_given = ccq_read_keys(r.cuda(), unit.cuda(), log_gamma.cuda(), on_gpu, keys_unit=True)
+        q_normed, state_normed = ccq_read_keys(r.cuda(), unit.cuda(), log_gamma.cuda(), on_gpu)
+        q_long, _ = ccq_read_keys(r.cuda(), 2 * unit.cuda(), log_gamma.cuda(), on_gpu, keys_unit=True)
+    q_ref, _ = ccq_read_chunk(r.double(), 2 * unit.double(), log_gamma.double(), lam)
+    for a, b in zip([q_given, *state_given], [q_normed, *state_normed]):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    assert ((q_long.cpu().double() - q_ref).norm() / q_ref.norm()).item() < 1e-4
+
+
 @pytest.fixture
 def one_candidate_at_a_time():
     """Yields a function that restricts every autotuned fused kernel to its i-th candidate (the last

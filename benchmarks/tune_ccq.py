@@ -1,8 +1,9 @@
 """Side-by-side timings of the fused CCQ forward's choices at the 340M shapes, on one GPU, in one process:
 every candidate config of the read kernel, forced one at a time (the autotuner's pick besides), the
 state kernel's segment length, and raw against already-unit keys. Each row is the whole
-`ccq_order1_forward` (the gate formed in the kernel, bf16), median of --repeats CUDA-event timings after
-warm-up calls; a torch.profiler split of the default call by kernel comes first.
+`ccq_order1_forward` (the gate formed in the kernel, bf16): the device time of its kernels, and of the
+read kernel alone, per call (torch.profiler over --repeats calls after a warm-up call), and the wall
+time of a call (median of CUDA-event timings, the host's enqueue included).
 
     python benchmarks/tune_ccq.py [--T 20480] [--repeats 20] [--shapes gdn,gla]
 
@@ -38,18 +39,19 @@ def _inputs(T: int, H: int, K: int, seed: int = 0):
     return r, k, log_gamma, gate
 
 
-def _profile_split(fn) -> str:
+def _kernel_times(fn, calls: int) -> dict[str, float]:
+    """Mean device time per call of each kernel fn launches (us), from torch.profiler over `calls`
+    calls: GPU work only. (At these sizes the host's enqueue of one call, about 0.5 ms with the
+    autotuners' dispatch, is longer than GLA's kernels, so CUDA events around a call time the host.)"""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 5, e.count // 5) for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda row: -row[1])
-    return "\n".join(f"  {name[:60]:60s} {us:9.1f} us/call  x{count}" for name, us, count in rows)
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def main() -> None:
@@ -67,9 +69,11 @@ def main() -> None:
     read = ccq_triton._ccq_read_kernel
     all_read_configs = list(read.configs)
     # The read kernel's candidates and more (a config is forced by making it the only candidate).
+    # (SPLIT 4 with WHOLE at d_k = 128 hit an illegal memory access on the H200, triton 3.6: not tried.)
     tried = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=warps, num_stages=stages)
-             for whole, shapes in ((True, ((8, 2), (8, 1), (16, 2))), (False, ((8, 2), (8, 3), (4, 3), (16, 2))))
-             for split in (1, 2, 4) for warps, stages in shapes]
+             for whole, splits, shapes in ((True, (1, 2), ((8, 2), (8, 1))),
+                                           (False, (1, 2, 4), ((8, 2), (8, 3), (4, 2), (4, 3), (4, 4))))
+             for split in splits for warps, stages in shapes]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"T = {args.T}, bf16, median of {args.repeats}")
     for name in args.shapes.split(","):
@@ -80,15 +84,17 @@ def main() -> None:
             return ccq_triton.ccq_order1_forward(r, keys, log_gamma, None, True, None, output_final_state=True,
                                                  raw_keys=raw_keys, gate=gate, segment_chunks=segment_chunks)
 
-        def timed(fn) -> float:
-            return measure(fn, torch.device("cuda"), warmup=args.warmup, repeats=args.repeats).median_ms * 1000
-
-        print(f"\n## {name}: H = {H}, d_k = {K}\n\nkernels of the default call (autotuned):")
-        print(_profile_split(forward))
-        print(f"\nautotuner's pick: {getattr(read, 'best_config', None)}\n\n| variant | us |\n|---|---|")
+        print(f"\n## {name}: H = {H}, d_k = {K}\n\nkernels of the default call (autotuned), us per call:")
+        for kernel, us in sorted(_kernel_times(forward, args.repeats).items(), key=lambda item: -item[1]):
+            print(f"  {kernel[:60]:60s} {us:9.1f}")
+        print(f"\nautotuner's pick: {getattr(read, 'best_config', None)}\n\n"
+              "| variant | kernels us | read kernel us | wall us |\n|---|---|---|---|")
 
         def row(label, fn):  # printed as it comes: a config that crashes the process ends the table
-            print(f"| {label} | {timed(fn):.1f} |", flush=True)
+            kernels = _kernel_times(fn, args.repeats)
+            wall = measure(fn, torch.device("cuda"), warmup=args.warmup, repeats=args.repeats).median_ms * 1000
+            print(f"| {label} | {sum(kernels.values()):.1f} | {kernels.get('_ccq_read_kernel', 0.0):.1f} | "
+                  f"{wall:.1f} |", flush=True)
 
         row("default (autotuned)", forward)
         NT = triton.cdiv(args.T, ccq_triton.CHUNK)

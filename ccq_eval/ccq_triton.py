@@ -61,10 +61,14 @@ SCAN_STEPS = 16  # slots loaded at once by the scan (segments in the forward, ch
 # as before, recomputed the scores K / BV times.) WHOLE: the chunk's K-wide rows of r and kappa are
 # loaded once and every product is one dot over the whole head dim (at d_k = 256: 255 registers and
 # 124 KB of shared memory, 1 program per SM); otherwise the products walk K in BK-wide tiles (121
-# registers, 32 KB: 2 programs per SM). 8 warps: with 4, the tiled kernel takes 216 registers and the
-# whole one spills (ptxas for sm_90, triton 3.9, pointers 16-byte aligned as on a GPU).
-_READ_CONFIGS = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8,
-                               num_stages=2) for whole in (False, True) for split in (1, 2)]
+# registers, 32 KB: 2 programs per SM). The whole kernel takes 8 warps (with 4 it spills); the tiled
+# one 8, or 4 with 3 stages (211-226 registers, no spill; ptxas for sm_90, triton 3.9, pointers
+# 16-byte aligned as on a GPU), which was the fastest forward in a side-by-side run on the H200
+# (benchmarks/tune_ccq.py, wall time, T = 20K, d_k = 256). The autotuner decides.
+_READ_CONFIGS = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=warps,
+                               num_stages=stages)
+                 for whole, shapes in ((False, ((8, 2), (4, 3))), (True, ((8, 2),)))
+                 for split in (1, 2) for warps, stages in shapes]
 
 
 class _FirstConfig:
@@ -888,12 +892,13 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
 @triton.jit
 def _ccq_decode_kernel(
     r, k, log_gamma, gate_weight, gate_bias, lam_max, P, m, n, P_out, m_out, n_out, q_out,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CENTERED: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CENTERED: tl.constexpr, QUERY_GATE: tl.constexpr,
 ):
     """One decoding step for one (batch, head) and BK rows of the K x K state: P <- gamma P + kappa
     kappa^T, m <- gamma m + kappa, n <- gamma n + 1 (written to new buffers, the cache's stay as they
     are), then q~ = r - lambda Sigma r with the updated sums, as ccq.ccq_read_recurrent. The key is
-    normalised and lambda formed here (a zero gate weight gives the constant gate)."""
+    normalised and lambda formed here, from the gate's parameters in their own dtype (QUERY_GATE=False:
+    the constant gate, gate_weight never read)."""
     i_r, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     every = tl.arange(0, K)
@@ -904,7 +909,9 @@ def _ccq_decode_kernel(
     kap_all = k_all * inv_norm
     kap_rows = tl.load(k + i_bh * K + rows).to(tl.float32) * inv_norm
     gamma = tl.exp(tl.load(log_gamma + i_bh).to(tl.float32))
-    gate_logit = tl.sum(r_all * tl.load(gate_weight + i_h * K + every), 0) + tl.load(gate_bias + i_h)
+    gate_logit = tl.load(gate_bias + i_h).to(tl.float32)
+    if QUERY_GATE:
+        gate_logit += tl.sum(r_all * tl.load(gate_weight + i_h * K + every).to(tl.float32), 0)
     lam = lam_max * tl.sigmoid(gate_logit)
 
     P_rows = gamma * tl.load(P + i_bh * K * K + rows[:, None] * K + every[None, :]) \
@@ -934,12 +941,17 @@ def ccq_order1_decode(r, k, log_gamma, gate, state, centered: bool = True):
     if T != 1 or K & (K - 1):
         raise ValueError(f"ccq_order1_decode: one token and a power-of-two head dim, got T={T}, K={K}")
     P, m, n = (x.float().contiguous() for x in state)
-    weight, bias, lam_max = _kernel_gate(gate, H, K, r.device)
+    # The gate's parameters as they are (bf16 in a bf16 model), converted in the kernel: a decoded
+    # token otherwise spends two conversion launches per layer on them, and each launch of a one-token
+    # step costs about as much as its work (benchmarks/profile_forward.py --mode generate).
+    weight, bias, lam_max = gate
+    bias = bias.contiguous()
     P_out, m_out, n_out = torch.empty_like(P), torch.empty_like(m), torch.empty_like(n)
     q = torch.empty_like(r)
     _ccq_decode_kernel[(K // DECODE_ROWS, B * H)](
-        r.contiguous(), k.contiguous(), log_gamma.float().contiguous(), weight, bias, lam_max,
+        r.contiguous(), k.contiguous(), log_gamma.float().contiguous(),
+        bias if weight is None else weight.contiguous(), bias, float(lam_max),
         P, m, n, P_out, m_out, n_out, q,
-        H=H, K=K, BK=DECODE_ROWS, CENTERED=bool(centered), num_warps=4,
+        H=H, K=K, BK=DECODE_ROWS, CENTERED=bool(centered), QUERY_GATE=weight is not None, num_warps=4,
     )
     return q, (P_out, m_out, n_out)

@@ -208,9 +208,9 @@ class CCQEvalLM(LM):
             prompts of any length together.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
-        cuda_graphs: replay each one-token decode step (ccq_eval.graphed_decode) and each scoring
-            forward that fits one slice (ccq_eval.graphed_score) from CUDA graphs; recurrent fla models
-            on CUDA. Off by default: graphs hold GPU memory, and scores differ from eager ones by
+        cuda_graphs: replay each one-token decode step (ccq_eval.graphed_decode; one graph per
+            batch size, reused by later batches) and each scoring forward that fits one slice
+            (ccq_eval.graphed_score) from CUDA graphs; recurrent fla models on CUDA. Off by default: graphs hold GPU memory, and scores differ from eager ones by
             rounding (other matrix shapes).
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
@@ -313,6 +313,7 @@ class CCQEvalLM(LM):
             raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
                              f"device; got {type(self.model).__name__} on {self._device}")
         self._graphed_scoring = None
+        self._decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see _decode_graph)
         if self.cuda_graphs:
             from ccq_eval.graphed_score import GraphedScoring
 
@@ -747,6 +748,20 @@ class CCQEvalLM(LM):
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return results  # type: ignore[return-value]
 
+    def _decode_graph(self, cache: Any, batch: int) -> Any:
+        """The captured decode step for `batch` rows, started from `cache`: captured once per batch
+        size and cache layout, then reused by later generate batches (the model must not change in
+        between: a graph replays the kernels and weights it captured)."""
+        from ccq_eval.graphed_decode import GraphedDecodeStep
+
+        graph = self._decode_graphs.get(batch)
+        if graph is not None and graph.matches(cache):
+            graph.load(cache)
+            return graph
+        graph = GraphedDecodeStep(self._backbone, self._lm_head, cache, batch)
+        self._decode_graphs[batch] = graph
+        return graph
+
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], settings: dict[str, Any]) -> list[str]:
         """Chunked prefill, then one token per step with the recurrent cache."""
@@ -760,9 +775,7 @@ class CCQEvalLM(LM):
             cache = _stack_caches([c for _, _, _, c in prefilled])
         graphed = None
         if self.cuda_graphs and settings["max_gen_toks"] > 1:
-            from ccq_eval.graphed_decode import GraphedDecodeStep
-
-            graphed = GraphedDecodeStep(self._backbone, self._lm_head, cache, len(prompts))
+            graphed = self._decode_graph(cache, len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)

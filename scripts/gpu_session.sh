@@ -14,7 +14,7 @@
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 # Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
 # tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
-# sniah,generation,profile; default all but profile), GPU_TESTS (the pytest arguments of the GPU tests),
+# sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
 # STEPS (training steps), COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
@@ -129,6 +129,9 @@ pipeline() {
     > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"; }
   group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 --cuda-graphs \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }
+  # The fused CCQ forward's read configs, segment lengths and key normalisation side by side (stdout).
+  group tune && { timeout 300 python3 benchmarks/tune_ccq.py --shapes gdn,gla > "$WORK/logs/tune-ccq.log" 2>&1 \
+    || stage "tune rc $?"; }
   # Where the time goes (stdout tables only): the harness steps at 20K, and the forward at 20K.
   profile() { [[ ",${PROFILES:-score,forward,train}," == *",$1,"* ]]; }
   group profile && {

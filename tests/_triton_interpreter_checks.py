@@ -166,7 +166,6 @@ def decode_checks():
         k = 2 * torch.randn(B, steps, H, K, generator=g)
         log_gamma = torch.nn.functional.logsigmoid(torch.randn(B, steps, H, generator=g) + 3)
         gate = CCQGate(None if constant else 0.3 * torch.randn(H, K, generator=g), torch.randn(H, generator=g), 4.0)
-        weight = torch.zeros(H, K) if gate.weight is None else gate.weight
         state_ref = tuple(x.double() for x in prior_state(B, H, K, seed=K))
         state = tuple(x.float() for x in state_ref)
         worst_q = worst_state = 0.0
@@ -174,11 +173,21 @@ def decode_checks():
             rt, kt, gt = r[:, t:t + 1], k[:, t:t + 1], log_gamma[:, t:t + 1]
             q_ref, state_ref = ccq_read_recurrent(rt.double(), unit_keys(kt).double(), gt.double(),
                                                   gate.values(rt).double(), 1, centered, state_ref)
-            q, state = ccq_order1_decode(rt, kt, gt, (weight, gate.bias, gate.lam_max), state, centered)
+            q, state = ccq_order1_decode(rt, kt, gt, (gate.weight, gate.bias, gate.lam_max), state, centered)
             worst_q = max(worst_q, max_abs(q, q_ref))
             worst_state = max(worst_state, max(max_abs(a, b) / b.abs().max().item() for a, b in zip(state, state_ref)))
         out[f"K{K}_{'centered' if centered else 'uncentered'}_{'constant' if constant else 'query'}_gate"] = {
             "q": worst_q, "state": worst_state}
+    # Gate parameters in bf16 (a bf16 model's), converted in the kernel: the same step as with their
+    # values in fp32, exactly.
+    r, k = torch.randn(2, 1, 2, 64, generator=g), torch.randn(2, 1, 2, 64, generator=g)
+    log_gamma = torch.full((2, 1, 2), -0.1)
+    weight, bias = (0.3 * torch.randn(2, 64, generator=g)).bfloat16(), torch.randn(2, generator=g).bfloat16()
+    state = prior_state(2, 2, 64, seed=3)
+    q_bf16, state_bf16 = ccq_order1_decode(r, k, log_gamma, (weight, bias, 4.0), state)
+    q_fp32, state_fp32 = ccq_order1_decode(r, k, log_gamma, (weight.float(), bias.float(), 4.0), state)
+    out["K64_bf16_gate_parameters_vs_fp32"] = {
+        "q": max_abs(q_bf16, q_fp32), "state": max(max_abs(a, b) for a, b in zip(state_bf16, state_fp32))}
     return out
 
 

@@ -132,7 +132,8 @@ def test_generation_rows(smoke):
 
 def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypatch):
     """The graphed decode time is split at the first replay: the graph's warm-up and capture come
-    before it (here a 30 ms sleep stands in for them), and the stamping wrapper is removed after."""
+    before it (here a 30 ms sleep stands in for them), and the stamping wrapper is removed after. With
+    no one-token model call (a graph reused from an earlier call), decoding starts at that replay."""
     import time
     from types import SimpleNamespace
 
@@ -161,6 +162,7 @@ def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypa
     assert out == "text" and replayed == [5, 6, 7]
     assert timing["decode_steps"] == 3
     assert 0 <= timing["replay_ms"] < timing["total_ms"] - 20
+    assert timing["decode_ms"] == timing["replay_ms"] and timing["prefill_ms"] >= 20
     assert GraphedDecodeStep.__call__ is original
 
 

@@ -78,9 +78,15 @@ def test_graphed_decoding_equals_eager_decoding(kind, ccq):
     prompts = ["Once upon a time", "It was the best of times, it was", "Call me"]
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)
                 for i, p in enumerate(prompts)]
-    eager = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3).generate_until(requests)
-    graphed = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=True).generate_until(requests)
-    assert graphed == eager
+    eager_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3)
+    graphed_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=True)
+    assert graphed_lm.generate_until(requests) == eager_lm.generate_until(requests)
+    # A second batch of the same size replays the first one's graph from its own prefill.
+    graph = graphed_lm._decode_graphs[3]
+    later = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)
+             for i, p in enumerate(["A long way", "In the beginning was", "Happy families are all alike;"])]
+    assert graphed_lm.generate_until(later) == eager_lm.generate_until(later)
+    assert graphed_lm._decode_graphs[3] is graph
 
 
 @pytest.mark.gpu
@@ -105,3 +111,35 @@ def test_graphed_step_equals_eager_step(kind, ccq):
             cache = out.past_key_values
             expected = model.lm_head(out[0][:, -1]).float()
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        # The same graph started from another prefill (GraphedDecodeStep.load), against eager steps.
+        prefill = model.model(input_ids=torch.randint(0, 384, (2, 70), device="cuda"), use_cache=True)
+        graphed.load(prefill.past_key_values)
+        cache = copy.deepcopy(prefill.past_key_values)
+        for step in range(8):
+            tokens = torch.randint(0, 384, (2,), device="cuda")
+            got = graphed(tokens)
+            out = model.model(input_ids=tokens.view(2, 1), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            expected = model.lm_head(out[0][:, -1]).float()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"after load, step {step}")
+
+
+def test_load_copies_states_into_the_graph_buffers_and_refuses_another_layout():
+    """GraphedDecodeStep.load (no CUDA needed for this part: the buffers are set by hand)."""
+    from types import SimpleNamespace
+
+    step = object.__new__(GraphedDecodeStep)
+    step._buffers = [torch.zeros(2, 3), torch.zeros(2)]
+
+    def cache(*states):
+        return SimpleNamespace(layers=[SimpleNamespace(state={"recurrent_state": states[0]}),
+                                       SimpleNamespace(state={"recurrent_state": states[1]})])
+
+    buffers = list(step._buffers)
+    step.load(cache(torch.ones(2, 3), torch.full((2,), 2.0)))
+    assert [b.data_ptr() for b in step._buffers] == [b.data_ptr() for b in buffers]
+    assert torch.equal(step._buffers[0], torch.ones(2, 3)) and torch.equal(step._buffers[1], torch.full((2,), 2.0))
+    assert not step.matches(cache(torch.ones(3, 3), torch.ones(2)))
+    with pytest.raises(ValueError, match="capture a new graph"):
+        step.load(cache(torch.ones(2, 3), torch.ones(2, dtype=torch.float64)))
+    assert torch.equal(step._buffers[1], torch.full((2,), 2.0))  # nothing copied from a refused cache

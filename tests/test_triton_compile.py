@@ -79,7 +79,7 @@ KERNELS = {
     "decode": (ccq_triton._ccq_decode_kernel,
                dict(r=BF16, k=BF16, log_gamma=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32", P=F32, m=F32,
                     n=F32, P_out=F32, m_out=F32, n_out=F32, q_out=BF16),
-               dict(H=4, K=128, BK=ccq_triton.DECODE_ROWS, CENTERED=True)),
+               dict(H=4, K=128, BK=ccq_triton.DECODE_ROWS, CENTERED=True, QUERY_GATE=True)),
     "token_logprob": (token_logprob._token_logprob_kernel,
                       dict(logits=BF16, targets="*i64", logprob_out=F32, greedy_out="*i1", V="i32", stride_row="i32"),
                       dict(BLOCK=4096)),

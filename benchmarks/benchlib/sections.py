@@ -391,13 +391,16 @@ def _timed_generation(bench: Bench, model, fn: Callable[[], Any],
 
     recorder = CallRecorder(model, bench.device)
     # The first CUDA-graph replay, stamped: the decode time from the first one-token call includes the
-    # graph's eager warm-up steps and its capture, host-bound work that does not recur per token.
+    # graph's eager warm-up steps and its capture where this call captured one. A graph reused from an
+    # earlier call (the adapter keeps one per batch size) makes no one-token model call at all: then
+    # decoding starts at the first replay.
     replays: list[Stamp] = []
     replay = GraphedDecodeStep.__call__
 
     def stamped_replay(step, tokens):
         if not replays:
             replays.append(Stamp(bench.device))
+            recorder.calls.append((1, replays[0]))
         return replay(step, tokens)
 
     GraphedDecodeStep.__call__ = stamped_replay
@@ -578,8 +581,10 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
                 chunk_size=s["sniah_chunk_size"],
                 cuda_graphs=_graphs(bench, case),
             )
+        # Compilation for this length, and the adapter's decode graph for its batch size: captured once
+        # in an evaluation and then reused by every batch (HFLM's batch is 1).
         for _ in range(s["sniah_warmup"]):
-            lm.generate_until(requests[:1], disable_tqdm=True)  # compilation for this length
+            lm.generate_until(requests[:int(lm.batch_size)], disable_tqdm=True)
         mem_before = reset_peak(bench.device)
         totals, texts = [], []
         for _ in range(s["sniah_repeats"]):

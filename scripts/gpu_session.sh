@@ -45,6 +45,7 @@ collect() {
 }
 
 stage() { echo "$(date +%T) $*" | tee -a "$WORK/status"; }
+listed() { [[ ",$2," == *",$1,"* ]]; }  # whether $1 is an item of the comma-separated list $2
 
 pipeline() {
   cd "$WORK/repo" || exit 1
@@ -60,7 +61,7 @@ pipeline() {
     >> "$WORK/logs/gpu.log" 2>&1
   mkdir -p /tmp/triton-cache && cp -rn "$WORK/autotune-seed/." /tmp/triton-cache/ 2>/dev/null
 
-  want() { [[ ",${STAGES:-train,eval,bench}," == *",$1,"* ]]; }
+  want() { listed "$1" "${STAGES:-train,eval,bench}"; }
   pids=(); tests_pid=
   if want train || want tests; then
   stage "1: training (${STEPS:-1200} steps) + GPU tests"
@@ -112,7 +113,7 @@ pipeline() {
     stage "fused kernels FAILED the smoke check: benchmarks use the unfused and torch paths"
   fi
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
-  group() { [[ ",${BENCH:-model,train4,harness,ops,sniah,generation}," == *",$1,"* ]]; }
+  group() { listed "$1" "${BENCH:-model,train4,harness,ops,sniah,generation}"; }
   group model && { timeout 360 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths "${MODEL_LENGTHS:-4096,20480}" \
     --modes "${MODEL_MODES:-forward,train}" --repeats "${MODEL_REPEATS:-5}" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"; }
   # 32 documents of 20K tokens per timed call (tokenisation included: the first document's cannot be
@@ -133,7 +134,7 @@ pipeline() {
   group tune && { timeout 300 python3 benchmarks/tune_ccq.py --shapes gdn,gla > "$WORK/logs/tune-ccq.log" 2>&1 \
     || stage "tune rc $?"; }
   # Where the time goes (stdout tables only): the harness steps at 20K, and the forward at 20K.
-  profile() { [[ ",${PROFILES:-score,forward,train}," == *",$1,"* ]]; }
+  profile() { listed "$1" "${PROFILES:-score,forward,train}"; }
   group profile && {
     profile score && { timeout 240 python3 benchmarks/profile_forward.py --arch gla --T 20480 --mode score \
       --docs "${PROFILE_DOCS:-8}" --rows 20 > "$WORK/logs/profile-score.log" 2>&1 || stage "profile score rc $?"; }

@@ -129,17 +129,18 @@ def test_load_copies_states_into_the_graph_buffers_and_refuses_another_layout():
     from types import SimpleNamespace
 
     step = object.__new__(GraphedDecodeStep)
-    step._buffers = [torch.zeros(2, 3), torch.zeros(2)]
+    step._buffers = [torch.zeros(2, 3), torch.zeros(2, dtype=torch.bfloat16)]  # copied per dtype
 
     def cache(*states):
         return SimpleNamespace(layers=[SimpleNamespace(state={"recurrent_state": states[0]}),
                                        SimpleNamespace(state={"recurrent_state": states[1]})])
 
     buffers = list(step._buffers)
-    step.load(cache(torch.ones(2, 3), torch.full((2,), 2.0)))
+    two = torch.full((2,), 2.0, dtype=torch.bfloat16)
+    step.load(cache(torch.ones(2, 3), two))
     assert [b.data_ptr() for b in step._buffers] == [b.data_ptr() for b in buffers]
-    assert torch.equal(step._buffers[0], torch.ones(2, 3)) and torch.equal(step._buffers[1], torch.full((2,), 2.0))
-    assert not step.matches(cache(torch.ones(3, 3), torch.ones(2)))
+    assert torch.equal(step._buffers[0], torch.ones(2, 3)) and torch.equal(step._buffers[1], two)
+    assert not step.matches(cache(torch.ones(3, 3), two))
     with pytest.raises(ValueError, match="capture a new graph"):
-        step.load(cache(torch.ones(2, 3), torch.ones(2, dtype=torch.float64)))
-    assert torch.equal(step._buffers[1], torch.full((2,), 2.0))  # nothing copied from a refused cache
+        step.load(cache(torch.ones(2, 3), torch.ones(2)))  # fp32 where the graph holds bf16
+    assert torch.equal(step._buffers[1], two)  # nothing copied from a refused cache

@@ -210,8 +210,9 @@ class CCQEvalLM(LM):
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         cuda_graphs: replay each one-token decode step (ccq_eval.graphed_decode; one graph per
             batch size, reused by later batches) and each scoring forward that fits one slice
-            (ccq_eval.graphed_score) from CUDA graphs; recurrent fla models on CUDA. Off by default: graphs hold GPU memory, and scores differ from eager ones by
-            rounding (other matrix shapes).
+            (ccq_eval.graphed_score) from CUDA graphs; recurrent fla models on CUDA. Off by
+            default: graphs hold GPU memory, and scores differ from eager ones by rounding (other
+            matrix shapes).
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.

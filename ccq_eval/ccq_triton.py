@@ -468,9 +468,12 @@ def supports_head_dim(K: int) -> bool:
 
 def _segment_chunks(NT: int, programs_per_segment: int, device) -> int:
     """Chunks per segment of _ccq_chunk_states_kernel: segments enough for about four programs per
-    SM (longer ones walk more chunks in series; shorter ones only add entering states to scan). Off
-    CUDA (the interpreter), as for a GPU of 8 SMs, so that small test shapes get several segments of
-    several chunks."""
+    SM for one batch row, `programs_per_segment` being a row's programs per segment (longer segments
+    walk more chunks in series; shorter ones only add entering states to scan). Not from the batch
+    size: a row's states then come out the same, bit for bit, whichever rows share its call (batches
+    of equal-length texts, a data-parallel split of them), and a batch of B rows has B times the
+    programs of one, each walking as far. Off CUDA (the interpreter), as for a GPU of 8 SMs, so that
+    small test shapes get several segments of several chunks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     return triton.cdiv(NT, max(1, 4 * sms // programs_per_segment))
 
@@ -529,7 +532,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
         key_inv_norm = torch.empty(B * T * H, device=r.device, dtype=torch.float32)
         _inverse_norms_kernel[(triton.cdiv(B * T * H, NORM_TILE // K),)](kappa, key_inv_norm, B * T * H, K=K,
                                                                           ROWS=NORM_TILE // K, num_warps=4)
-    SEG = segment_chunks or _segment_chunks(NT, K // STATE_ROWS * B * H, r.device)
+    SEG = segment_chunks or _segment_chunks(NT, K // STATE_ROWS * H, r.device)
     NSEG = triton.cdiv(NT, SEG)
     # Segment slot s: the sums over segment s - 1, which the scan turns into the state entering s.
     seg_P = torch.empty(B * H, NSEG + 1, K, K, device=r.device, dtype=torch.float32)

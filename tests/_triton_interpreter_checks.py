@@ -69,6 +69,17 @@ def forward_checks():
                                       output_final_state=True, chunk_size=16, segment_chunks=segment)
         out[f"B1_T600_H1_K64_C16_segments_of_{segment}"] = {
             "q": max_abs(q, q_ref), "state": max(max_abs(a, b) / b.abs().max().item() for a, b in zip(final, s_ref))}
+    # A row's result does not depend on the rows beside it: three rows in one call, bit for bit the
+    # three rows alone (the segment length follows the length and heads, not the batch).
+    r, kappa, log_gamma, lam = inputs(3, 600, 1, 64, seed=8)
+    state = tuple(s.float() for s in prior_state(3, 1, 64, seed=9))
+    q, final = ccq_order1_forward(r, kappa, log_gamma, lam, True, state, output_final_state=True, chunk_size=16)
+    rows = [ccq_order1_forward(r[b:b + 1], kappa[b:b + 1], log_gamma[b:b + 1], lam[b:b + 1], True,
+                               tuple(s[b:b + 1] for s in state), output_final_state=True, chunk_size=16)
+            for b in range(3)]
+    out["batch_rows_equal_single_rows"] = all(
+        torch.equal(q[b:b + 1], q_row) and all(torch.equal(a[b:b + 1], c) for a, c in zip(final, final_row))
+        for b, (q_row, final_row) in enumerate(rows))
     # The half-precision path (tl.dot in the input dtype, as bf16 on GPU; the interpreter has no bf16).
     r, kappa, log_gamma, lam = inputs(1, 130, 2, 64, seed=3)
     q_ref, _ = ccq_read_reference(r.double(), kappa.double(), log_gamma.double(), lam.double())

@@ -42,6 +42,7 @@ def test_fused_forward_matches_reference_in_interpreter():
             assert errors["state"] < 1e-5, (name, errors)
     assert result["fp16_relative_l2"] < 2e-3
     assert result["lambda0_identical"]
+    assert result["batch_rows_equal_single_rows"]
 
 
 def test_fused_gradients_match_reference_in_interpreter():

@@ -128,6 +128,8 @@ def test_generation_rows(smoke):
         # Both paths decode greedily from the same model and prompt tokens (fp32 on CPU).
         assert row["same_text_as_other_method"] is True
         assert row["replay_ms_per_token"] is None  # no CUDA graphs on CPU
+        # The untimed first call (gen_warmup 1 in the smoke settings) is reported beside the timed ones.
+        assert row["first_call_ms"] > 0
 
 
 def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypatch):

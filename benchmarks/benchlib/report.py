@@ -365,6 +365,7 @@ def markdown(report: dict[str, Any]) -> str:
                     "replay ms/tok",
                     "decode tok/s",
                     "total ms",
+                    "1st call ms",
                     "peak GiB",
                     "same text",
                 ],
@@ -381,6 +382,7 @@ def markdown(report: dict[str, Any]) -> str:
                         _f(r.get("replay_ms_per_token"), 3),
                         _f(r["decode_tokens_per_s"], 1),
                         _f(r["total_ms"]),
+                        _f(r.get("first_call_ms")),
                         _gib(r.get("peak_mem_bytes")),
                         _f(r.get("same_text_as_other_method")),
                     ]

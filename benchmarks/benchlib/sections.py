@@ -491,9 +491,15 @@ def _generation_case(
     s = bench.settings
     with workload.ccq_mode(model, case["ccq"]):
         fn = _generator(case["method"], bench, model, prompt, ids, cuda_graphs=_graphs(bench, case))
-        for _ in range(s["gen_warmup"]):
+        # The first call's wall time: compilation, and the adapter's decode-graph capture, which later
+        # calls of the same batch size reuse (the timed calls below).
+        first_call_ms = None
+        for i in range(s["gen_warmup"]):
+            started = time.perf_counter()
             fn()
-        synchronize(bench.device)
+            synchronize(bench.device)
+            if i == 0:
+                first_call_ms = (time.perf_counter() - started) * 1000.0
         mem_before = reset_peak(bench.device)
         runs, text = [], None
         for _ in range(s["gen_repeats"]):
@@ -513,6 +519,7 @@ def _generation_case(
         "prompt_tokens": len(ids),
         "max_new_tokens": s["new_tokens"],
         "prefill_calls": runs[-1]["prefill_calls"],
+        "first_call_ms": first_call_ms,
         **med,
         "decode_ms_per_token": per_token,
         "replay_ms_per_token": replay_per_token,

@@ -51,24 +51,19 @@ def main() -> None:
     model = workload.build_model(args.arch, workload.SHAPES_340M[args.arch], 32000, device, torch.bfloat16)
     tokens = workload.random_tokens(args.batch, args.T, 32000, device)
 
-    if args.mode == "score":
+    if args.mode in ("score", "generate"):  # the adapter on a real document of T tokens
         from lm_eval.api.instance import Instance
 
         from ccq_eval.lm_adapter import CCQEvalLM
 
         tokenizer, _ = workload.load_tokenizer("mistral")
         text = workload.long_document(tokenizer, args.T)
+    if args.mode == "score":
         tokens = torch.tensor([workload.prefix_ids(tokenizer) + workload.encode(tokenizer, text)], device=device)
         lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=args.T, batch_size=1)
         requests = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0,
                              task_name="profile", doc_id=i) for i in range(args.docs)]
     if args.mode == "generate":
-        from lm_eval.api.instance import Instance
-
-        from ccq_eval.lm_adapter import CCQEvalLM
-
-        tokenizer, _ = workload.load_tokenizer("mistral")
-        text = workload.long_document(tokenizer, args.T)
         lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=args.T + 256, batch_size=1,
                        cuda_graphs=True)
         requests = [Instance(request_type="generate_until", doc={}, idx=0, task_name="profile",

@@ -101,7 +101,9 @@ class GraphedDecodeStep:
     def matches(self, cache: Any) -> bool:
         """Whether `cache` has the layout of the one this graph was captured from (the same state
         tensors' shapes, dtypes and devices), so that `load` can start it from there."""
-        states = _state_tensors(cache)
+        return self._same_layout(_state_tensors(cache))
+
+    def _same_layout(self, states: list[torch.Tensor]) -> bool:
         return len(states) == len(self._buffers) and all(
             a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
             for a, b in zip(states, self._buffers, strict=True))
@@ -111,10 +113,11 @@ class GraphedDecodeStep:
         copied into the buffers the graph reads. The graph's work does not depend on the prompt, only
         on the states, so this is the same as capturing anew, without the warm-up and capture (about
         0.2 s for a 340M-shape model on the H200, the time of some 60-100 replays)."""
-        if not self.matches(cache):
+        states = _state_tensors(cache)
+        if not self._same_layout(states):
             raise ValueError("GraphedDecodeStep.load: the cache's state tensors differ in shape, dtype or "
                              "device from the captured ones; capture a new graph for it")
-        _copy_all(self._buffers, _state_tensors(cache))
+        _copy_all(self._buffers, states)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self._ids.copy_(tokens.view(-1, 1))

@@ -100,28 +100,25 @@ def test_graphed_step_equals_eager_step(kind, ccq):
 
     torch.manual_seed(0)
     model = MODELS[kind](ccq).cuda().eval()
+
+    def replays_match_eager_steps(graphed, prefill_cache, steps, label):
+        cache = copy.deepcopy(prefill_cache)
+        for step in range(steps):
+            tokens = torch.randint(0, 384, (2,), device="cuda")
+            got = graphed(tokens)
+            out = model.model(input_ids=tokens.view(2, 1), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            expected = model.lm_head(out[0][:, -1]).float()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"{label}step {step}")
+
     with torch.no_grad():
         prefill = model.model(input_ids=torch.randint(0, 384, (2, 50), device="cuda"), use_cache=True)
         graphed = GraphedDecodeStep(model.model, model.lm_head, prefill.past_key_values, batch=2)
-        cache = copy.deepcopy(prefill.past_key_values)
-        for step in range(16):
-            tokens = torch.randint(0, 384, (2,), device="cuda")
-            got = graphed(tokens)
-            out = model.model(input_ids=tokens.view(2, 1), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            expected = model.lm_head(out[0][:, -1]).float()
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        replays_match_eager_steps(graphed, prefill.past_key_values, 16, "")
         # The same graph started from another prefill (GraphedDecodeStep.load), against eager steps.
         prefill = model.model(input_ids=torch.randint(0, 384, (2, 70), device="cuda"), use_cache=True)
         graphed.load(prefill.past_key_values)
-        cache = copy.deepcopy(prefill.past_key_values)
-        for step in range(8):
-            tokens = torch.randint(0, 384, (2,), device="cuda")
-            got = graphed(tokens)
-            out = model.model(input_ids=tokens.view(2, 1), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            expected = model.lm_head(out[0][:, -1]).float()
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=f"after load, step {step}")
+        replays_match_eager_steps(graphed, prefill.past_key_values, 8, "after load, ")
 
 
 def test_load_copies_states_into_the_graph_buffers_and_refuses_another_layout():

@@ -61,14 +61,15 @@ SCAN_STEPS = 16  # slots loaded at once by the scan (segments in the forward, ch
 # as before, recomputed the scores K / BV times.) WHOLE: the chunk's K-wide rows of r and kappa are
 # loaded once and every product is one dot over the whole head dim (at d_k = 256: 255 registers and
 # 124 KB of shared memory, 1 program per SM); otherwise the products walk K in BK-wide tiles (121
-# registers, 32 KB: 2 programs per SM). 8 warps: with 4, the whole kernel spills and the tiled one takes
-# 211-226 registers with 3 stages (ptxas for sm_90, triton 3.9, pointers 16-byte aligned as on a GPU).
-# Not yet candidates: the tiled kernel with 4 warps and 3 stages, fastest at d_k = 256 in one
-# side-by-side run on the H200 (benchmarks/tune_ccq.py, 2026-12-01, by wall time, which at these sizes
-# includes the host's enqueue), but never checked for values on a GPU; candidates that compiled have
-# hit illegal memory accesses there before (see _BWD_CONFIGS).
-_READ_CONFIGS = [triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8,
-                               num_stages=2) for whole in (False, True) for split in (1, 2)]
+# registers, 32 KB: 2 programs per SM). The tiled kernel with 4 warps and 3 or 4 stages is the fastest
+# by kernel time on the H200 (benchmarks/tune_ccq.py, 2026-12-02, profiler, T = 20480, bf16): at
+# d_k = 256 (Gated DeltaNet-340M) 273 / 253 us against 353 us for the whole-K 8-warp kernel the
+# autotuner picked before; at d_k = 128 (GLA-340M) 78 / 76 us against 100 us. With 4 warps the
+# whole-K kernel spills, so it keeps 8.
+_READ_CONFIGS = ([triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8,
+                                num_stages=2) for whole in (False, True) for split in (1, 2)]
+                 + [triton.Config({"BK": 32, "BV": 64, "SPLIT": 1, "WHOLE": False}, num_warps=4,
+                                  num_stages=stages) for stages in (3, 4)])
 
 
 class _FirstConfig:

@@ -23,7 +23,8 @@ whole read is four launches of three kernels:
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype. The chunk's scores
    r kappa^T are formed once per program, which then walks its columns of q~ (at d_k = 256 on the
-   H200: 380 us per layer at 20K, against 649 us when each column block recomputed them). Folding
+   H200: 380 us per layer at 20K, against 649 us when each column block recomputed them; 253 us with
+   4 warps and 4 stages, see _READ_CONFIGS). Folding
    the read into the second state pass, so that the chunk states are never written, was 2.6-3.3x
    slower: that walk is serial, and the read lengthened each of its steps (benchmarks/README.md,
    "Fused v5.1").

@@ -18,6 +18,8 @@ and 128 (the fused decoding kernel), and 16 replays gave the same logits as 16 e
 (tests/test_graphed_decode.py, marked gpu; benchmarks/results/h200/fused-v3/). An earlier version
 drifted with CCQ layers: the state buffers the graph reads were not kept alive once CCQ's new P, m, n
 replaced them in the cache, so their memory was reused between replays; they are held now (below).
+On 2026-12-02 the same tests passed with `load` (a second prefill replayed by the same graph) and the
+per-dtype copy-back (benchmarks/results/h200/session9/gpu-tests-graphed.log).
 Off by default (CCQEvalLM's cuda_graphs).
 """
 
@@ -49,7 +51,9 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     not one memcpy per tensor. Why: captured, each copy_ is a memcpy node. A replayed CCQ-GLA step
     (three new states per layer, 97 memcpy nodes) took 3.50 ms per token on the H200 against 2.07 ms
     of kernel time, and fla's (25 nodes) 1.89 against 1.70 (benchmarks/results/h200/session8/): the
-    idle time grows with the memcpy nodes more than with the kernels. Not yet timed with this."""
+    idle time grows with the memcpy nodes more than with the kernels. With this (and the decoding
+    kernel reading the gate's parameters in their own dtype) the CCQ step took 2.2 ms per token
+    (benchmarks/results/h200/session9/generation.md)."""
     groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for target, source in zip(targets, sources, strict=True):
         group = groups.setdefault((target.dtype, source.dtype, target.device), ([], []))

@@ -231,21 +231,17 @@ def candidate_checks():
     from ccq_eval import ccq_triton
 
     tuned = [x for x in vars(ccq_triton).values() if isinstance(x, ccq_triton._FirstConfig)]
-    errors, runs, covered = {}, set(), set()
+    errors, runs = {}, set()
     for candidate in range(max(len(x.configs) for x in tuned)):
         picks = tuple(tuple(sorted(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs.items()))
                       for kernel in tuned)
         if picks in runs:  # the interpreter ignores num_warps and num_stages: the same run again
             continue
         runs.add(picks)
-        covered.update(enumerate(picks))
         for kernel, kwargs in zip(tuned, picks):
             kernel.kwargs = dict(kwargs)
         errors.update(_every_kernel_once(candidate))
-    # Every kernel's every distinct candidate (by its constexprs) must have run in some pass.
-    uncovered = [f"{kernel.kernel.__name__} {dict(kwargs)}" for i, kernel in enumerate(tuned)
-                 for kwargs in {tuple(sorted(c.kwargs.items())) for c in kernel.configs} if (i, kwargs) not in covered]
-    return {"errors": errors, "runs": len(runs), "uncovered": uncovered, "overrun_caught": _overrun_is_caught()}
+    return {"errors": errors, "runs": len(runs), "overrun_caught": _overrun_is_caught()}
 
 
 def _relative(a, b):

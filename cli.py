@@ -1,6 +1,8 @@
 """ccq-eval: evaluate linear-attention LMs with and without CCQ on long-context tasks.
 
-Thin typer front end; the work happens in ccq_eval (runner, results_store, tables, stats,
+Thin typer front end; the work happens in ccq_eval.harness (plan, runner, results_store) and
+ccq_eval.analysis (tables, stats, figures). Imports are lazy so that commands which only read
+results load neither torch nor fla, and argument errors appear at once.
 figures). `table`, `compare` and `figures` read results from disk and never load a model.
 """
 
@@ -30,7 +32,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _check_format(fmt: str) -> None:
-    from ccq_eval.tables import FORMATS
+    from ccq_eval.analysis.tables import FORMATS
 
     if fmt not in FORMATS:
         _fail(f"--format {fmt!r}: valid choices are {', '.join(FORMATS)}")
@@ -40,7 +42,7 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         typer.echo(text, nl=False)
     else:
-        from ccq_eval.results_store import atomic_write_text
+        from ccq_eval.harness.results_store import atomic_write_text
 
         atomic_write_text(output, text)
         typer.echo(f"wrote {output}", err=True)
@@ -87,9 +89,9 @@ def run(
 
     Re-running the same command skips finished units and resumes an interrupted one without re-asking the model what it already answered.
     """
-    from ccq_eval import runner
+    from ccq_eval.harness import plan as run_plan
 
-    options = runner.RunOptions(
+    options = run_plan.RunOptions(
         models=list(model), tasks=list(task), lengths=lengths, depths=depths,
         samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
@@ -97,15 +99,17 @@ def run(
         cuda_graphs=cuda_graphs,
     )
     try:
-        plan = runner.plan_run(options)
-    except runner.PlanError as exc:
+        plan = run_plan.plan_run(options)
+    except run_plan.PlanError as exc:
         _fail(str(exc))
     done = len(plan.units) - len(plan.pending)
     typer.echo(
         f"{len(plan.units)} units ({len({u.model for u in plan.units})} models x "
         f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}", err=True
     )
-    reporter = runner.SilentReporter() if quiet else runner.RichReporter()
+    from ccq_eval.harness import reporting, runner
+
+    reporter = reporting.SilentReporter() if quiet else reporting.RichReporter()
     try:
         summary = runner.execute_plan(plan, reporter=reporter)
     except KeyboardInterrupt:
@@ -126,9 +130,9 @@ def run(
 
 def _write_report(results: Path) -> None:
     """The table and figures of everything in `results`, as `table` and `figures` would write them."""
-    from ccq_eval import figures as figure_module
-    from ccq_eval import tables
-    from ccq_eval.results_store import atomic_write_text
+    from ccq_eval.analysis import figures as figure_module
+    from ccq_eval.analysis import tables
+    from ccq_eval.harness.results_store import atomic_write_text
 
     tidy = tables.load_tidy(results)
     atomic_write_text(results / "table.md", tables.render_tables(tidy, "markdown", "paper", 2))
@@ -145,8 +149,8 @@ def table(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
 ) -> None:
     """Tables from results on disk: S-NIAH accuracy and perplexity per length, LongBench per dataset."""
-    from ccq_eval import tables
-    from ccq_eval.results_store import ResultsError
+    from ccq_eval.analysis import tables
+    from ccq_eval.harness.results_store import ResultsError
 
     _check_format(format)
     if view not in ("paper", "tidy"):
@@ -172,7 +176,8 @@ def compare(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
 ) -> None:
     """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
-    from ccq_eval import results_store, stats
+    from ccq_eval.analysis import stats
+    from ccq_eval.harness import results_store
 
     _check_format(format)
     if n_boot < 100:
@@ -194,9 +199,9 @@ def figures(
     out: Annotated[Path, typer.Option("--out", help="Folder for the PNG and PDF files.")] = Path("figures"),
 ) -> None:
     """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars."""
-    from ccq_eval import figures as figure_module
-    from ccq_eval import tables
-    from ccq_eval.results_store import ResultsError
+    from ccq_eval.analysis import figures as figure_module
+    from ccq_eval.analysis import tables
+    from ccq_eval.harness.results_store import ResultsError
 
     try:
         paths = figure_module.draw_all(tables.load_tidy(results), out)
@@ -212,7 +217,7 @@ def archive(
     destination: Annotated[Path, typer.Argument(help="Folder for the compact copy (e.g. results/<name>).")],
 ) -> None:
     """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
-    from ccq_eval import results_store
+    from ccq_eval.harness import results_store
 
     source, destination = results.resolve(), destination.resolve()
     if source == destination or source in destination.parents:
@@ -229,11 +234,11 @@ def archive(
 @app.command()
 def tasks() -> None:
     """List the tasks `run --task` accepts."""
-    from ccq_eval import runner
+    from ccq_eval.harness import plan as run_plan
 
     try:
-        listing = runner.default_task_catalog().aliases()
-    except runner.PlanError as exc:
+        listing = run_plan.default_task_catalog().aliases()
+    except run_plan.PlanError as exc:
         _fail(str(exc))
     width = max((len(name) for name in listing), default=0)
     for name, description in listing.items():
@@ -244,14 +249,14 @@ def tasks() -> None:
 @app.command()
 def models() -> None:
     """List the registered models `run --model` accepts (checkpoint folders work too)."""
-    from ccq_eval import runner
+    from ccq_eval.model import registry as model_registry
 
     try:
-        registry = runner.load_model_registry()
-    except runner.PlanError as exc:
+        registry = model_registry.load_model_registry()
+    except model_registry.RegistryError as exc:
         _fail(str(exc))
     if not registry:
-        _fail(f"no models registered in {runner.MODEL_REGISTRY_PATH}; pass a checkpoint folder to --model", 1)
+        _fail(f"no models registered in {model_registry.MODEL_REGISTRY_PATH}; pass a checkpoint folder to --model", 1)
     width = max(len(name) for name in registry)
     for entry in registry.values():
         mark = " (default)" if entry.default else ""
@@ -267,8 +272,9 @@ def lm_eval_cli(ctx: typer.Context) -> None:
 
     lm-eval has no plugin discovery, so its plain `lm-eval` command does not know the `ccq` model.
     """
-    import ccq_eval.lm_adapter  # noqa: F401  (registers the "ccq" model with lm-eval)
     from lm_eval.__main__ import cli_evaluate
+
+    import ccq_eval.harness.adapter  # noqa: F401  (registers the "ccq" model with lm-eval)
 
     sys.argv = ["lm-eval", *ctx.args]
     cli_evaluate()

@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchlib.report import environment, targets
     from benchlib.sections import SECTIONS, Bench
 
-    import ccq_eval  # noqa: F401  (CPU backend for fla, model registration)
+    from ccq_eval.model.modeling_ccq import prepare_runtime
+
+    prepare_runtime()  # fla's CPU backend and the CCQ model types
 
     bench = Bench(settings)
     started = dt.datetime.now(dt.UTC)

@@ -82,9 +82,11 @@ def evaluate(args: argparse.Namespace) -> int:
     from lm_eval import simple_evaluate
     from lm_eval.api.instance import Instance
 
-    import ccq_eval  # noqa: F401  (CPU backend, model registration)
-    from ccq_eval.lm_adapter import CCQEvalLM
-    from ccq_eval.task_registry import make_task_manager
+    from ccq_eval.model.modeling_ccq import prepare_runtime
+
+    prepare_runtime()  # fla's CPU backend and the CCQ model types
+    from ccq_eval.harness.adapter import CCQEvalLM
+    from ccq_eval.harness.task_registry import make_task_manager
 
     tokenizer, spec = workload.load_tokenizer(args.tokenizer)
     shapes = workload.SHAPES_SMOKE if args.smoke else workload.SHAPES_340M

@@ -30,7 +30,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
 import torch  # noqa: E402
-
 from benchlib import workload  # noqa: E402
 
 
@@ -45,7 +44,9 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_forward.py needs a CUDA GPU")
-    import ccq_eval  # noqa: F401  (registers the CCQ model types)
+    from ccq_eval.model.modeling_ccq import prepare_runtime
+
+    prepare_runtime()  # fla's CPU backend and the CCQ model types
 
     device = torch.device("cuda")
     model = workload.build_model(args.arch, workload.SHAPES_340M[args.arch], 32000, device, torch.bfloat16)
@@ -54,7 +55,7 @@ def main() -> None:
     if args.mode in ("score", "generate"):  # the adapter on a real document of T tokens
         from lm_eval.api.instance import Instance
 
-        from ccq_eval.lm_adapter import CCQEvalLM
+        from ccq_eval.harness.adapter import CCQEvalLM
 
         tokenizer, _ = workload.load_tokenizer("mistral")
         text = workload.long_document(tokenizer, args.T)
@@ -132,7 +133,7 @@ def _median_wall_ms(fn, repeats: int = 5) -> float:
 
 def generate_steps(lm, text: str, ccq: bool) -> None:
     """Wall time of the steps of the adapter's generate_until (median of 5 after one warm-up)."""
-    from ccq_eval.graphed_decode import GraphedDecodeStep
+    from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
     ids = lm.tok_encode(text)
     input_ids = lm._tensor([ids])

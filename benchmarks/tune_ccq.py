@@ -7,7 +7,7 @@ time of a call (median of CUDA-event timings, the host's enqueue included).
 
     python benchmarks/tune_ccq.py [--T 20480] [--repeats 20] [--shapes gdn,gla]
 
-For choosing candidates and defaults (ccq_eval/ccq_triton.py): the autotuner times the candidates of a
+For choosing candidates and defaults (ccq_eval/model/kernels/ccq_forward.py): the autotuner times the candidates of a
 kernel alone, this the whole forward. Prints to stdout; nothing is written.
 """
 
@@ -23,7 +23,6 @@ sys.path.insert(1, str(HERE.parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-
 from benchlib.timing import measure  # noqa: E402
 
 # (heads, head dim): fla's 340M configs, the key heads CCQ reads (benchlib.workload builds the models).
@@ -64,9 +63,9 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_ccq.py needs a CUDA GPU")
-    from ccq_eval import ccq_triton
+    from ccq_eval.model.kernels import ccq_forward
 
-    read = ccq_triton._ccq_read_kernel
+    read = ccq_forward._ccq_read_kernel
     all_read_configs = list(read.configs)
     # The read kernel's candidates and more (a config is forced by making it the only candidate).
     # (SPLIT 4 with WHOLE at d_k = 128 hit an illegal memory access on the H200, triton 3.6: not tried.)
@@ -81,7 +80,7 @@ def main() -> None:
         r, k, log_gamma, gate = _inputs(args.T, H, K)
 
         def forward(raw_keys=True, segment_chunks=None, keys=k):
-            return ccq_triton.ccq_order1_forward(r, keys, log_gamma, None, True, None, output_final_state=True,
+            return ccq_forward.ccq_order1_forward(r, keys, log_gamma, None, True, None, output_final_state=True,
                                                  raw_keys=raw_keys, gate=gate, segment_chunks=segment_chunks)
 
         print(f"\n## {name}: H = {H}, d_k = {K}\n\nkernels of the default call (autotuned), us per call:")
@@ -97,8 +96,8 @@ def main() -> None:
                   f"{wall:.1f} |", flush=True)
 
         row("default (autotuned)", forward)
-        NT = triton.cdiv(args.T, ccq_triton.CHUNK)
-        auto = ccq_triton._segment_chunks(NT, K // ccq_triton.STATE_ROWS * H, r.device)
+        NT = triton.cdiv(args.T, ccq_forward.CHUNK)
+        auto = ccq_forward._segment_chunks(NT, K // ccq_forward.STATE_ROWS * H, r.device)
         for seg in sorted({auto, *(int(s) for s in args.segments.split(","))}):
             row(f"segment {seg} chunks{' (auto)' if seg == auto else ''}", lambda: forward(segment_chunks=seg))
         unit = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()

@@ -1,18 +1,17 @@
 """ccq-eval: long-context evaluation of linear-attention models with and without CCQ.
 
-Importing the package makes fla's GLA / Gated DeltaNet run on CPU (a torch backend chosen by tensor
-device; CUDA keeps fla's kernels) and registers the model types ccq_gla and ccq_gated_deltanet with
-transformers' Auto classes.
+Subpackages: `model` (the CCQ operator, the CCQ-GLA / CCQ-Gated-DeltaNet models, their loading,
+Triton kernels, fla's CPU backend, CUDA graphs), `harness` (the lm-eval adapter, the runner, the
+results store, tasks and corpora) and `analysis` (tables, statistics, figures).
+
+Importing the package has no side effects and loads neither torch nor fla: the model loader and the
+lm-eval adapter prepare fla's CPU backend and register the model types when they are used
+(`ccq_eval.model.modeling_ccq.prepare_runtime`).
 """
 
-from ccq_eval import autotune as _autotune
-from ccq_eval import backend as _backend
+from importlib.metadata import PackageNotFoundError, version
 
-_autotune.install_limit_from_env()
-_backend.install()
-
-from ccq_eval.modeling_ccq import register as _register_models  # noqa: E402  (after the backend patches fla)
-
-_register_models()
-
-__version__ = "0.1.0"
+try:
+    __version__ = version("ccq-eval")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"

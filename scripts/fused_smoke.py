@@ -8,9 +8,11 @@ import sys
 
 import torch
 
-import ccq_eval  # noqa: F401
-from ccq_eval.ccq import CCQGate, CCQState, ccq_read_chunk, ccq_read_keys, unit_keys
-from ccq_eval.token_logprob import token_logprob
+from ccq_eval.model.ccq import CCQGate, CCQState, ccq_read_chunk, ccq_read_keys, unit_keys
+from ccq_eval.model.kernels.token_logprob import token_logprob
+from ccq_eval.model.modeling_ccq import prepare_runtime
+
+prepare_runtime()  # fla's CPU backend and the CCQ model types
 
 
 def run(kernel, fn):

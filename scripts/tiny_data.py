@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from ccq_eval.corpora import load_corpus
+from ccq_eval.harness.corpora import load_corpus
 
 CORPUS_NAMES = ("sotu", "kjv", "austen")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2

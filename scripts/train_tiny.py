@@ -55,9 +55,9 @@ import tiny_data
 import torch
 import torch.nn.functional as F
 
-import ccq_eval  # installs the CPU backend for fla and registers the CCQ model types
-from ccq_eval import autotune
-from ccq_eval.modeling_ccq import (
+import ccq_eval  # the CCQ model classes prepare fla's CPU backend when they are built
+from ccq_eval.model.kernels import autotune
+from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
     CCQGLAConfig,
@@ -533,7 +533,7 @@ def write_model(spec: ModelSpec, model, settings: TrainSettings, summary: dict, 
                 started: float) -> dict:
     from transformers import ByT5Tokenizer
 
-    from ccq_eval.loading import load_model
+    from ccq_eval.model.loading import load_model
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}.", dir=out))

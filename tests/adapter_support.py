@@ -1,10 +1,9 @@
-"""Shared pieces of the adapter tests (tests/test_adapter_*.py): a tiny random causal LM with a
+"""Shared pieces of the adapter tests (tests/harness/test_adapter_*.py): a tiny random causal LM with a
 cache (GPT-2 shape, built offline) and byte-level tokenizers with and without a BOS token."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
@@ -51,15 +50,8 @@ def greedy_full_recompute(model, ids: list[int], n_new: int, stop_ids: set[int])
 
 
 def ppl_utils():
-    """tasks/ppl/utils.py as a module (it is loaded by path, as lm-eval does)."""
-    path = REPO / "tasks" / "ppl" / "utils.py"
-    name = "ccq_tasks_ppl_utils"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """tasks/ppl/utils.py (lm-eval loads it by path; from the repository root it is a package module)."""
+    return importlib.import_module("tasks.ppl.utils")
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,8 @@ sys.path.insert(0, str(SCRIPTS))
 import tiny_data
 import train_tiny
 
-from ccq_eval.corpora import load_corpus
-from ccq_eval.loading import load_model
+from ccq_eval.harness.corpora import load_corpus
+from ccq_eval.model.loading import load_model
 
 # Small enough for a loaded 2-core CI machine; 320 tokens leave room for synthetic recall docs.
 SMOKE_ARGS = ["--smoke", "--steps", "6", "--batch-size", "1", "--context", "320", "--repeat", "1",

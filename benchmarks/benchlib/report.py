@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from benchlib.workload import REPO
-
-from ccq_eval import autotune
+from ccq_eval.model.kernels import autotune
 
 GiB = 1024**3
 PACKAGES = (
@@ -74,7 +73,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "packages": {name: _version(name) for name in PACKAGES},
         "git": _git(),
-        # A cap on triton's autotuning candidates (ccq_eval/autotune.py) can make kernels slower.
+        # A cap on triton's autotuning candidates (ccq_eval/model/kernels/autotune.py) can make kernels slower.
         "autotune_configs_per_kernel": autotune.configured_limit(),
         # Which CCQ read and which scoring log-softmax ran (the defaults: fused, triton).
         "ccq_kernel": os.environ.get("CCQ_EVAL_CCQ_KERNEL", "fused"),

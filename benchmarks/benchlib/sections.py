@@ -205,8 +205,8 @@ def _ops_case(bench: Bench, case: dict[str, Any], fn: Callable[[], Any]) -> dict
 def run_ops(bench: Bench) -> None:
     """Single kernels on the issue's reference shape (forward, no grad): the GLA read, the same
     kernel with v = k, the scalar-decay pass CCQ uses, the gated delta rule, and the whole CCQ read."""
-    from ccq_eval import backend
-    from ccq_eval.ccq import ccq_read_chunk, unit_keys
+    from ccq_eval.model import fla_cpu
+    from ccq_eval.model.ccq import ccq_read_chunk, unit_keys
 
     T, H, K, V = bench.settings["ops_shape"]
     dev, dt = bench.device, bench.dtype
@@ -224,15 +224,15 @@ def run_ops(bench: Bench) -> None:
     q_unit, k_unit = F.normalize(q.float(), dim=-1).to(dt), F.normalize(k.float(), dim=-1).to(dt)
 
     cases: list[tuple[str, Callable[[], Any]]] = [
-        (f"chunk_gla d_v={V}", lambda: backend.chunk_gla(q, k, v, g_channel)),
-        ("chunk_gla v=k", lambda: backend.chunk_gla(q, k, k, g_channel)),
+        (f"chunk_gla d_v={V}", lambda: fla_cpu.chunk_gla(q, k, v, g_channel)),
+        ("chunk_gla v=k", lambda: fla_cpu.chunk_gla(q, k, k, g_channel)),
         (
             "chunk_simple_gla v=k (CCQ covariance pass)",
-            lambda: backend.chunk_simple_gla(q, k_unit, k_unit, g=g_scalar, scale=1.0),
+            lambda: fla_cpu.chunk_simple_gla(q, k_unit, k_unit, g=g_scalar, scale=1.0),
         ),
         (
             f"chunk_gated_delta_rule d_v={V}",
-            lambda: backend.chunk_gated_delta_rule(q_unit, k_unit, v, g_scalar, beta),
+            lambda: fla_cpu.chunk_gated_delta_rule(q_unit, k_unit, v, g_scalar, beta),
         ),
         (
             "ccq_read_chunk order 1 (whole CCQ read)",
@@ -263,7 +263,7 @@ def _scorer(method: str, bench: Bench, model, n_tokens: int, chunk: int | None,
             device=str(bench.device),
         )
     else:
-        from ccq_eval.lm_adapter import CCQEvalLM
+        from ccq_eval.harness.adapter import CCQEvalLM
 
         lm = CCQEvalLM(
             model=model,
@@ -336,7 +336,7 @@ def run_harness(bench: Bench) -> None:
     input_ids = torch.tensor([ids], device=bench.device)
     methods: list[tuple[str, int | None]] = [("bare_forward", None)]
     methods += [(f"ccq_adapter chunk={chunk}", chunk) for chunk in s["adapter_chunk_sizes"]]
-    if s["cuda_graphs"]:  # the adapter's scoring forwards replayed from CUDA graphs (ccq_eval.graphed_score)
+    if s["cuda_graphs"]:  # the adapter's scoring forwards replayed from CUDA graphs (ccq_eval.model.cuda_graphs.score)
         methods += [(f"ccq_adapter chunk={chunk}{GRAPHS_SUFFIX}", chunk) for chunk in s["adapter_chunk_sizes"]]
     if s["hflm"]:
         methods.append(("lm_eval HFLM", None))
@@ -387,7 +387,7 @@ class CallRecorder:
 
 def _timed_generation(bench: Bench, model, fn: Callable[[], Any],
                       steps_counter: Callable[[], int] | None = None) -> tuple[dict[str, Any], Any]:
-    from ccq_eval.graphed_decode import GraphedDecodeStep
+    from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
     recorder = CallRecorder(model, bench.device)
     # The first CUDA-graph replay, stamped: the decode time from the first one-token call includes the
@@ -444,7 +444,7 @@ def _generator(method: str, bench: Bench, model, prompt: str, ids: list[int],
     if method == "ccq_adapter":
         from lm_eval.api.instance import Instance
 
-        from ccq_eval.lm_adapter import CCQEvalLM
+        from ccq_eval.harness.adapter import CCQEvalLM
 
         lm = CCQEvalLM(
             model=model,
@@ -578,7 +578,7 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
                 device=str(bench.device),
             )
         else:
-            from ccq_eval.lm_adapter import CCQEvalLM
+            from ccq_eval.harness.adapter import CCQEvalLM
 
             lm = CCQEvalLM(
                 model=model,

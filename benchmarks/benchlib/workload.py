@@ -4,8 +4,7 @@ prompts."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,7 +64,7 @@ KERNEL_CHUNK = 64
 
 
 def model_classes(arch: str):
-    from ccq_eval.modeling_ccq import (
+    from ccq_eval.model.modeling_ccq import (
         CCQGatedDeltaNetConfig,
         CCQGatedDeltaNetForCausalLM,
         CCQGLAConfig,
@@ -99,7 +98,7 @@ def build_model(
 
 
 def ccq_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from ccq_eval.modeling_ccq import CCQReadMixin
+    from ccq_eval.model.modeling_ccq import CCQReadMixin
 
     return [m for m in model.modules() if isinstance(m, CCQReadMixin)]
 
@@ -176,14 +175,8 @@ def load_tokenizer(spec: str):
 
 
 def s_niah_utils():
-    """tasks/s_niah/utils.py as a module (lm-eval loads it by path; so do we)."""
-    name = "ccq_bench_s_niah_utils"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tasks" / "s_niah" / "utils.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """tasks/s_niah/utils.py (lm-eval loads it by path; from the repository root it is a package module)."""
+    return importlib.import_module("tasks.s_niah.utils")
 
 
 def prefix_ids(tokenizer) -> list[int]:
@@ -199,7 +192,7 @@ def encode(tokenizer, text: str) -> list[int]:
 def long_document(tokenizer, n_tokens: int, corpus: str = "austen") -> str:
     """Natural text that the adapter feeds as about n_tokens tokens (its BOS included): the start of
     the embedded corpus' eval documents, cut at a token boundary."""
-    from ccq_eval.corpora import load_corpus
+    from ccq_eval.harness.corpora import load_corpus
 
     docs = load_corpus(corpus, split="eval")
     text = "\n\n".join(doc.text for doc in docs)

@@ -28,8 +28,8 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from ccq_eval import tables
-from ccq_eval.results_store import ResultsError
+from ccq_eval.analysis import tables
+from ccq_eval.harness.results_store import ResultsError
 
 STYLE = {
     "font.size": 9,

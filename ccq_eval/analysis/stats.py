@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ccq_eval import tables
-from ccq_eval.results_store import ResultsError, StoredUnit
+from ccq_eval.analysis import tables
+from ccq_eval.harness.results_store import ResultsError, StoredUnit
 
 DEFAULT_BOOTSTRAP = 10_000
 DEFAULT_SEED = 0

@@ -30,10 +30,10 @@ from typing import Any
 
 import pandas as pd
 
-from ccq_eval import results_store
-from ccq_eval.results_store import ResultsError, StoredUnit
+from ccq_eval.harness import results_store
+from ccq_eval.harness.results_store import ResultsError, StoredUnit
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LONGBENCH_CATEGORIES_FILE = REPO_ROOT / "tasks" / "longbench" / "categories.py"
 
 TIDY_COLUMNS = [

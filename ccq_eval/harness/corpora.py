@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
 # name -> (file in DATA_DIR, one-line description)
 CORPORA: dict[str, tuple[str, str]] = {

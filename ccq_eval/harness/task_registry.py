@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 # tasks/ next to the package in the (editable) checkout; CCQ_EVAL_TASKS_DIR overrides it.
-TASKS_DIR = Path(os.environ.get("CCQ_EVAL_TASKS_DIR") or Path(__file__).resolve().parent.parent / "tasks")
+TASKS_DIR = Path(os.environ.get("CCQ_EVAL_TASKS_DIR") or Path(__file__).resolve().parents[2] / "tasks")
 TASK_FOLDERS = ("s_niah", "ppl", "longbench")
 
 # alias -> (targets in our index, description)

@@ -23,7 +23,9 @@ Policies
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 VALID_POLICIES: tuple[str, ...] = ("middle", "left", "error")
 
@@ -73,3 +75,67 @@ def truncate_tokens(token_ids: Sequence[int], budget: int, policy: str) -> tuple
             "evaluate with a larger max length or use policy 'left'"
         )
     return ids[:half] + ids[-half:], True
+
+
+TRUNCATION_POLICIES = VALID_POLICIES
+
+
+class TruncationMixin:
+    """Prompt fitting with per-task bookkeeping for CCQEvalLM (how many prompts each policy cut)."""
+
+    @property
+    def truncation_stats(self) -> dict[str, Any]:
+        """This process's truncation record: {"policy_counts", "n_truncated", "by_task"}."""
+        return {"policy_counts": dict(self.truncation_policy_counts), "n_truncated": self.n_truncated,
+                "by_task": {task: dict(stats) for task, stats in self.truncation_by_task.items()}}
+
+    def truncation_summary(self) -> dict[str, Any]:
+        """Truncation counts of this process, summed over all ranks when data-parallel
+        (collective: call it on every rank). Returns {"policy_counts", "n_truncated", "by_task"}."""
+        local = self.truncation_stats
+        if self.world_size <= 1:
+            return local
+        import torch.distributed
+
+        parts = [None] * self.world_size
+        torch.distributed.all_gather_object(parts, local)
+        merged: dict[str, Any] = {"policy_counts": Counter(), "n_truncated": 0, "by_task": {}}
+        for part in parts:
+            merged["policy_counts"].update(part["policy_counts"])
+            merged["n_truncated"] += part["n_truncated"]
+            for task, stats in part["by_task"].items():
+                into = merged["by_task"].setdefault(task, {"policy": stats["policy"], "n_requests": 0,
+                                                            "n_truncated": 0})
+                into["n_requests"] += stats["n_requests"]
+                into["n_truncated"] += stats["n_truncated"]
+        merged["policy_counts"] = dict(merged["policy_counts"])
+        return merged
+
+    def _fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
+             what: str, count: bool = True) -> list[int]:
+        """Apply `policy` so that `content` fits `budget` tokens; count what was done (`count`
+        False for a repeated Instance: lm-eval's data-parallel padding and `repeats` reuse one)."""
+        if policy not in TRUNCATION_POLICIES:
+            raise ValueError(f"ccq_truncation={policy!r} (task {task_name}); valid: {', '.join(TRUNCATION_POLICIES)}")
+        stats = self.truncation_by_task.setdefault(str(task_name), {"policy": policy, "n_requests": 0,
+                                                                     "n_truncated": 0})
+        if count:
+            self.truncation_policy_counts[policy] += 1
+            stats["n_requests"] += 1
+        if budget < 1:
+            raise ValueError(f"task {task_name}: {what} leaves no room for the prompt; raise max_length "
+                             f"(now {self.max_length})")
+        if len(content) <= budget:
+            return content
+        if policy == "error":
+            raise ValueError(
+                f"task {task_name}: prompt of {len(content) + len(self.prefix)} tokens does not fit: {what}. "
+                f"Raise max_length (model_args max_length=...) or set ccq_truncation: middle|left in the "
+                f"task's generation_kwargs.")
+        cut, truncated = truncate_tokens(content, budget, policy)
+        if len(cut) > budget:
+            raise RuntimeError(f"truncate_tokens returned {len(cut)} tokens for a budget of {budget}")
+        if truncated and count:
+            self.n_truncated += 1
+            stats["n_truncated"] += 1
+        return cut

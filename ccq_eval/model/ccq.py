@@ -12,7 +12,7 @@ Forms:
 - `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the unfused kernel path: per order a K x K
   covariance pass with fla's chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and
   n as batched decayed sums. By default order 1 runs through the fused Triton kernels of
-  `ccq_triton` instead, forward and backward (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On
+  `kernels.ccq_forward` / `kernels.ccq_backward` instead, forward and backward (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On
   CPU a torch chunk loop applies all orders per chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
@@ -247,7 +247,7 @@ def _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state: CCQState
     """The kernel path (CUDA): each order is one scalar-decay linear attention pass (q = u, k = v = kappa,
     scale 1), fla's chunk_simple_gla on CUDA; m and n come from `decayed_sums`. Device-agnostic through
     the backend's dispatch, so CPU tests check it (and its gradients) against the reference in fp64."""
-    from ccq_eval.backend import chunk_simple_gla
+    from ccq_eval.model.fla_cpu import chunk_simple_gla
 
     acc = state.P.dtype
     m, n = decayed_sums(kappa, log_gamma, state, chunk_size)
@@ -277,7 +277,7 @@ KERNEL_ENV_VAR = "CCQ_EVAL_CCQ_KERNEL"
 
 
 def fused_kernel_enabled() -> bool:
-    """The fused Triton kernels (ccq_triton.py) are the default on CUDA (they passed the GPU tests on the
+    """The fused Triton kernels (ccq_eval/model/kernels/ccq_*.py) are the default on CUDA (they passed the GPU tests on the
     H200: benchmarks/README.md); CCQ_EVAL_CCQ_KERNEL=unfused selects the unfused kernel path instead."""
     choice = os.environ.get(KERNEL_ENV_VAR, "fused").strip().lower()
     if choice not in ("fused", "unfused"):
@@ -289,7 +289,7 @@ def _fused_applies(r: torch.Tensor, order: int) -> bool:
     """The fused kernels' domain: CUDA, not fp64, order 1, a head dim they support, not switched off."""
     if not (r.is_cuda and r.dtype != torch.float64 and order == 1 and fused_kernel_enabled()):
         return False
-    from ccq_eval.ccq_triton import supports_head_dim
+    from ccq_eval.model.kernels.ccq_forward import supports_head_dim
 
     return supports_head_dim(r.shape[-1])
 
@@ -304,7 +304,7 @@ class _FusedOrder1(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, r, kappa, log_gamma, lam, centered):
-        from ccq_eval.ccq_triton import ccq_order1_forward
+        from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
 
         r, kappa = r.contiguous(), kappa.to(r.dtype).contiguous()
         log_gamma, lam = log_gamma.float().contiguous(), lam.float().contiguous()
@@ -317,7 +317,7 @@ class _FusedOrder1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, *_state_grads):
-        from ccq_eval.ccq_triton import ccq_order1_backward
+        from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
 
         r, kappa, log_gamma, lam, P_in, m_in, n_in = ctx.saved_tensors
         dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in,
@@ -329,14 +329,14 @@ class _FusedOrder1Keys(torch.autograd.Function):
     """Training's order-1 read from a zero state on raw keys k and the gate (a, b, lam_max): the fused
     kernels normalise the keys and form lambda themselves, forward and backward, as for inference, so
     neither pass records or recomputes unit_keys or the gate's elementwise passes. The backward
-    kernels apply their chain rules (ccq_triton.ccq_order1_backward):
+    kernels apply their chain rules (kernels.ccq_backward.ccq_order1_backward):
       kappa = k / max(||k||, 1e-6):  dk = (dkappa - kappa (kappa . dkappa)) / ||k||  (dkappa / 1e-6 below it)
       lambda = lam_max sigmoid(a . r + b):  dlogit = dlambda lam_max s (1 - s),
       dr += dlogit a,  da = sum_t dlogit r,  db = sum_t dlogit."""
 
     @staticmethod
     def forward(ctx, r, k, log_gamma, gate_weight, gate_bias, lam_max, centered):
-        from ccq_eval.ccq_triton import ccq_order1_forward
+        from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
 
         r, keys, log_gamma = r.contiguous(), k.to(r.dtype).contiguous(), log_gamma.float().contiguous()
         q, (P, m, n), chunk_states = ccq_order1_forward(
@@ -349,7 +349,7 @@ class _FusedOrder1Keys(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, *_state_grads):
-        from ccq_eval.ccq_triton import ccq_order1_backward
+        from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
 
         r, keys, log_gamma, gate_weight, gate_bias, P_in, m_in, n_in = ctx.saved_tensors
         dr, dk, dlog_gamma, dlogit, d_weight = ccq_order1_backward(
@@ -366,7 +366,7 @@ def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):
     """The fused path (where `_fused_applies`) for any call without gradients (scoring, prefill with a
     cached state) and training calls from a zero state, else None: a gradient through an initial state
     is left to the unfused path."""
-    from ccq_eval.ccq_triton import ccq_order1_forward
+    from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
 
     if not _needs_grad(r, kappa, log_gamma, lam):
         q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered, initial_state, output_final_state=True)
@@ -441,7 +441,8 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
         fused = T > 1 or K & (K - 1) == 0  # the decoding kernel needs a power-of-two head dim
     if not fused:
         return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)
-    from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward
+    from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
+    from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
 
     _check(r, k, log_gamma, log_gamma, order)  # lam has log_gamma's shape; the kernels form it
     if T == 1:

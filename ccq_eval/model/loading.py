@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
-from ccq_eval.modeling_ccq import (
+from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
     CCQGLAConfig,
     CCQGLAForCausalLM,
+    prepare_runtime,
 )
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 REGISTRY_FILE = MODELS_DIR / "registry.json"
 
 # model_type in config.json -> (config class, model class, whether CCQ is on unless the user says).
@@ -145,6 +146,7 @@ def load_model(
     ccq: bool | None = None,
 ):
     """(model, tokenizer) in eval mode on `device`. `ccq` forces CCQ on or off (None: the checkpoint's)."""
+    prepare_runtime()
     torch_dtype = resolve_dtype(dtype)
     folder = resolve_checkpoint(name_or_path)
     config = read_config(folder, ccq=ccq)

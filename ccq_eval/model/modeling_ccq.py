@@ -7,7 +7,7 @@ runs fla's own forward, so the logits are fla's. Only the read changes: the kern
 the query; keys, values, gates and the write are untouched (../shared/design/ccq.md).
 
 The recurrent state of a CCQ layer in fla's Cache is the tuple (S, P, m, n): the backbone state, then
-the CCQ covariance state (see ccq_eval.ccq.CCQState).
+the CCQ covariance state (see ccq_eval.model.ccq.CCQState).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ccq_eval import backend
-from ccq_eval.ccq import CCQGate, CCQState, ccq_read_keys
-from ccq_eval.l2norm_pair import l2norm_pair
+from ccq_eval.model import fla_cpu
+from ccq_eval.model.ccq import CCQGate, CCQState, ccq_read_keys
+from ccq_eval.model.kernels import autotune
+from ccq_eval.model.kernels.l2norm_pair import l2norm_pair
 
 CCQ_DECAYS = ("state", "none")
 CCQ_GATES = ("query", "constant")
@@ -130,7 +131,7 @@ class CCQReadMixin:
                                    self.v_proj(hidden_states)], dim=-1)
             weight = torch.cat([conv.weight.squeeze(1) for conv in convs], dim=0)
             bias = None if convs[0].bias is None else torch.cat([conv.bias for conv in convs], dim=0)
-            mixed, _ = backend.causal_conv1d(x=projected, weight=weight, bias=bias,
+            mixed, _ = fla_cpu.causal_conv1d(x=projected, weight=weight, bias=bias,
                                              activation=convs[0].activation, backend=convs[0].backend)
             widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
             return (*torch.split(mixed, widths, dim=-1), (None, None, None))
@@ -296,7 +297,7 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
         q, k = (rearrange(x, "... (h d) -> ... h d", d=self.head_k_dim) for x in (q, k))
         v = rearrange(v, "... (h d) -> ... h d", d=self.head_v_dim)
         # q and k normalised together, read from their strided views (one Triton launch on CUDA, no
-        # torch.stack copy: ccq_eval/l2norm_pair.py); each comes out contiguous.
+        # torch.stack copy: ccq_eval/model/kernels/l2norm_pair.py); each comes out contiguous.
         q, k = l2norm_pair(q, k)
 
         a = self.a_proj(hidden_states)
@@ -366,6 +367,7 @@ class CCQGLAForCausalLM(CCQCausalLMMixin, GLAForCausalLM):
     _ccq_layer_types = {GatedLinearAttention: CCQGatedLinearAttention}
 
     def __init__(self, config: CCQGLAConfig):
+        prepare_runtime()  # fla's layers read its activation table when built
         super().__init__(config)
         self._attach_ccq_layers(config)
 
@@ -375,6 +377,7 @@ class CCQGatedDeltaNetForCausalLM(CCQCausalLMMixin, GatedDeltaNetForCausalLM):
     _ccq_layer_types = {GatedDeltaNet: CCQGatedDeltaNet}
 
     def __init__(self, config: CCQGatedDeltaNetConfig):
+        prepare_runtime()
         super().__init__(config)
         self._attach_ccq_layers(config)
 
@@ -385,3 +388,14 @@ def register() -> None:
                                   (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM)):
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+def prepare_runtime() -> None:
+    """Make this process ready for the CCQ models (idempotent): the optional cap on triton's
+    autotuning (CCQ_EVAL_AUTOTUNE_CONFIGS), fla's CPU backend (`fla_cpu.install`) and the model
+    types in transformers' Auto classes. The loader, the lm-eval adapter and the models'
+    constructors call it; importing ccq_eval does not.
+    """
+    autotune.install_limit_from_env()
+    fla_cpu.install()
+    register()

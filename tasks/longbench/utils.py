@@ -12,6 +12,7 @@ Metadata keys read by `load_longbench` (from TaskManager(metadata=...) or lm-eva
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -30,7 +31,10 @@ RECORD_FIELDS = ("input", "context", "answers", "length", "dataset", "language",
 
 
 def _sibling(name: str) -> ModuleType:
-    """Load tasks/longbench/<name>.py once per process (lm-eval does not put this folder on sys.path)."""
+    """tasks/longbench/<name>.py: a package import when this module was imported as tasks.longbench.utils,
+    else (lm-eval loads hooks by path, without this folder on sys.path) loaded once per process by path."""
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
     path = _HERE / f"{name}.py"
     key = f"_ccq_tasks_longbench_{name}"
     module = sys.modules.get(key)

@@ -107,7 +107,7 @@ def _tokenizer_by_name(name: str):
     from transformers import AutoTokenizer
 
     try:
-        from ccq_eval.loading import registered_models, resolve_checkpoint
+        from ccq_eval.model.loading import registered_models, resolve_checkpoint
     except ImportError:
         registered_models = None
     if registered_models is not None and (name in registered_models() or Path(name).expanduser().is_dir()):
@@ -155,7 +155,7 @@ def load_documents(metadata: dict[str, Any]) -> list[tuple[str, str]]:
     files, .jsonl files with a "text" field, or folders of .txt; comma-separated), `hf_dataset`
     (hub or local dataset: `hf_name`, `hf_split` default test, `text_field` default text), or
     `corpus` (embedded corpora, comma-separated names, split `corpus_split`, default eval)."""
-    from ccq_eval.corpora import load_corpus, read_user_corpus
+    from ccq_eval.harness.corpora import load_corpus, read_user_corpus
 
     documents: list[tuple[str, str]] = []
     if _split_list(metadata.get("data_files")):
@@ -275,7 +275,7 @@ def _token_nll(results: list[Any]) -> list[float]:
     token_nll = getattr(value, "token_nll", None)
     if token_nll is None:
         raise TypeError("ppl tasks need per-token NLLs: run them with the 'ccq' model adapter "
-                        "(ccq_eval.lm_adapter), whose loglikelihood_rolling returns TokenNLL values")
+                        "(ccq_eval.harness.adapter), whose loglikelihood_rolling returns TokenNLL values")
     return list(token_nll)
 
 

@@ -203,7 +203,7 @@ class NoiseHaystack:
 
 def essay_haystack(spec: str) -> EssayHaystack:
     """Haystack text from an embedded corpus (its eval split, in corpus order) or a user's file."""
-    from ccq_eval.corpora import CorpusError, resolve_corpus
+    from ccq_eval.harness.corpora import CorpusError, resolve_corpus
 
     try:
         docs = resolve_corpus(spec, split="eval")

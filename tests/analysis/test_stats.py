@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ccq_eval import stats
+from ccq_eval.analysis import stats
 
 
 def test_bootstrap_matches_direct_numpy_reimplementation():

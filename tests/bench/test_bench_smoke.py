@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench.py"
 ARCHS = ("gla", "gated_deltanet")
 SECTIONS = ("model", "ops", "harness", "generation", "sniah")
@@ -141,7 +141,7 @@ def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypa
 
     import torch
 
-    from ccq_eval.graphed_decode import GraphedDecodeStep
+    from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from benchlib import sections

@@ -22,7 +22,8 @@ from test_cli_fakes import (
 from typer.testing import CliRunner
 
 import cli
-from ccq_eval import figures, results_store, tables
+from ccq_eval.analysis import figures, tables
+from ccq_eval.harness import results_store
 
 BASE, VAR = "tiny-gla", "tiny-gla-ccq"
 

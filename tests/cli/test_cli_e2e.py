@@ -18,8 +18,10 @@ def checkpoints(tmp_path_factory):
     import torch
     from transformers import ByT5Tokenizer
 
-    import ccq_eval  # noqa: F401  (CPU backend, model registration)
-    from ccq_eval.modeling_ccq import CCQGLAConfig, CCQGLAForCausalLM
+    from ccq_eval.model.modeling_ccq import prepare_runtime
+
+    prepare_runtime()  # fla's CPU backend and the CCQ model types
+    from ccq_eval.model.modeling_ccq import CCQGLAConfig, CCQGLAForCausalLM
 
     folder = tmp_path_factory.mktemp("models")
     tokenizer = ByT5Tokenizer()

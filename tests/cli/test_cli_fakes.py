@@ -1,4 +1,4 @@
-"""Tiny lm-eval-format results written by the tests (no model), shared by tests/test_cli_*.py.
+"""Tiny lm-eval-format results written by the tests (no model), shared by tests/cli/test_cli_*.py.
 
 The builders mirror what our tasks log: S-NIAH docs carry length and depth and score
 acc / acc_<L> in {0, 100}; perplexity tasks score (nll_sum, n_tokens) pairs under
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ccq_eval import results_store
+from ccq_eval.harness import results_store
 
 SNIAH_TASK = "ccq_s_niah_1"
 LENGTHS = (1024, 2048)

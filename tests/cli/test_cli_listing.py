@@ -7,7 +7,8 @@ import json
 from typer.testing import CliRunner
 
 import cli
-from ccq_eval import runner
+from ccq_eval.harness import plan as run_plan
+from ccq_eval.model import registry as model_registry
 
 
 def invoke(*args: str):
@@ -24,7 +25,7 @@ def test_tasks_lists_aliases_with_descriptions():
 
 
 def test_task_aliases_resolve_to_our_lm_eval_tasks():
-    catalog = runner.default_task_catalog()
+    catalog = run_plan.default_task_catalog()
     assert catalog.resolve("s-niah") == ["ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3"]
     assert catalog.resolve("ppl") == ["ccq_ppl_buckets", "ccq_ppl_sweep"]
     assert "ccq_longbench_qasper" in catalog.resolve("longbench")
@@ -39,18 +40,18 @@ def test_models_lists_registry_entries(tmp_path, monkeypatch):
         "big-gla": {"path": "big-gla", "description": "not run by default"},
     }
     (models_dir / "registry.json").write_text(json.dumps(registry))
-    monkeypatch.setattr(runner, "MODEL_REGISTRY_PATH", models_dir / "registry.json")
+    monkeypatch.setattr(model_registry, "MODEL_REGISTRY_PATH", models_dir / "registry.json")
     result = invoke("models")
     assert result.exit_code == 0, result.output
     assert "tiny-gla      GLA, 2 layers, byte tokenizer (default)" in result.output
     assert "big-gla       not run by default\n" in result.output
-    entries = runner.load_model_registry()
+    entries = run_plan.load_model_registry()
     assert entries["tiny-gla"].source == str((models_dir / "tiny-gla").resolve())
-    assert runner.default_model_names(entries) == ["tiny-gla", "tiny-gla-ccq"]
+    assert model_registry.default_model_names(entries) == ["tiny-gla", "tiny-gla-ccq"]
 
 
 def test_models_without_registry_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "MODEL_REGISTRY_PATH", tmp_path / "registry.json")
+    monkeypatch.setattr(model_registry, "MODEL_REGISTRY_PATH", tmp_path / "registry.json")
     result = invoke("models")
     assert result.exit_code == 1 and "no models registered" in result.output
 

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cli import app
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_lm_eval_cli_runs_our_model_on_our_task(tmp_path, monkeypatch):

@@ -15,7 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 import cli
-from ccq_eval import results_store, runner
+from ccq_eval.harness import plan as run_plan
+from ccq_eval.harness import results_store, resume, runner
+from ccq_eval.model import registry as model_registry
 
 TASK_NAME = "ccq_s_niah_fake"
 
@@ -112,9 +114,9 @@ class FakeCatalog:
 
 
 REGISTRY = {
-    "tiny-strong": runner.ModelEntry("tiny-strong", "/nonexistent/tiny-strong", "finds needles", default=True),
-    "tiny-weak": runner.ModelEntry("tiny-weak", "/nonexistent/tiny-weak", "loses them at 2K", default=True),
-    "tiny-other": runner.ModelEntry("tiny-other", "/nonexistent/tiny-other", "not a default"),
+    "tiny-strong": model_registry.ModelEntry("tiny-strong", "/nonexistent/tiny-strong", "finds needles", default=True),
+    "tiny-weak": model_registry.ModelEntry("tiny-weak", "/nonexistent/tiny-weak", "loses them at 2K", default=True),
+    "tiny-other": model_registry.ModelEntry("tiny-other", "/nonexistent/tiny-other", "not a default"),
 }
 
 
@@ -147,8 +149,8 @@ def fake_world(tmp_path, monkeypatch):
             task_catalog=catalog,
         )
 
-    monkeypatch.setattr(runner, "load_model_registry", lambda *a, **k: dict(REGISTRY))
-    monkeypatch.setattr(runner, "default_task_catalog", lambda: catalog)
+    monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: dict(REGISTRY))
+    monkeypatch.setattr(run_plan, "default_task_catalog", lambda: catalog)
     monkeypatch.setattr(runner, "default_evaluator", make_evaluator)
     monkeypatch.chdir(tmp_path)
     return World
@@ -256,13 +258,13 @@ def test_run_progress_names_model_task_and_cell(fake_world, monkeypatch):
 
 
 def test_default_run_uses_registry_defaults(fake_world, monkeypatch):
-    plan = runner.plan_run(runner.RunOptions(tasks=["fake"], lengths="1k", depths="0"))
+    plan = run_plan.plan_run(run_plan.RunOptions(tasks=["fake"], lengths="1k", depths="0"))
     assert [u.model for u in plan.units] == ["tiny-strong", "tiny-weak"]
-    monkeypatch.setattr(runner, "DEFAULT_TASKS", ["fake"])
-    plan = runner.plan_run(runner.RunOptions())
+    monkeypatch.setattr(run_plan, "DEFAULT_TASKS", ["fake"])
+    plan = run_plan.plan_run(run_plan.RunOptions())
     assert {u.model for u in plan.units} == {"tiny-strong", "tiny-weak"}
-    assert plan.task_metadata["samples_per_cell"] == runner.DEFAULT_SAMPLES_PER_CELL
-    assert plan.lengths == runner.parse_lengths(runner.DEFAULT_LENGTHS)
+    assert plan.task_metadata["samples_per_cell"] == run_plan.DEFAULT_SAMPLES_PER_CELL
+    assert plan.lengths == run_plan.parse_lengths(run_plan.DEFAULT_LENGTHS)
 
 
 @pytest.mark.parametrize(
@@ -295,7 +297,7 @@ def test_depths_without_sniah_task_is_rejected(fake_world, monkeypatch):
         def resolve(self, name):
             return ["ccq_ppl_sweep"]
 
-    monkeypatch.setattr(runner, "default_task_catalog", lambda: NoSniah(Path(".")))
+    monkeypatch.setattr(run_plan, "default_task_catalog", lambda: NoSniah(Path(".")))
     result = invoke("run", "--model", "tiny-strong", "--task", "ppl", "--depths", "0,50")
     assert result.exit_code == 2 and "--depths applies to S-NIAH tasks only" in result.output
 
@@ -329,18 +331,18 @@ def test_keep_going_records_failure_and_continues(fake_world):
 
 
 def test_parse_lengths_and_depths():
-    assert runner.parse_lengths("1k, 2K,512") == [512, 1024, 2048]
-    assert runner.parse_lengths("0.5k") == [512]
-    assert runner.parse_depths("0,50%,100") == [0.0, 50.0, 100.0]
-    with pytest.raises(runner.PlanError, match="repeats"):
-        runner.parse_lengths("1k,1024")
-    with pytest.raises(runner.PlanError, match="whole number"):
-        runner.parse_lengths("0.3k")
+    assert run_plan.parse_lengths("1k, 2K,512") == [512, 1024, 2048]
+    assert run_plan.parse_lengths("0.5k") == [512]
+    assert run_plan.parse_depths("0,50%,100") == [0.0, 50.0, 100.0]
+    with pytest.raises(run_plan.PlanError, match="repeats"):
+        run_plan.parse_lengths("1k,1024")
+    with pytest.raises(run_plan.PlanError, match="whole number"):
+        run_plan.parse_lengths("0.3k")
 
 
 def test_response_cache_round_trips_token_nll(tmp_path):
     """Per-token NLLs survive the resume cache (perplexity tasks need them), as TokenNLL again."""
-    from ccq_eval.lm_adapter import TokenNLL
+    from ccq_eval.harness.adapter import TokenNLL
 
     cache = results_store.ResponseCache(tmp_path / "r.sqlite")
 
@@ -356,12 +358,12 @@ def test_response_cache_round_trips_token_nll(tmp_path):
             return [TokenNLL.from_token_nll([0.5, 1.25, float(len(r.args[0]))]) for r in requests]
 
     requests = [Request("ab"), Request("abcd")]
-    first = runner.ResumableLM(Rolling(), cache).loglikelihood_rolling(requests)
-    second = runner.ResumableLM(Rolling(), cache).loglikelihood_rolling(requests)
+    first = resume.ResumableLM(Rolling(), cache).loglikelihood_rolling(requests)
+    second = resume.ResumableLM(Rolling(), cache).loglikelihood_rolling(requests)
     assert Rolling.calls == 2  # the second pass came from the cache
     for a, b in zip(first, second):
         assert isinstance(b, TokenNLL) and b.token_nll == a.token_nll and float(b) == float(a)
-    assert runner.decode_response("loglikelihood", runner.encode_response("loglikelihood", (-1.5, True))) == (
+    assert resume.decode_response("loglikelihood", resume.encode_response("loglikelihood", (-1.5, True))) == (
         -1.5, True)
 
 
@@ -374,18 +376,18 @@ def test_grid_and_dataset_options_are_checked_against_the_tasks(fake_world, monk
         def resolve(self, name):
             return {"lb": ["ccq_longbench_qasper"], "ppl": ["ccq_ppl_sweep"]}[name]
 
-    monkeypatch.setattr(runner, "default_task_catalog", lambda: Mixed(Path(".")))
+    monkeypatch.setattr(run_plan, "default_task_catalog", lambda: Mixed(Path(".")))
     result = invoke("run", "--model", "tiny-strong", "--task", "lb", "--samples-per-cell", "2")
     assert result.exit_code == 2 and "does not apply to LongBench" in result.output
     assert fake_world.evaluators_made == 0
 
     # each unit's spec holds only the settings that change its documents
-    plan = runner.plan_run(runner.RunOptions(models=["tiny-strong"], tasks=["ppl"], lengths="1k",
+    plan = run_plan.plan_run(run_plan.RunOptions(models=["tiny-strong"], tasks=["ppl"], lengths="1k",
                                              samples_per_cell=2))
     assert plan.units[0].spec["task_metadata"] == {"seed": 0, "lengths": [1024], "samples_per_cell": 2}
-    assert runner.metadata_for_task("ccq_longbench_qasper", {"seed": 0, "lengths": [1024], "depths": [0.0],
+    assert run_plan.metadata_for_task("ccq_longbench_qasper", {"seed": 0, "lengths": [1024], "depths": [0.0],
                                                              "data_dir": "/d"}) == {"seed": 0, "data_dir": "/d"}
-    assert runner.metadata_for_task("ccq_s_niah_2", {"lengths": [1024], "depths": [0.0], "data_dir": "/d"}) == {
+    assert run_plan.metadata_for_task("ccq_s_niah_2", {"lengths": [1024], "depths": [0.0], "data_dir": "/d"}) == {
         "lengths": [1024], "depths": [0.0]}
 
 
@@ -394,8 +396,8 @@ def test_retrained_checkpoint_is_not_mixed_with_cached_answers(fake_world, monke
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "gla"}')
     (folder / "model.safetensors").write_bytes(b"weights-v1" * 1000)
-    registry = dict(REGISTRY, **{"tiny-strong": runner.ModelEntry("tiny-strong", str(folder), "", True)})
-    monkeypatch.setattr(runner, "load_model_registry", lambda *a, **k: registry)
+    registry = dict(REGISTRY, **{"tiny-strong": model_registry.ModelEntry("tiny-strong", str(folder), "", True)})
+    monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: registry)
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
     (folder / "model.safetensors").write_bytes(b"weights-v2" * 1000)  # same size, new values
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
@@ -411,7 +413,7 @@ def test_bad_kernel_setting_fails_before_any_unit_runs(fake_world, monkeypatch):
 
 
 def test_kernel_settings_are_read_from_the_environment(monkeypatch):
-    from ccq_eval.runner import gpu_kernel_settings
+    from ccq_eval.harness.runner import gpu_kernel_settings
 
     monkeypatch.delenv("CCQ_EVAL_TOKEN_LOGPROB", raising=False)
     monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "unfused")

@@ -19,8 +19,8 @@ sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 from adapter_support import byte_tokenizer, tiny_model
 from lm_eval import simple_evaluate
-from ccq_eval.lm_adapter import CCQEvalLM
-from ccq_eval.task_registry import make_task_manager
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.harness.task_registry import make_task_manager
 
 tokenizer = byte_tokenizer()
 lm = CCQEvalLM(model=tiny_model(tokenizer), tokenizer=tokenizer, max_length=1024)
@@ -43,7 +43,7 @@ def test_two_processes_match_one(tmp_path) -> None:
         path.write_text(" ".join(f"word{(index * 7 + k) % 13}" for k in range(180 + 40 * index)), encoding="utf-8")
         files.append(str(path))
     script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).resolve().parent), files=files), encoding="utf-8")
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), files=files), encoding="utf-8")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
 
     outputs = {}

@@ -9,10 +9,10 @@ from pathlib import Path
 from adapter_support import byte_tokenizer, one_torch_thread, tiny_model  # noqa: F401
 from lm_eval import simple_evaluate
 
-from ccq_eval.lm_adapter import CCQEvalLM
-from ccq_eval.task_registry import make_task_manager, resolve_tasks
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.harness.task_registry import make_task_manager, resolve_tasks
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "longbench"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "longbench"
 
 
 def test_s_niah_family_end_to_end() -> None:

@@ -12,15 +12,17 @@ from adapter_support import byte_tokenizer, full_token_nll, greedy_full_recomput
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 
-import ccq_eval  # noqa: F401  (CPU backend for fla, model registration)
-from ccq_eval.lm_adapter import CCQEvalLM
-from ccq_eval.modeling_ccq import (
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.harness.task_registry import make_task_manager
+from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
     CCQGLAConfig,
     CCQGLAForCausalLM,
+    prepare_runtime,
 )
-from ccq_eval.task_registry import make_task_manager
+
+prepare_runtime()  # fla's CPU backend and the CCQ model types
 
 TINY = {
     "gla": (CCQGLAConfig, CCQGLAForCausalLM,

@@ -12,8 +12,8 @@ import torch
 from adapter_support import byte_tokenizer, full_token_nll, one_torch_thread, ppl_utils, tiny_model  # noqa: F401
 from lm_eval import simple_evaluate
 
-from ccq_eval.lm_adapter import CCQEvalLM
-from ccq_eval.task_registry import make_task_manager
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.harness.task_registry import make_task_manager
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ccq_eval import task_registry
-from ccq_eval.task_registry import UnknownTaskError, list_tasks, make_task_manager, resolve_tasks
+from ccq_eval.harness import task_registry
+from ccq_eval.harness.task_registry import UnknownTaskError, list_tasks, make_task_manager, resolve_tasks
 
 
 def test_aliases_resolve_to_our_leaf_tasks() -> None:

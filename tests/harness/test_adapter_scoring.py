@@ -19,7 +19,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CachingLM
 from lm_eval.api.registry import get_model
 
-from ccq_eval.lm_adapter import DEFAULT_MAX_LENGTH, CCQEvalLM, TokenNLL
+from ccq_eval.harness.adapter import DEFAULT_MAX_LENGTH, CCQEvalLM, TokenNLL
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
         "of foolishness, it was the epoch of belief, it was the epoch of incredulity.")
@@ -199,7 +199,7 @@ def test_response_cache_returns_token_nll(tmp_path) -> None:
 
 
 def test_registered_by_name_loads_through_ccq_loading(monkeypatch) -> None:
-    import ccq_eval.loading
+    import ccq_eval.model.loading
 
     tokenizer = byte_tokenizer()
     model = tiny_model(tokenizer)
@@ -209,7 +209,7 @@ def test_registered_by_name_loads_through_ccq_loading(monkeypatch) -> None:
         seen.update(name=name, device=device, dtype=dtype, allow_pickle=allow_pickle)
         return model, tokenizer
 
-    monkeypatch.setattr(ccq_eval.loading, "load_model", fake_load_model)
+    monkeypatch.setattr(ccq_eval.model.loading, "load_model", fake_load_model)
     lm = get_model("ccq").create_from_arg_string(
         "pretrained=tiny-test,max_length=300,dtype=float64,chunk_size=64",
         {"batch_size": 2, "max_batch_size": None, "device": "cpu"})

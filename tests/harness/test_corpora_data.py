@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-from ccq_eval import corpora
-from ccq_eval.corpora import CorpusError, get_document, list_corpora, list_documents, load_corpus
+from ccq_eval.harness import corpora
+from ccq_eval.harness.corpora import CorpusError, get_document, list_corpora, list_documents, load_corpus
 
-DATA_DIR = Path(corpora.__file__).parent / "data"
+DATA_DIR = corpora.DATA_DIR
 
 
 @pytest.mark.parametrize("name", ["sotu", "kjv", "austen"])

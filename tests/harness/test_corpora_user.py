@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ccq_eval.corpora import CorpusError, read_user_corpus, resolve_corpus
+from ccq_eval.harness.corpora import CorpusError, read_user_corpus, resolve_corpus
 
 
 def test_txt_file_is_one_document(tmp_path):

@@ -1,8 +1,8 @@
-"""ccq_eval.truncation: the middle / left / error policies."""
+"""ccq_eval.harness.truncation: the middle / left / error policies."""
 
 import pytest
 
-from ccq_eval.truncation import VALID_POLICIES, truncate_tokens
+from ccq_eval.harness.truncation import VALID_POLICIES, truncate_tokens
 
 
 def test_valid_policies():

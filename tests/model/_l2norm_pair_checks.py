@@ -1,4 +1,4 @@
-"""Run by tests/test_l2norm_pair.py in a subprocess with TRITON_INTERPRET=1, so that the l2norm_pair
+"""Run by tests/model/test_l2norm_pair.py in a subprocess with TRITON_INTERPRET=1, so that the l2norm_pair
 kernels execute on CPU tensors. Prints one JSON object: the measured errors per check."""
 
 import json
@@ -13,8 +13,8 @@ import torch  # noqa: E402
 
 _triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
 
-from ccq_eval import backend  # noqa: E402
-from ccq_eval.l2norm_pair import l2norm_pair, uses_kernels  # noqa: E402
+from ccq_eval.model import fla_cpu  # noqa: E402
+from ccq_eval.model.kernels.l2norm_pair import l2norm_pair, uses_kernels  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASES = [(2, 37, 3, 64), (2, 37, 3, 48), (1, 5, 2, 256)]  # B, T, H, K: K = 48 masked, 10 rows < BLOCK_ROWS
@@ -49,7 +49,7 @@ def forward_checks():
             _, q, k = qk_views(B, T, H, K, dtype, seed=K)
             assert uses_kernels(q)
             yq, yk = l2norm_pair(q, k)
-            refs = backend.torch_l2norm(q), backend.torch_l2norm(k)
+            refs = fla_cpu.torch_l2norm(q), fla_cpu.torch_l2norm(k)
             error = (max(bf16_ulps(y, r) for y, r in zip((yq, yk), refs)) if dtype == torch.bfloat16
                      else max(max_abs(y, r) for y, r in zip((yq, yk), refs)))
             out[f"B{B}_T{T}_H{H}_K{K}_{name}"] = {
@@ -64,13 +64,13 @@ def forward_checks():
              "three_dims": (q[0], k[0])}
     for name, (a, b) in cases.items():
         ya, yb = l2norm_pair(a, b)
-        out[name] = max(max_abs(ya, backend.torch_l2norm(a)), max_abs(yb, backend.torch_l2norm(b)))
+        out[name] = max(max_abs(ya, fla_cpu.torch_l2norm(a)), max_abs(yb, fla_cpu.torch_l2norm(b)))
     return out
 
 
 def gradient_checks():
     """Gradients of a random weighted sum of both outputs w.r.t. the base tensor the views come from,
-    against autograd through backend.torch_l2norm in fp64: max |error| / max |reference|."""
+    against autograd through fla_cpu.torch_l2norm in fp64: max |error| / max |reference|."""
     out = {}
     for B, T, H, K in CASES:
         for name, dtype in DTYPES.items():
@@ -81,7 +81,7 @@ def gradient_checks():
             (grad,) = torch.autograd.grad((yq * w[0]).sum() + (yk * w[1]).sum(), base)
             base64 = base.detach().double().requires_grad_(True)
             q64, k64 = base64[..., : H * K].unflatten(-1, (H, K)), base64[..., H * K: 2 * H * K].unflatten(-1, (H, K))
-            loss = (backend.torch_l2norm(q64) * w[0].double()).sum() + (backend.torch_l2norm(k64) * w[1].double()).sum()
+            loss = (fla_cpu.torch_l2norm(q64) * w[0].double()).sum() + (fla_cpu.torch_l2norm(k64) * w[1].double()).sum()
             (ref,) = torch.autograd.grad(loss, base64)
             out[f"B{B}_T{T}_H{H}_K{K}_{name}"] = {
                 "relative": max_abs(grad, ref) / ref.abs().max().item(),
@@ -92,7 +92,7 @@ def gradient_checks():
     base, q, k = qk_views(1, 7, 2, 64, torch.float32, seed=3)
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     (grad,) = torch.autograd.grad((l2norm_pair(q, k)[0] * w).sum(), base)
-    (ref,) = torch.autograd.grad((backend.torch_l2norm(q) * w).sum(), base)
+    (ref,) = torch.autograd.grad((fla_cpu.torch_l2norm(q) * w).sum(), base)
     out["q_only"] = {"relative": max_abs(grad, ref) / ref.abs().max().item(),
                      "k_zero": bool((grad[..., 128:] == 0).all())}
     return out

@@ -1,4 +1,4 @@
-"""Run by tests/test_ccq_triton.py in a subprocess with TRITON_INTERPRET=1, so that the fused CCQ
+"""Run by tests/model/test_ccq_triton.py in a subprocess with TRITON_INTERPRET=1, so that the fused CCQ
 kernels execute on CPU tensors. Prints one JSON object: the measured errors per check."""
 
 import json
@@ -8,15 +8,16 @@ import sys
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run these checks")
 
-import torch  # noqa: E402
-
 import _triton_bounds  # noqa: E402
+import torch  # noqa: E402
 
 _triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
 
-import ccq_eval  # noqa: E402,F401  (the backend patches fla as in every other test)
-from ccq_eval.ccq import _FusedOrder1, ccq_read_reference, unit_keys  # noqa: E402
-from ccq_eval.ccq_triton import ccq_order1_forward  # noqa: E402
+from ccq_eval.model.ccq import _FusedOrder1, ccq_read_reference, unit_keys  # noqa: E402
+from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward  # noqa: E402
+from ccq_eval.model.modeling_ccq import prepare_runtime  # noqa: E402
+
+prepare_runtime()  # fla's CPU backend, as in every other test
 
 
 def inputs(B, T, H, K, seed, dtype=torch.float32):
@@ -86,7 +87,7 @@ def forward_checks():
     q16, _ = ccq_order1_forward(r.half(), kappa.half(), log_gamma, lam)
     out["fp16_relative_l2"] = ((q16.double() - q_ref).norm() / q_ref.norm()).item()
     # Raw keys and the query gate, both formed inside the kernels (the inference path of the layers).
-    from ccq_eval.ccq import CCQGate
+    from ccq_eval.model.ccq import CCQGate
 
     g = torch.Generator().manual_seed(11)
     r, _, log_gamma, _ = inputs(1, 100, 2, 64, seed=4)
@@ -131,7 +132,7 @@ def raw_key_gradient_checks():
     """Training on raw keys with the gate formed in the kernels (_FusedOrder1Keys) against autograd
     through unit_keys, the gate and ccq_read_reference in fp64: relative L2 error of every gradient,
     for the query gate and the constant gate, with one zero key (the 1e-6 floor of unit_keys)."""
-    from ccq_eval.ccq import CCQGate, _FusedOrder1Keys
+    from ccq_eval.model.ccq import CCQGate, _FusedOrder1Keys
 
     out = {}
     g = torch.Generator().manual_seed(13)
@@ -166,8 +167,8 @@ def raw_key_gradient_checks():
 
 def decode_checks():
     """Five decoding steps of the one-step kernel against ccq_read_recurrent, from a prior state."""
-    from ccq_eval.ccq import CCQGate, ccq_read_recurrent
-    from ccq_eval.ccq_triton import ccq_order1_decode
+    from ccq_eval.model.ccq import CCQGate, ccq_read_recurrent
+    from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
 
     g = torch.Generator().manual_seed(21)
     out = {}
@@ -204,7 +205,7 @@ def decode_checks():
 
 def logprob_checks():
     """The fused log-softmax pass against torch, in fp32 and on bf16 logits, vocab not a block multiple."""
-    from ccq_eval.token_logprob import token_logprob, token_logprob_triton
+    from ccq_eval.model.kernels.token_logprob import token_logprob, token_logprob_triton
 
     g = torch.Generator().manual_seed(5)
     logits = 4 * torch.randn(37, 5000, generator=g)
@@ -228,9 +229,10 @@ def candidate_checks():
     ragged last chunks, several batches and heads, head dims 64 and 128. Returns, per candidate and
     shape, the worst relative L2 error of each path against fp64 (an out-of-bounds access raises
     _triton_bounds.OutOfBounds), and whether the bounds check catches a planted overrun."""
-    from ccq_eval import ccq_triton
+    from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward
 
-    tuned = [x for x in vars(ccq_triton).values() if isinstance(x, ccq_triton._FirstConfig)]
+    tuned = [x for m in (ccq_forward, ccq_backward, ccq_decode) for x in vars(m).values()
+             if isinstance(x, ccq_forward._FirstConfig)]
     errors, runs = {}, set()
     for candidate in range(max(len(x.configs) for x in tuned)):
         picks = tuple(tuple(sorted(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs.items()))
@@ -254,8 +256,9 @@ def _every_kernel_once(candidate):
     each against fp64: the worst relative L2 error of its outputs, per shape. The backward's values
     only in fp32: in half precision it multiplies in bf16, and the interpreter's bf16 tl.dot returns
     garbage (a 16 x 16 product off by 1e9 relative, checked), so there it is run for the bounds alone."""
-    from ccq_eval.ccq import CCQGate, ccq_read_recurrent
-    from ccq_eval.ccq_triton import ccq_order1_backward, ccq_order1_decode
+    from ccq_eval.model.ccq import CCQGate, ccq_read_recurrent
+    from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
+    from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
 
     out = {}
     for B, T, H, K, dtype in ((2, 128, 3, 64, torch.float16), (2, 130, 3, 64, torch.float16),

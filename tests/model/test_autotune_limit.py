@@ -4,7 +4,7 @@ import pytest
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from ccq_eval import autotune
+from ccq_eval.model.kernels import autotune
 
 
 def _configs():
@@ -28,9 +28,9 @@ def test_env_var_wraps_prune_configs_and_bad_values_are_refused(monkeypatch):
     tuner = Autotuner.__new__(Autotuner)
     tuner.configs, tuner.early_config_prune, tuner.perf_model, tuner.configs_top_k = _configs(), None, None, 1.0
     assert len(Autotuner.prune_configs(tuner, {})) == 2
-    from ccq_eval import ccq_triton
+    from ccq_eval.model.kernels import ccq_forward
 
-    tuner.fn = ccq_triton._ccq_read_kernel.fn  # ccq-eval's own kernels keep their candidates
+    tuner.fn = ccq_forward._ccq_read_kernel.fn  # ccq-eval's own kernels keep their candidates
     assert len(Autotuner.prune_configs(tuner, {})) == len(_configs())
     autotune.install_limit_from_env()  # idempotent: wraps the original, not the wrapper
     assert Autotuner.prune_configs._ccq_original is original

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ccq_eval.ccq import (
+from ccq_eval.model.ccq import (
     CCQState,
     _ccq_chunk_kernel,
     ccq_read_chunk,

@@ -1,7 +1,7 @@
-"""The fused Triton CCQ read (ccq_eval/ccq_triton.py) against the O(T^2) reference.
+"""The fused Triton CCQ read (ccq_eval/model/kernels/ccq_*.py) against the O(T^2) reference.
 
 On CPU the kernels run in Triton's interpreter, which must be switched on before triton compiles
-anything, so the checks run in a subprocess (tests/_triton_interpreter_checks.py). On a GPU the
+anything, so the checks run in a subprocess (tests/model/_triton_interpreter_checks.py). On a GPU the
 compiled kernels are checked directly, in bf16 and fp32, at 4K tokens.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ccq_eval.ccq import CCQState, ccq_read_chunk, ccq_read_reference, unit_keys
+from ccq_eval.model.ccq import CCQState, ccq_read_chunk, ccq_read_reference, unit_keys
 
 CHECKS = Path(__file__).with_name("_triton_interpreter_checks.py")
 
@@ -129,7 +129,7 @@ def test_token_logprob_kernel_matches_torch_in_interpreter():
 def test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter():
     """Each autotune candidate of every kernel (a GPU's autotuner may pick any), at head dims 64 and
     128, whole and ragged last chunks, several batches and heads: values against fp64, and every load
-    and store inside its tensors (tests/_triton_bounds.py; all interpreter checks run under it). The
+    and store inside its tensors (tests/model/_triton_bounds.py; all interpreter checks run under it). The
     bounds check itself must catch a planted overrun."""
     result = _interpreter("candidates")
     assert result["overrun_caught"]
@@ -145,7 +145,7 @@ def test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_token_logprob_cuda_bf16_matches_fp32_torch(fused):
-    from ccq_eval.token_logprob import token_logprob
+    from ccq_eval.model.kernels.token_logprob import token_logprob
 
     g = torch.Generator().manual_seed(0)
     logits = (4 * torch.randn(2, 300, 32000, generator=g)).bfloat16()
@@ -164,7 +164,7 @@ def test_layer_entry_fused_matches_fp64_on_cuda(constant_gate, fused):
     """ccq_read_keys (what the layers call): keys normalised and lambda formed inside the kernels, fp32
     on CUDA, vs unit_keys + the gate in torch in fp64 on CPU; a prefill continuing from a state, then
     one decoding step from the prefill's state."""
-    from ccq_eval.ccq import CCQGate, ccq_read_keys
+    from ccq_eval.model.ccq import CCQGate, ccq_read_keys
 
     g = torch.Generator().manual_seed(3)
     r = torch.randn(1, 3000, 2, 128, generator=g)
@@ -196,7 +196,7 @@ def test_keys_unit_takes_the_keys_as_kappa_on_cuda(K, fused):
     """keys_unit=True (Gated DeltaNet's already-normalised keys): the fused prefill reads k as kappa.
     Unit keys give the normalising path's q~ and state; keys of length 2 give the fp64 reference read
     with kappa = k, unnormalised (so a flag that were ignored fails here)."""
-    from ccq_eval.ccq import CCQGate, ccq_read_chunk, ccq_read_keys
+    from ccq_eval.model.ccq import CCQGate, ccq_read_chunk, ccq_read_keys
 
     r, k, log_gamma, _ = _gpu_inputs(2000, 2, K, torch.float32, seed=31)
     unit = torch.nn.functional.normalize(k, dim=-1)
@@ -219,9 +219,10 @@ def one_candidate_at_a_time():
     one for kernels with fewer); the autotuners' configs and caches are restored afterwards."""
     from triton.runtime.autotuner import Autotuner
 
-    from ccq_eval import ccq_triton
+    from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward
 
-    tuned = [k for k in vars(ccq_triton).values() if isinstance(k, Autotuner)]
+    tuned = [k for m in (ccq_forward, ccq_backward, ccq_decode) for k in vars(m).values()
+             if isinstance(k, Autotuner)]
     saved = [(k, k.configs, dict(k.cache)) for k in tuned]
 
     def select(i):
@@ -245,7 +246,7 @@ def test_training_on_raw_keys_matches_fp64_on_cuda(K, dtype, tolerance, fused):
     """What the layers' training calls on CUDA (ccq_read_keys with gradients: _FusedOrder1Keys, the gate
     parameters in the model's dtype): every gradient against autograd through unit_keys, the gate and
     the reference in fp64 on CPU."""
-    from ccq_eval.ccq import CCQGate, ccq_read_keys
+    from ccq_eval.model.ccq import CCQGate, ccq_read_keys
 
     r, _, log_gamma, _ = _gpu_inputs(1000, 2, K, torch.float32, seed=21)
     g = torch.Generator().manual_seed(22)
@@ -274,7 +275,7 @@ def test_every_autotune_candidate_matches_fp64_on_cuda(K, fused, one_candidate_a
     (one, under CCQ_EVAL_AUTOTUNE_CONFIGS=1): here each candidate of every kernel in turn, forward
     (raw keys, gate, prior state) and the backward, in fp32 and bf16, against fp64 on CPU. (An illegal
     memory access of one bf16 candidate surfaces as a CUDA error: the printed index names it.)"""
-    from ccq_eval.ccq import CCQGate, ccq_read_keys
+    from ccq_eval.model.ccq import CCQGate, ccq_read_keys
 
     r, kappa, log_gamma, lam = _gpu_inputs(1000, 2, K, torch.float32, seed=9)
     k = 3 * kappa

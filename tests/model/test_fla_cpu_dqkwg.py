@@ -1,4 +1,4 @@
-"""backend.torch_chunk_bwd_dqkwg (fla's chunk_bwd_dqkwg in torch, the fla #640 workaround) against
+"""fla_cpu.torch_chunk_bwd_dqkwg (fla's chunk_bwd_dqkwg in torch, the fla #640 workaround) against
 autograd through an independent per-step recurrence, and the install-time patch of fla's callers.
 
 The reference runs S <- exp(g_t) S + k_t v_t^T, o_t = scale * S^T q_t token by token in float64;
@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from ccq_eval import backend
+from ccq_eval.model import fla_cpu
+from ccq_eval.model.fla_cpu import dqkwg
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -92,7 +93,7 @@ def call(ref, state_v_first=False, **extra):
     h, dh = ref["h"], ref["dh"]
     if state_v_first:
         h, dh = h.transpose(-1, -2), dh.transpose(-1, -2)
-    return backend.torch_chunk_bwd_dqkwg(
+    return fla_cpu.torch_chunk_bwd_dqkwg(
         q=ref["q"], k=ref["k"], v=ref["v"], do=ref["do"], h=h, dh=dh, g=ref["g"], g_gamma=ref["g_gamma"],
         scale=ref["scale"], state_v_first=state_v_first, **extra,
     )
@@ -178,8 +179,8 @@ def test_install_patches_fla_callers():
     from fla.ops.gated_delta_rule import chunk as gdn_chunk
     from fla.ops.simple_gla import chunk as simple_chunk
 
-    backend.install()
-    backend.install()  # idempotent: still wraps fla's function, not our earlier wrapper
+    fla_cpu.install()
+    fla_cpu.install()  # idempotent: still wraps fla's function, not our earlier wrapper
     for module in (gdn_chunk, simple_chunk):
         assert module.chunk_bwd_dqkwg is not chunk_o.chunk_bwd_dqkwg
         assert module.chunk_bwd_dqkwg._ccq_original is chunk_o.chunk_bwd_dqkwg
@@ -191,17 +192,17 @@ def test_wrapper_routing(monkeypatch):
     ref = reference(2, 2, "g")
     args = dict(q=ref["q"], k=ref["k"], v=ref["v"], do=ref["do"], h=ref["h"], dh=ref["dh"], g=ref["g"])
     seen = []
-    wrapper = backend._hopper_dqkwg(lambda *a, **kw: seen.append(kw["g"]) or "fla")
+    wrapper = dqkwg._hopper_dqkwg(lambda *a, **kw: seen.append(kw["g"]) or "fla")
 
     # fla's guard flags all set, but CPU tensors: fla's own function
     flags = {"IS_NVIDIA_HOPPER": True, "TRITON_ABOVE_3_4_0": True, "TRITON_ABOVE_3_7_1": False}
     for name, value in flags.items():
         monkeypatch.setattr(chunk_o, name, value)
-    assert not backend._hits_fla_640(ref["q"], ref["g"])
+    assert not dqkwg._hits_fla_640(ref["q"], ref["g"])
     assert wrapper(**args) == "fla" and seen[-1] is ref["g"]
 
     # where the guard would raise: the torch version, called with the same arguments
-    monkeypatch.setattr(backend, "_hits_fla_640", lambda q, g: g is not None)
+    monkeypatch.setattr(dqkwg, "_hits_fla_640", lambda q, g: g is not None)
     dq, dk, _, dg = wrapper(**args, scale=ref["scale"])
     torch.testing.assert_close(dq, ref["dq"], **TOL)
     assert wrapper(**{**args, "g": None}) == "fla"

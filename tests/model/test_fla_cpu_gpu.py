@@ -1,4 +1,4 @@
-"""fla's triton kernels (CUDA) against ccq_eval.backend's torch implementations.
+"""fla's triton kernels (CUDA) against ccq_eval.model.fla_cpu's torch implementations.
 
 The torch implementations are device-agnostic, so both run on the same CUDA tensors. Errors are
 measured relative to the output's norm: fp32 allows for triton's tf32 products, bf16 for bf16
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ccq_eval import backend
+from ccq_eval.model import fla_cpu
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,8 +55,8 @@ def test_gla_ops(dtype):
     h0 = cuda_randn(B, H, V, K)
     kwargs = {"initial_state": h0, "output_final_state": True, "state_v_first": True}
     for fla_op, torch_op, length in (
-        (chunk_gla, backend.torch_chunk_gla, T),
-        (fused_recurrent_gla, backend.torch_fused_recurrent_gla, 40),
+        (chunk_gla, fla_cpu.torch_chunk_gla, T),
+        (fused_recurrent_gla, fla_cpu.torch_fused_recurrent_gla, 40),
     ):
         args = [x[:, :length] for x in (q, k, v, g)]
         o_ref, h_ref = fla_op(*args, **kwargs)
@@ -66,7 +66,7 @@ def test_gla_ops(dtype):
         assert_near(h, h_ref, dtype)
     # the dispatcher hands CUDA tensors to fla unchanged
     o_ref, _ = chunk_gla(q, k, v, g, **kwargs)
-    o, _ = backend.chunk_gla(q, k, v, g, **kwargs)
+    o, _ = fla_cpu.chunk_gla(q, k, v, g, **kwargs)
     assert torch.equal(o, o_ref)
 
 
@@ -84,20 +84,20 @@ def test_simple_gla_ops(dtype):
     h0 = cuda_randn(B, H, K, V)
     for decay in ({"g": g}, {"g_gamma": -torch.rand(H, device="cuda")}):
         o_ref, h_ref = chunk_simple_gla(q, k, v, **decay, initial_state=h0, output_final_state=True)
-        o, h = backend.torch_chunk_simple_gla(q, k, v, **decay, initial_state=h0, output_final_state=True)
+        o, h = fla_cpu.torch_chunk_simple_gla(q, k, v, **decay, initial_state=h0, output_final_state=True)
         assert_near(o, o_ref, dtype)
         assert_near(h, h_ref, dtype)
     o_ref, h_ref = fused_recurrent_simple_gla(
         q[:, :40], k[:, :40], v[:, :40], g=g[:, :40], initial_state=h0, output_final_state=True
     )
-    o, h = backend.torch_fused_recurrent_simple_gla(
+    o, h = fla_cpu.torch_fused_recurrent_simple_gla(
         q[:, :40], k[:, :40], v[:, :40], g=g[:, :40], initial_state=h0, output_final_state=True
     )
     assert_near(o, o_ref, dtype)
     assert_near(h, h_ref, dtype)
     # the CCQ covariance pass: v = k, scale 1
     o_ref, _ = chunk_simple_gla(q, k, k, g=g, scale=1.0)
-    o, _ = backend.torch_chunk_simple_gla(q, k, k, g=g, scale=1.0)
+    o, _ = fla_cpu.torch_chunk_simple_gla(q, k, k, g=g, scale=1.0)
     assert_near(o, o_ref, dtype)
 
 
@@ -125,14 +125,14 @@ def test_gated_delta_rule_ops(dtype, allow_neg_eigval):
         "dt_bias": dt_bias,
     }
     o_ref, h_ref = chunk_gated_delta_rule(q, k, v, a, b, **kwargs)
-    o, h = backend.torch_chunk_gated_delta_rule(q, k, v, a, b, **kwargs)
+    o, h = fla_cpu.torch_chunk_gated_delta_rule(q, k, v, a, b, **kwargs)
     assert_near(o, o_ref, dtype)
     assert_near(h, h_ref, dtype)
     sl = slice(0, 40)
     o_ref, h_ref = fused_recurrent_gated_delta_rule(
         q[:, sl], k[:, sl], v[:, sl], g=a[:, sl], beta=b[:, sl], **kwargs
     )
-    o, h = backend.torch_fused_recurrent_gated_delta_rule(
+    o, h = fla_cpu.torch_fused_recurrent_gated_delta_rule(
         q[:, sl], k[:, sl], v[:, sl], g=a[:, sl], beta=b[:, sl], **kwargs
     )
     assert_near(o, o_ref, dtype)
@@ -162,7 +162,7 @@ def test_chunk_gla_backward():
         cuda_randn(B, H, K, V),
     ]
     errors = backward_errors(
-        chunk_gla, backend.torch_chunk_gla, tensors, cuda_randn(B, T, H, V), cuda_randn(B, H, K, V)
+        chunk_gla, fla_cpu.torch_chunk_gla, tensors, cuda_randn(B, T, H, V), cuda_randn(B, H, K, V)
     )
     assert max(errors) < TOLERANCE[torch.float32], errors  # dq, dk, dv, dg, dh0
 
@@ -190,7 +190,7 @@ def test_chunk_gated_delta_rule_backward():
     # torch chunk_bwd_dqkwg stands in for the broken kernel there, so it must run and match.
     errors = backward_errors(
         chunk_gated_delta_rule,
-        backend.torch_chunk_gated_delta_rule,
+        fla_cpu.torch_chunk_gated_delta_rule,
         tensors,
         cuda_randn(B, T, H, V),
         cuda_randn(B, H, K, V),
@@ -208,13 +208,13 @@ def test_small_ops(dtype):
     from fla.modules.norm.layernorm import rms_norm
 
     x = cuda_randn(2, 100, 256, dtype=dtype)
-    assert_near(backend.torch_l2norm(x), l2norm(x), dtype)
+    assert_near(fla_cpu.torch_l2norm(x), l2norm(x), dtype)
 
     weight, bias, history = cuda_randn(256, 4), cuda_randn(256), cuda_randn(2, 256, 4, dtype=dtype)
     y_ref, s_ref = causal_conv1d(
         x, weight, bias, initial_state=history, output_final_state=True, activation="silu"
     )
-    y, s = backend.torch_causal_conv1d(
+    y, s = fla_cpu.torch_causal_conv1d(
         x, weight, bias, initial_state=history, output_final_state=True, activation="silu"
     )
     assert_near(y, y_ref, dtype)
@@ -222,25 +222,25 @@ def test_small_ops(dtype):
     step = x[:, :1]
     y_ref, _ = causal_conv1d_update(step, s_ref.clone(), weight=weight, bias=bias, activation="silu")
     cache = s_ref.clone()
-    y, _ = backend.torch_causal_conv1d_update(step, cache, weight=weight, bias=bias, activation="silu")
+    y, _ = fla_cpu.torch_causal_conv1d_update(step, cache, weight=weight, bias=bias, activation="silu")
     assert_near(y, y_ref, dtype)
 
     w, r, g = cuda_randn(256), cuda_randn(2, 100, 256, dtype=dtype), cuda_randn(2, 100, 256, dtype=dtype)
     (y_ref, res_ref), (y, res) = (
         rms_norm(x, w, None, r, 1e-5, True),
-        backend.torch_rms_norm(x, w, None, r, 1e-5, True),
+        fla_cpu.torch_rms_norm(x, w, None, r, 1e-5, True),
     )
     assert_near(y, y_ref, dtype)
     assert_near(res, res_ref, dtype)
     for act in ("swish", "sigmoid"):
         assert_near(
-            backend.torch_rms_norm_gated(x, g, w, None, act, eps=1e-5),
+            fla_cpu.torch_rms_norm_gated(x, g, w, None, act, eps=1e-5),
             rms_norm_gated(x, g, w, None, act, eps=1e-5),
             dtype,
         )
-    assert_near(backend.torch_swiglu(x, g), swiglu(x, g), dtype)
+    assert_near(fla_cpu.torch_swiglu(x, g), swiglu(x, g), dtype)
     lin = cuda_randn(64, 256, dtype=dtype)
-    assert_near(backend.torch_swiglu_linear(x, g, lin, None), swiglu_linear(x, g, lin, None), dtype)
+    assert_near(fla_cpu.torch_swiglu_linear(x, g, lin, None), swiglu_linear(x, g, lin, None), dtype)
 
 
 def test_losses():
@@ -249,18 +249,18 @@ def test_losses():
     logits, target = cuda_randn(64, 1000), torch.randint(0, 1000, (64,), device="cuda")
     target[:5] = -100
     ref = FusedCrossEntropyLoss(label_smoothing=0.1, lse_square_scale=1e-3)(logits.clone(), target)
-    mine, _ = backend.torch_cross_entropy(logits, target, label_smoothing=0.1, lse_square_scale=1e-3)
+    mine, _ = fla_cpu.torch_cross_entropy(logits, target, label_smoothing=0.1, lse_square_scale=1e-3)
     assert_near(mine, ref, torch.float32)
     x, w = cuda_randn(2, 32, 64), cuda_randn(1000, 64)
     tgt = torch.randint(0, 1000, (2, 32), device="cuda")
     ref = FusedLinearCrossEntropyLoss()(x, tgt, w)
-    mine, _ = backend.torch_cross_entropy(x.reshape(-1, 64) @ w.T, tgt.reshape(-1))
+    mine, _ = fla_cpu.torch_cross_entropy(x.reshape(-1, 64) @ w.T, tgt.reshape(-1))
     assert_near(mine, ref, torch.float32)
 
 
 @pytest.mark.parametrize("family", ["gla", "gdn"])
 def test_tiny_model_cuda_matches_cpu(family):
-    backend.install()
+    fla_cpu.install()
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
 
     if family == "gla":

@@ -1,4 +1,4 @@
-"""Tiny fla GLA / Gated DeltaNet models on CPU through ccq_eval.backend: training step, loss,
+"""Tiny fla GLA / Gated DeltaNet models on CPU through ccq_eval.model.fla_cpu: training step, loss,
 chunked prefill + decoding against one full forward, padded batches, long inputs."""
 
 import time
@@ -14,10 +14,10 @@ from fla.models import (
 )
 from fla.models.utils import Cache
 
-from ccq_eval import backend
+from ccq_eval.model import fla_cpu
 
 # before any model is built: layers read fla's ACT2FN table when they are constructed
-backend.install()
+fla_cpu.install()
 
 VOCAB = 256
 

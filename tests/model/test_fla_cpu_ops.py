@@ -1,4 +1,4 @@
-"""CPU implementations in ccq_eval.backend against independent references written here.
+"""CPU implementations in ccq_eval.model.fla_cpu against independent references written here.
 
 References are deliberately naive: O(T^2) parallel sums with explicit decay products for the
 linear-attention ops, a per-step Householder-form loop for the delta rule, explicit window sums for
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ccq_eval import backend
+from ccq_eval.model import fla_cpu
+from ccq_eval.model.fla_cpu import common as fla_common
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -83,7 +84,7 @@ def test_chunk_gla_matches_parallel_reference(T):
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
     g = F.logsigmoid(randn(B, T, H, K) * 2) / 4
     h0 = randn(B, H, K, V)
-    o, ht = backend.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    o, ht = fla_cpu.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = parallel_linear_attention(q, k, v, g, K**-0.5, h0)
     torch.testing.assert_close(o, o_ref, **TOL)
     torch.testing.assert_close(ht, ht_ref, **TOL)
@@ -95,7 +96,7 @@ def test_chunk_and_recurrent_gla_state_v_first_and_scale():
     g = F.logsigmoid(randn(B, T, H, K))
     h0 = randn(B, H, K, V)
     o_ref, ht_ref = parallel_linear_attention(q, k, v, g, 0.3, h0)
-    for op in (backend.chunk_gla, backend.fused_recurrent_gla):
+    for op in (fla_cpu.chunk_gla, fla_cpu.fused_recurrent_gla):
         o, ht = op(
             q,
             k,
@@ -108,17 +109,17 @@ def test_chunk_and_recurrent_gla_state_v_first_and_scale():
         )
         torch.testing.assert_close(o, o_ref, **TOL)
         torch.testing.assert_close(ht, ht_ref.transpose(-1, -2), **TOL)
-    o, ht = backend.chunk_gla(q, k, v, g, scale=0.3)
+    o, ht = fla_cpu.chunk_gla(q, k, v, g, scale=0.3)
     assert ht is None
 
 
 def test_chunk_gla_segments_and_extreme_decay_stay_exact(monkeypatch):
     # several segments (state carried across) and decays far beyond exp's fp32 range within one chunk
-    monkeypatch.setattr(backend, "SEGMENT_TOKENS", 128)
+    monkeypatch.setattr(fla_common, "SEGMENT_TOKENS", 128)
     B, T, H, K, V = 1, 300, 2, 8, 4
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
     g = -torch.rand(B, T, H, K, dtype=F64) * 60  # up to exp(-60) per step
-    o, ht = backend.chunk_gla(q.float(), k.float(), v.float(), g.float(), output_final_state=True)
+    o, ht = fla_cpu.chunk_gla(q.float(), k.float(), v.float(), g.float(), output_final_state=True)
     o_ref, ht_ref = parallel_linear_attention(q, k, v, g, K**-0.5)
     assert torch.isfinite(o).all() and ht.dtype == torch.float32
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-4)
@@ -129,7 +130,7 @@ def test_fused_recurrent_gla_reverse_and_value_decay():
     B, T, H, K, V = 2, 20, 2, 4, 3
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
     gk, gv = F.logsigmoid(randn(B, T, H, K)), F.logsigmoid(randn(B, T, H, V))
-    o, ht = backend.fused_recurrent_gla(q, k, v, gk, gv, output_final_state=True, reverse=True)
+    o, ht = fla_cpu.fused_recurrent_gla(q, k, v, gk, gv, output_final_state=True, reverse=True)
     # reverse = the forward recurrence on time-flipped inputs, outputs flipped back
     S = torch.zeros(B, H, K, V, dtype=F64)
     expected = torch.empty(B, T, H, V, dtype=F64)
@@ -153,7 +154,7 @@ def test_chunk_simple_gla_matches_parallel_reference(decay):
     kwargs = {"g": {"g": g}, "g_gamma": {"g_gamma": gamma}, "none": {}}[decay]
     full = {"g": g, "g_gamma": gamma.expand(B, T, H), "none": torch.zeros(B, T, H, dtype=F64)}[decay]
     o_ref, ht_ref = parallel_linear_attention(q, k, v, full[..., None].expand(B, T, H, K), 1.0, h0)
-    for op in (backend.chunk_simple_gla, backend.fused_recurrent_simple_gla):
+    for op in (fla_cpu.chunk_simple_gla, fla_cpu.fused_recurrent_simple_gla):
         o, ht = op(q, k, v, scale=1.0, initial_state=h0, output_final_state=True, **kwargs)
         torch.testing.assert_close(o, o_ref, **TOL)
         torch.testing.assert_close(ht, ht_ref, **TOL)
@@ -165,8 +166,8 @@ def test_simple_gla_with_v_equal_k_is_symmetric_read():
     k = randn(B, T, H, K)
     g = F.logsigmoid(randn(B, T, H))
     a, b = randn(B, T, H, K), randn(B, T, H, K)
-    Pa, _ = backend.chunk_simple_gla(a, k, k, g=g, scale=1.0)
-    Pb, _ = backend.chunk_simple_gla(b, k, k, g=g, scale=1.0)
+    Pa, _ = fla_cpu.chunk_simple_gla(a, k, k, g=g, scale=1.0)
+    Pb, _ = fla_cpu.chunk_simple_gla(b, k, k, g=g, scale=1.0)
     torch.testing.assert_close((Pa * b).sum(-1), (Pb * a).sum(-1), **TOL)
 
 
@@ -183,12 +184,12 @@ def test_gla_ops_agree_with_fla_naive_references():
     )
     gk = F.logsigmoid(randn(B, T, H, K, dtype=torch.float32)) / 16
     h0 = randn(B, H, K, V, dtype=torch.float32)
-    o, ht = backend.chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
+    o, ht = fla_cpu.chunk_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-4, atol=1e-4)
     g = F.logsigmoid(randn(B, T, H, dtype=torch.float32))
-    o, ht = backend.chunk_simple_gla(q, k, v, g=g, initial_state=h0, output_final_state=True)
+    o, ht = fla_cpu.chunk_simple_gla(q, k, v, g=g, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = naive_recurrent_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-4, atol=1e-4)
@@ -204,14 +205,14 @@ def test_chunk_gla_gradcheck():
     g = (F.logsigmoid(randn(B, T, H, K)) / 2).requires_grad_()
     h0 = randn(B, H, K, V, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda *xs: backend.chunk_gla(*xs[:4], initial_state=xs[4], output_final_state=True),
+        lambda *xs: fla_cpu.chunk_gla(*xs[:4], initial_state=xs[4], output_final_state=True),
         (q, k, v, g, h0),
         fast_mode=True,
     )
 
 
 def test_linear_attention_grads_match_reference_grads(monkeypatch):
-    monkeypatch.setattr(backend, "SEGMENT_TOKENS", 64)  # checkpointed segments in backward
+    monkeypatch.setattr(fla_common, "SEGMENT_TOKENS", 64)  # checkpointed segments in backward
     B, T, H, K, V = 2, 150, 2, 4, 3
     inputs = [
         randn(B, T, H, K, requires_grad=True),
@@ -229,7 +230,7 @@ def test_linear_attention_grads_match_reference_grads(monkeypatch):
 
     leaves = (*inputs, g, h0)
     for mine, ref in zip(
-        grads(lambda: backend.chunk_gla(*inputs, g, initial_state=h0, output_final_state=True), *leaves),
+        grads(lambda: fla_cpu.chunk_gla(*inputs, g, initial_state=h0, output_final_state=True), *leaves),
         grads(lambda: parallel_linear_attention(*inputs, g, K**-0.5, h0), *leaves),
         strict=True,
     ):
@@ -238,7 +239,7 @@ def test_linear_attention_grads_match_reference_grads(monkeypatch):
     gs_full = gs[..., None].expand(B, T, H, K)
     for mine, ref in zip(
         grads(
-            lambda: backend.chunk_simple_gla(*inputs, g=gs, initial_state=h0, output_final_state=True),
+            lambda: fla_cpu.chunk_simple_gla(*inputs, g=gs, initial_state=h0, output_final_state=True),
             *leaves,
         ),
         grads(lambda: parallel_linear_attention(*inputs, gs_full, K**-0.5, h0), *leaves),
@@ -255,7 +256,7 @@ def test_gla_varlen_equals_separate_sequences():
     g = F.logsigmoid(randn(1, total, H, K))
     h0 = randn(len(lengths), H, K, V)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    for op in (backend.chunk_gla, backend.fused_recurrent_gla):
+    for op in (fla_cpu.chunk_gla, fla_cpu.fused_recurrent_gla):
         o, ht = op(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
             o_ref, ht_ref = parallel_linear_attention(
@@ -264,7 +265,7 @@ def test_gla_varlen_equals_separate_sequences():
             torch.testing.assert_close(o[:, a:b], o_ref, **TOL)
             torch.testing.assert_close(ht[i : i + 1], ht_ref, **TOL)
     with pytest.raises(ValueError, match="batch size to be 1"):
-        backend.chunk_gla(
+        fla_cpu.chunk_gla(
             q.expand(2, -1, -1, -1),
             k.expand(2, -1, -1, -1),
             v.expand(2, -1, -1, -1),
@@ -278,7 +279,7 @@ def test_low_precision_inputs_compute_in_fp32():
     q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
     g = F.logsigmoid(randn(B, T, H, K)) / 16
     lo = [x.bfloat16() for x in (q, k, v, g)]
-    o, ht = backend.chunk_gla(*lo, output_final_state=True)
+    o, ht = fla_cpu.chunk_gla(*lo, output_final_state=True)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     o_ref16, ht_ref16 = parallel_linear_attention(*[x.double() for x in lo], K**-0.5)
     torch.testing.assert_close(o.double(), o_ref16, rtol=2e-2, atol=2e-2)
@@ -332,7 +333,7 @@ def gdn_kwargs(c, allow_neg_eigval=False):
 def test_gated_delta_rule_matches_householder_reference(T, allow_neg_eigval):
     c = gdn_case(T=T)
     o_ref, ht_ref = gdn_reference(c, allow_neg_eigval)
-    for op in (backend.chunk_gated_delta_rule, backend.fused_recurrent_gated_delta_rule):
+    for op in (fla_cpu.chunk_gated_delta_rule, fla_cpu.fused_recurrent_gated_delta_rule):
         o, ht = op(c["q"], c["k"], c["v"], **gdn_kwargs(c, allow_neg_eigval))
         torch.testing.assert_close(o, o_ref, **TOL)
         torch.testing.assert_close(ht, ht_ref, **TOL)
@@ -340,7 +341,7 @@ def test_gated_delta_rule_matches_householder_reference(T, allow_neg_eigval):
 
 def test_gated_delta_rule_preprocessed_inputs_and_k_first_state(monkeypatch):
     # kernel flags off: q/k/beta/g are used as given; K-first states; several segments
-    monkeypatch.setattr(backend, "SEGMENT_TOKENS", 128)
+    monkeypatch.setattr(fla_common, "SEGMENT_TOKENS", 128)
     B, T, H, K, V = 1, 300, 2, 8, 4
     q = F.normalize(randn(B, T, H, K), dim=-1)
     k = F.normalize(randn(B, T, H, K), dim=-1)
@@ -348,7 +349,7 @@ def test_gated_delta_rule_preprocessed_inputs_and_k_first_state(monkeypatch):
     g = -torch.rand(B, T, H, dtype=F64) * 30  # strong decays: exp(-30) per step
     h0 = randn(B, H, K, V)
     o_ref, ht_ref = householder_delta_rule(q, k, v, g, beta, 0.5, h0.transpose(-1, -2))
-    for op in (backend.chunk_gated_delta_rule, backend.fused_recurrent_gated_delta_rule):
+    for op in (fla_cpu.chunk_gated_delta_rule, fla_cpu.fused_recurrent_gated_delta_rule):
         o, ht = op(q, k, v, g=g, beta=beta, scale=0.5, initial_state=h0, output_final_state=True)
         torch.testing.assert_close(o, o_ref, **TOL)
         torch.testing.assert_close(ht, ht_ref.transpose(-1, -2), **TOL)
@@ -366,7 +367,7 @@ def test_gated_delta_rule_agrees_with_fla_naive_references():
     v, beta = randn(B, T, H, V, dtype=f32), torch.rand(B, T, H)
     g = F.logsigmoid(randn(B, T, H, dtype=f32))
     h0 = randn(B, H, K, V, dtype=f32)
-    o, ht = backend.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, ht = fla_cpu.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     for naive in (naive_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule):
         args = (q, k, v, beta, g) if naive is naive_recurrent_gated_delta_rule else (q, k, v, g, beta)
         o_ref, ht_ref = naive(*args, initial_state=h0, output_final_state=True)
@@ -381,13 +382,13 @@ def test_chunk_gated_delta_rule_gradcheck():
 
     def fn(*xs):
         d = dict(zip(names, xs, strict=True))
-        return backend.chunk_gated_delta_rule(d["q"], d["k"], d["v"], **gdn_kwargs(d))
+        return fla_cpu.chunk_gated_delta_rule(d["q"], d["k"], d["v"], **gdn_kwargs(d))
 
     assert torch.autograd.gradcheck(fn, leaves, fast_mode=True)
 
 
 def test_gated_delta_rule_grads_match_reference_grads(monkeypatch):
-    monkeypatch.setattr(backend, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(fla_common, "SEGMENT_TOKENS", 64)
     c = gdn_case(B=2, T=150, H=1, HV=2, K=4, V=3)
     names = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "h0"]
     leaves = [c[n].requires_grad_() for n in names]
@@ -398,7 +399,7 @@ def test_gated_delta_rule_grads_match_reference_grads(monkeypatch):
         return torch.autograd.grad((o * w_o).sum() + (ht * w_h).sum(), leaves)
 
     for mine, ref in zip(
-        grads(backend.chunk_gated_delta_rule(c["q"], c["k"], c["v"], **gdn_kwargs(c))),
+        grads(fla_cpu.chunk_gated_delta_rule(c["q"], c["k"], c["v"], **gdn_kwargs(c))),
         grads(gdn_reference(c)),
         strict=True,
     ):
@@ -409,7 +410,7 @@ def test_gated_delta_rule_varlen_equals_separate_sequences():
     c = gdn_case(B=1, T=110, H=1, HV=2, K=4, V=3)
     cu = torch.tensor([0, 3, 80, 110])
     c["h0"] = randn(3, 2, 3, 4)
-    for op in (backend.chunk_gated_delta_rule, backend.fused_recurrent_gated_delta_rule):
+    for op in (fla_cpu.chunk_gated_delta_rule, fla_cpu.fused_recurrent_gated_delta_rule):
         o, ht = op(c["q"], c["k"], c["v"], **gdn_kwargs(c), cu_seqlens=cu)
         for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
             part = {n: (c[n][:, a:b] if n in "qkvab" else c[n]) for n in c}
@@ -422,12 +423,12 @@ def test_gated_delta_rule_varlen_equals_separate_sequences():
 def test_gated_delta_rule_clear_errors():
     c = gdn_case(B=1, T=5, H=2, HV=3)
     with pytest.raises(ValueError, match="multiple of num_heads"):
-        backend.chunk_gated_delta_rule(c["q"], c["k"], c["v"], c["a"], c["b"])
+        fla_cpu.chunk_gated_delta_rule(c["q"], c["k"], c["v"], c["a"], c["b"])
     c = gdn_case(B=1, T=5)
     with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
-        backend.chunk_gated_delta_rule(c["q"], c["k"], c["v"], c["a"], c["b"], allow_neg_eigval=True)
+        fla_cpu.chunk_gated_delta_rule(c["q"], c["k"], c["v"], c["a"], c["b"], allow_neg_eigval=True)
     with pytest.raises(ValueError, match="A_log"):
-        backend.fused_recurrent_gated_delta_rule(
+        fla_cpu.fused_recurrent_gated_delta_rule(
             c["q"], c["k"], c["v"], g=c["a"], beta=c["b"], use_gate_in_kernel=True
         )
 
@@ -437,10 +438,10 @@ def test_gated_delta_rule_clear_errors():
 
 def test_l2norm_matches_formula_and_keeps_dtype():
     x = randn(3, 5, 7)
-    torch.testing.assert_close(backend.l2norm(x), x / torch.sqrt((x**2).sum(-1, keepdim=True) + 1e-6), **TOL)
+    torch.testing.assert_close(fla_cpu.l2norm(x), x / torch.sqrt((x**2).sum(-1, keepdim=True) + 1e-6), **TOL)
     xb = x.bfloat16()
-    assert backend.l2norm(xb).dtype == torch.bfloat16
-    assert backend.l2norm(xb, output_dtype=torch.float32).dtype == torch.float32
+    assert fla_cpu.l2norm(xb).dtype == torch.bfloat16
+    assert fla_cpu.l2norm(xb, output_dtype=torch.float32).dtype == torch.float32
 
 
 @pytest.mark.parametrize("activation", ["silu", None])
@@ -448,22 +449,22 @@ def test_causal_conv1d_prefill_state_and_decode(activation):
     B, T, D, W = 2, 11, 5, 4
     x, weight, bias = randn(B, T, D), randn(D, W), randn(D)
     history = randn(B, D, W)
-    y, final = backend.causal_conv1d(
+    y, final = fla_cpu.causal_conv1d(
         x, weight, bias, initial_state=history, output_final_state=True, activation=activation
     )
     torch.testing.assert_close(y, window_conv(x, weight, bias, history, activation), **TOL)
     torch.testing.assert_close(final, x[:, -W:].transpose(1, 2), **TOL)  # the last W inputs
     # a sequence shorter than the window keeps the newest part of the history
-    _y2, final2 = backend.causal_conv1d(
+    _y2, final2 = fla_cpu.causal_conv1d(
         x[:, :2], weight, bias, initial_state=history, output_final_state=True, activation=activation
     )
     torch.testing.assert_close(final2, torch.cat([history[..., 2:], x[:, :2].transpose(1, 2)], -1), **TOL)
     # decode: prefill T-1 tokens, then one step that updates the cache in place
-    _, cache = backend.causal_conv1d(
+    _, cache = fla_cpu.causal_conv1d(
         x[:, :-1], weight, bias, initial_state=history, output_final_state=True, activation=activation
     )
     cache_before = cache
-    y_step, cache_after = backend.causal_conv1d_update(
+    y_step, cache_after = fla_cpu.causal_conv1d_update(
         x[:, -1:], cache, weight=weight, bias=bias, activation=activation
     )
     assert cache_after is cache_before
@@ -471,14 +472,14 @@ def test_causal_conv1d_prefill_state_and_decode(activation):
     torch.testing.assert_close(cache_after, final, **TOL)
     # residual is added after the activation
     r = randn(B, T, D)
-    y_r, _ = backend.causal_conv1d(x, weight, bias, residual=r, initial_state=history, activation=activation)
+    y_r, _ = fla_cpu.causal_conv1d(x, weight, bias, residual=r, initial_state=history, activation=activation)
     torch.testing.assert_close(y_r, y + r, **TOL)
 
 
 def test_short_convolution_module_paths():
     from fla.modules import ShortConvolution
 
-    backend.install()
+    fla_cpu.install()
     conv = ShortConvolution(hidden_size=6, kernel_size=4, bias=True, activation="silu").double()
     x = randn(2, 9, 6)
     weight = conv.weight.detach().squeeze(1)
@@ -502,7 +503,7 @@ def test_short_convolution_module_paths():
 def test_rms_norms_and_gates():
     from fla.modules import FusedRMSNormGated, RMSNorm
 
-    backend.install()
+    fla_cpu.install()
     x, r, g = randn(3, 4, 8), randn(3, 4, 8), randn(3, 4, 8)
     norm = RMSNorm(8, eps=1e-5).double()
     with torch.no_grad():
@@ -532,12 +533,12 @@ def test_activations_swiglu_and_losses():
     from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss, GatedMLP
     from fla.modules.activations import ACT2FN
 
-    backend.install()
+    fla_cpu.install()
     x, y = randn(4, 6), randn(4, 6)
     torch.testing.assert_close(ACT2FN["swish"](x), x * torch.sigmoid(x), **TOL)
     torch.testing.assert_close(ACT2FN["sigmoid"](x), torch.sigmoid(x), **TOL)
     torch.testing.assert_close(ACT2FN["logsigmoid"](x), torch.log(torch.sigmoid(x)), **TOL)
-    torch.testing.assert_close(backend.swiglu(x, y), x * torch.sigmoid(x) * y, **TOL)
+    torch.testing.assert_close(fla_cpu.swiglu(x, y), x * torch.sigmoid(x) * y, **TOL)
 
     mlp = GatedMLP(hidden_size=8, intermediate_size=16, fuse_swiglu=True).double()
     h = randn(2, 3, 8)
@@ -575,13 +576,13 @@ def test_install_is_idempotent_and_patches_layer_names():
     import fla.layers.gla as gla_layer
     from fla.modules import RMSNorm
 
-    backend.install()
+    fla_cpu.install()
     first = RMSNorm.forward
-    backend.install()
+    fla_cpu.install()
     assert RMSNorm.forward._ccq_original is first._ccq_original
-    assert backend.is_installed()
-    assert gla_layer.chunk_gla is backend.chunk_gla
-    assert gla_layer.fused_recurrent_gla is backend.fused_recurrent_gla
-    assert gdn_layer.chunk_gated_delta_rule is backend.chunk_gated_delta_rule
-    assert gdn_layer.fused_recurrent_gated_delta_rule is backend.fused_recurrent_gated_delta_rule
-    assert gdn_layer.causal_conv1d is backend.causal_conv1d
+    assert fla_cpu.is_installed()
+    assert gla_layer.chunk_gla is fla_cpu.chunk_gla
+    assert gla_layer.fused_recurrent_gla is fla_cpu.fused_recurrent_gla
+    assert gdn_layer.chunk_gated_delta_rule is fla_cpu.chunk_gated_delta_rule
+    assert gdn_layer.fused_recurrent_gated_delta_rule is fla_cpu.fused_recurrent_gated_delta_rule
+    assert gdn_layer.causal_conv1d is fla_cpu.causal_conv1d

@@ -1,16 +1,23 @@
-"""CUDA graphs: decode steps (ccq_eval.graphed_decode) give the same greedy text as eager decoding, and
-scoring forwards (ccq_eval.graphed_score) the same log-likelihoods as eager ones."""
+"""CUDA graphs: decode steps (ccq_eval.model.cuda_graphs.decode) give the same greedy text as eager decoding, and
+scoring forwards (ccq_eval.model.cuda_graphs.score) the same log-likelihoods as eager ones."""
 
 import pytest
 import torch
 from adapter_support import byte_tokenizer
 from lm_eval.api.instance import Instance
 
-import ccq_eval  # noqa: F401
-from ccq_eval.graphed_decode import GraphedDecodeStep
-from ccq_eval.graphed_score import padded_length
-from ccq_eval.lm_adapter import CCQEvalLM
-from ccq_eval.modeling_ccq import CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, CCQGLAConfig, CCQGLAForCausalLM
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
+from ccq_eval.model.cuda_graphs.score import padded_length
+from ccq_eval.model.modeling_ccq import (
+    CCQGatedDeltaNetConfig,
+    CCQGatedDeltaNetForCausalLM,
+    CCQGLAConfig,
+    CCQGLAForCausalLM,
+    prepare_runtime,
+)
+
+prepare_runtime()  # fla's CPU backend and the CCQ model types
 
 MODELS = {  # head dim 64: CCQ's torch recurrence decodes; 128: the fused decoding kernel (ccq_triton)
     "gla": lambda ccq: CCQGLAForCausalLM(CCQGLAConfig(

@@ -1,8 +1,8 @@
-"""ccq_eval/l2norm_pair.py: q and k L2-normalised from their strided views, against backend.torch_l2norm.
+"""ccq_eval/model/kernels/l2norm_pair.py: q and k L2-normalised from their strided views, against fla_cpu.torch_l2norm.
 
 On CPU the kernels run in Triton's interpreter, which must be switched on before triton compiles
-anything, so those checks run in a subprocess (tests/_l2norm_pair_checks.py, under the interpreter
-bounds check of tests/_triton_bounds.py). Without the interpreter the CPU path is today's torch code,
+anything, so those checks run in a subprocess (tests/model/_l2norm_pair_checks.py, under the interpreter
+bounds check of tests/model/_triton_bounds.py). Without the interpreter the CPU path is today's torch code,
 checked bit for bit. On a GPU the compiled kernels are checked directly at Gated DeltaNet 340M's shape.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ccq_eval import backend
-from ccq_eval.l2norm_pair import l2norm_pair, uses_kernels
+from ccq_eval.model import fla_cpu
+from ccq_eval.model.kernels.l2norm_pair import l2norm_pair, uses_kernels
 
 CHECKS = Path(__file__).with_name("_l2norm_pair_checks.py")
 
@@ -69,7 +69,7 @@ def test_cpu_path_is_todays_stacked_l2norm_bit_for_bit(dtype):
         pytest.skip("TRITON_INTERPRET=1: CPU tensors go to the kernels")
     base, q, k = _qk_views(2, 37, 3, 64, dtype)
     outputs = l2norm_pair(q, k)
-    expected = backend.torch_l2norm(torch.stack([q, k])).unbind(0)
+    expected = fla_cpu.torch_l2norm(torch.stack([q, k])).unbind(0)
     for y, ref in zip(outputs, expected):
         assert torch.equal(y, ref) and y.is_contiguous()
     w = torch.randn(2, 2, 37, 3, 64).to(dtype)
@@ -112,12 +112,12 @@ def _check_against_reference(device, dtype, T=4096, H=4, K=256):
     assert yq.is_contiguous() and yk.is_contiguous() and yq.dtype == yk.dtype == dtype
     forward_tolerance = 1 if dtype == torch.bfloat16 else 2e-6
     for y, x in ((yq, q), (yk, k)):
-        assert _forward_error(y, backend.torch_l2norm(x)) <= forward_tolerance
+        assert _forward_error(y, fla_cpu.torch_l2norm(x)) <= forward_tolerance
     (grad,) = torch.autograd.grad((yq * w[0]).sum() + (yk * w[1]).sum(), base)
     base64 = base.detach().double().requires_grad_(True)
     q64, k64 = base64[..., : H * K].unflatten(-1, (H, K)), base64[..., H * K: 2 * H * K].unflatten(-1, (H, K))
-    (ref,) = torch.autograd.grad((backend.torch_l2norm(q64) * w[0].double()).sum()
-                                 + (backend.torch_l2norm(k64) * w[1].double()).sum(), base64)
+    (ref,) = torch.autograd.grad((fla_cpu.torch_l2norm(q64) * w[0].double()).sum()
+                                 + (fla_cpu.torch_l2norm(k64) * w[1].double()).sum(), base64)
     gradient_tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     relative = ((grad.double() - ref).abs().max() / ref.abs().max()).item()
     assert relative < gradient_tolerance, relative

@@ -8,14 +8,16 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig,
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, ByT5Tokenizer
 
-import ccq_eval  # noqa: F401  (installs the CPU backend, registers the model types)
-from ccq_eval.loading import ModelLoadError, load_model
-from ccq_eval.modeling_ccq import (
+from ccq_eval.model.loading import ModelLoadError, load_model
+from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
     CCQGLAConfig,
     CCQGLAForCausalLM,
+    prepare_runtime,
 )
+
+prepare_runtime()  # fla's CPU backend and the CCQ model types
 
 TINY = {
     "gla": dict(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=384, use_short_conv=True),

@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
-from ccq_eval import ccq_triton, l2norm_pair, token_logprob
+from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward, l2norm_pair, token_logprob
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS) or os.environ.get("TRITON_INTERPRET") == "1",
@@ -47,39 +47,39 @@ READ_TYPES = dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, 
                   lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32")
 KERNELS = {
     **{f"chunk_states_{'states' if states else 'totals'}": (
-        ccq_triton._ccq_chunk_states_kernel,
+        ccq_forward._ccq_chunk_states_kernel,
         dict(kappa=BF16, key_inv_norm=F32, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32, P_in=BF16, m_in=F32,
              n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
-        dict(H=6, K=256, C=64, BR=ccq_triton.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
+        dict(H=6, K=256, C=64, BR=ccq_forward.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
        for states in (False, True)},  # Gated DeltaNet-340M's heads: the widest state rows
-    "state_scan": (ccq_triton._ccq_state_scan_kernel,
+    "state_scan": (ccq_forward._ccq_state_scan_kernel,
                    dict(P_in=BF16, m_in=F32, n_in=F32, chunk_decay=F32, P0=F32, m0=F32, n0=F32, P_final=F32,
                         m_final=F32, n_final=F32, NT="i32"),
-                   dict(K=128, BLOCK=ccq_triton.SCAN_BLOCK, KB=128, STEPS=ccq_triton.SCAN_STEPS, HAS_INITIAL=True,
+                   dict(K=128, BLOCK=ccq_forward.SCAN_BLOCK, KB=128, STEPS=ccq_forward.SCAN_STEPS, HAS_INITIAL=True,
                         STORE_FINAL=True)),
-    "read": (ccq_triton._ccq_read_kernel, READ_TYPES,
+    "read": (ccq_forward._ccq_read_kernel, READ_TYPES,
              dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
-    "read_k256": (ccq_triton._ccq_read_kernel, READ_TYPES,  # Gated DeltaNet-340M's heads
+    "read_k256": (ccq_forward._ccq_read_kernel, READ_TYPES,  # Gated DeltaNet-340M's heads
                   dict(H=6, K=256, C=64, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
-    "bwd_query": (ccq_triton._ccq_bwd_query_kernel,
+    "bwd_query": (ccq_backward._ccq_bwd_query_kernel,
                   dict(r=BF16, kappa=BF16, log_gamma=F32, lam=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32",
                        P_in=BF16, m_in=F32, n_in=F32, dq=BF16, dr=BF16, dPu_out=BF16, dm_out=BF16, dn_out=F32,
                        dlam_out=F32, dweight_out=F32, T="i32", NT="i32"),
                   dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
-    "bwd_local": (ccq_triton._ccq_bwd_local_kernel,
+    "bwd_local": (ccq_backward._ccq_bwd_local_kernel,
                   dict(r=BF16, dPu=BF16, dm=BF16, dn=F32, log_gamma=F32, Q=BF16, g_acc=F32, h_acc=F32,
                        chunk_decay_rev=F32, T="i32", NT="i32"),
                   dict(**CHUNK, CENTERED=True, IEEE=False)),
-    "bwd_key": (ccq_triton._ccq_bwd_key_kernel,
+    "bwd_key": (ccq_backward._ccq_bwd_key_kernel,
                 dict(r=BF16, kappa=BF16, log_gamma=F32, dPu=BF16, dm=BF16, dn=F32, Q=BF16, g_acc=F32, h_acc=F32,
                      dkappa=F32, dk=BF16, dc=F32, T="i32", NT="i32"),
                 dict(**CHUNK, CENTERED=True, NORMALIZE=True, IEEE=False)),
-    "inverse_norms": (ccq_triton._inverse_norms_kernel, dict(x=BF16, inv_norm=F32, N="i32"),
-                      dict(K=256, ROWS=ccq_triton.NORM_TILE // 256)),
-    "decode": (ccq_triton._ccq_decode_kernel,
+    "inverse_norms": (ccq_forward._inverse_norms_kernel, dict(x=BF16, inv_norm=F32, N="i32"),
+                      dict(K=256, ROWS=ccq_forward.NORM_TILE // 256)),
+    "decode": (ccq_decode._ccq_decode_kernel,
                dict(r=BF16, k=BF16, log_gamma=F32, gate_weight=F32, gate_bias=F32, lam_max="fp32", P=F32, m=F32,
                     n=F32, P_out=F32, m_out=F32, n_out=F32, q_out=BF16),
-               dict(H=4, K=128, BK=ccq_triton.DECODE_ROWS, CENTERED=True, QUERY_GATE=True)),
+               dict(H=4, K=128, BK=ccq_decode.DECODE_ROWS, CENTERED=True, QUERY_GATE=True)),
     "token_logprob": (token_logprob._token_logprob_kernel,
                       dict(logits=BF16, targets="*i64", logprob_out=F32, greedy_out="*i1", V="i32", stride_row="i32"),
                       dict(BLOCK=4096)),

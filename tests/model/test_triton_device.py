@@ -1,10 +1,10 @@
-"""The Triton kernels launch on their inputs' GPU, not on the current one (ccq_eval/triton_device.py)."""
+"""The Triton kernels launch on their inputs' GPU, not on the current one (ccq_eval/model/kernels/triton_device.py)."""
 
 import pytest
 import torch
 
-from ccq_eval import triton_device
-from ccq_eval.triton_device import launches_on_input_device
+from ccq_eval.model.kernels import triton_device
+from ccq_eval.model.kernels.triton_device import launches_on_input_device
 
 
 class _TensorOnCuda1(torch.Tensor):
@@ -56,8 +56,9 @@ def test_guard_leaves_cpu_calls_alone(monkeypatch):
 def test_kernels_on_the_second_gpu_match_the_first():
     """With cuda:0 current, the fused CCQ forward, the decoding step and the log-softmax on cuda:1
     give what they give on cuda:0 (before the guard they were launched on cuda:0)."""
-    from ccq_eval.ccq_triton import ccq_order1_decode, ccq_order1_forward
-    from ccq_eval.token_logprob import token_logprob_triton
+    from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
+    from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
+    from ccq_eval.model.kernels.token_logprob import token_logprob_triton
 
     g = torch.Generator().manual_seed(0)
     B, T, H, K = 1, 300, 2, 128
@@ -86,7 +87,7 @@ def test_adapter_makes_the_models_gpu_current():
     """CUDA graphs capture on the current device's streams: the adapter makes the model's GPU current."""
     from adapter_support import byte_tokenizer, tiny_model
 
-    from ccq_eval.lm_adapter import CCQEvalLM
+    from ccq_eval.harness.adapter import CCQEvalLM
 
     tokenizer = byte_tokenizer()
     torch.cuda.set_device(0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = ROOT / "tasks" / "longbench"
 FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
 REFERENCE_PROMPTS = json.loads((FIXTURES / "reference" / "dataset2prompt.json").read_text(encoding="utf-8"))

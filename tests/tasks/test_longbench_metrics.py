@@ -2,25 +2,18 @@
 definitions (THUDM/LongBench metrics.py / eval.py), plus optional cross-checks against the packages
 LongBench itself calls (`rouge`, `fuzzywuzzy`) when they are installed."""
 
-import importlib.util
+import importlib
 import random
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name):
-    key = f"_test_longbench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, ROOT / "tasks" / "longbench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+    return importlib.import_module(f"tasks.longbench.{name}")
 
 
 m = _load("metrics")

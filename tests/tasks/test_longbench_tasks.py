@@ -1,14 +1,13 @@
 """LongBench task configs: templates and constants against the official config files, loading
 through lm-eval's TaskManager, prompts of fixture records, data errors, categories."""
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = ROOT / "tasks" / "longbench"
 FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
 # Verbatim copies of THUDM/LongBench@2e00731f LongBench/config/dataset2prompt.json and dataset2maxlen.json
@@ -23,13 +22,7 @@ E = ["qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_n
 
 
 def _load(name):
-    key = f"_test_longbench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, TASK_DIR / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+    return importlib.import_module(f"tasks.longbench.{name}")
 
 
 def _records(file_name, folder=FIXTURES):

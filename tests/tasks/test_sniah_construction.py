@@ -4,7 +4,7 @@ budgets for two tokenizers, the grid, determinism and bad settings."""
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import re
 import uuid
 from pathlib import Path
@@ -12,18 +12,11 @@ from pathlib import Path
 import pytest
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MISTRAL_DIR = ROOT / "tests" / "fixtures" / "tokenizers" / "mistral_v1"
 
 
-def _load_utils():
-    spec = importlib.util.spec_from_file_location("ccq_s_niah_utils_under_test", ROOT / "tasks/s_niah/utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sn = _load_utils()
+sn = importlib.import_module("tasks.s_niah.utils")
 
 # ------------------------------------------------------------------ RULER, restated
 # From NVIDIA RULER scripts/data/synthetic/constants.py (TASKS['niah']) and niah.py.
@@ -90,7 +83,7 @@ def tokenizers():
 
 @pytest.fixture(scope="module")
 def sotu_haystack_text():
-    from ccq_eval.corpora import load_corpus
+    from ccq_eval.harness.corpora import load_corpus
 
     return "\n\n".join(doc.text for doc in load_corpus("sotu", split="eval"))
 

@@ -13,7 +13,7 @@ from lm_eval import simple_evaluate
 from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METADATA = {"tokenizer": "byt5", "lengths": [1024, 2048], "depths": [0, 50, 100], "samples_per_cell": 1}
 TASKS = ("ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3")
 

@@ -3,16 +3,14 @@ metric declarations in the task YAML."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ccq_s_niah_utils_scoring", ROOT / "tasks/s_niah/utils.py")
-sn = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sn)
+ROOT = Path(__file__).resolve().parents[2]
+sn = importlib.import_module("tasks.s_niah.utils")
 
 
 def ruler_string_match_all(preds: list[str], refs: list[list[str]]) -> float:

@@ -15,7 +15,7 @@ the same graph: `load` copies its states into those buffers (CCQEvalLM keeps a g
 Status: on the H200 (2026-12-01) graphed decoding gave the same greedy text as eager decoding for
 fla's GLA and Gated DeltaNet, with and without CCQ layers, at head dims 64 (CCQ's torch recurrence)
 and 128 (the fused decoding kernel), and 16 replays gave the same logits as 16 eager steps
-(tests/test_graphed_decode.py, marked gpu; benchmarks/results/h200/fused-v3/). An earlier version
+(tests/model/test_graphed_decode.py, marked gpu; benchmarks/results/h200/fused-v3/). An earlier version
 drifted with CCQ layers: the state buffers the graph reads were not kept alive once CCQ's new P, m, n
 replaced them in the cache, so their memory was reused between replays; they are held now (below).
 On 2026-12-02 the same tests passed with `load` (a second prefill replayed by the same graph) and the

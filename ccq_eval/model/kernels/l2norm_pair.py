@@ -2,7 +2,7 @@
 
 Why: in `CCQGatedDeltaNet.forward` q and k are [B, T, H, K] views of one short convolution's output
 over the q|k|v channels (`short_conv_qkv`): the last dim is contiguous, the T stride is the whole
-q|k|v width. `backend.l2norm(torch.stack([q, k]))` first copies both into a contiguous stack. On the
+q|k|v width. `fla_cpu.l2norm(torch.stack([q, k]))` first copies both into a contiguous stack. On the
 H200 (Gated DeltaNet 340M, T = 20480, bf16) that stack took 254 us per layer (torch's cat kernel on
 strided inputs) and fla's l2norm another 58 us, while the whole job moves 2 x 42 MB in and 2 x 42 MB
 out (~40 us at memory bandwidth). Here one kernel launch reads both views and writes both results,
@@ -13,9 +13,9 @@ y = x * rstd written in the input dtype; the backward dx = dy * rstd - sum(dy * 
 saved y (input dtype) and rstd (fp32), dx in the input dtype.
 
 On CPU, and for fp64 anywhere (fp64 arithmetic, not the kernels' fp32), `l2norm_pair` is the torch
-path the model used before, `backend.torch_l2norm(torch.stack([q, k]))`, bit for bit. With
+path the model used before, `fla_cpu.torch_l2norm(torch.stack([q, k]))`, bit for bit. With
 TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU tensors instead, which
-is how tests/test_l2norm_pair.py checks them without a GPU.
+is how tests/model/test_l2norm_pair.py checks them without a GPU.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ccq_eval import backend
-from ccq_eval.triton_device import on_device_of
+from ccq_eval.model import fla_cpu
+from ccq_eval.model.kernels.triton_device import on_device_of
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program: BLOCK_ROWS = TILE // next_power_of_2(K) rows (16 at K = 256), 4 warps.
@@ -156,5 +156,5 @@ def l2norm_pair(q: torch.Tensor, k: torch.Tensor, eps: float = 1e-6) -> tuple[to
         raise ValueError(f"l2norm_pair needs floating-point inputs with a last dim, got {q.dtype} {tuple(q.shape)}")
     if not uses_kernels(q):
         # Today's CPU path, bit for bit (the CPU model tests' numbers).
-        return backend.torch_l2norm(torch.stack([q, k]), eps).unbind(0)
+        return fla_cpu.torch_l2norm(torch.stack([q, k]), eps).unbind(0)
     return _L2NormPair.apply(q, k, eps).unbind(0)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ccq_eval.triton_device import launches_on_input_device
+from ccq_eval.model.kernels.triton_device import launches_on_input_device
 
 
 @triton.jit

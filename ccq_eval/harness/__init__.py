@@ -1,0 +1,4 @@
+"""The evaluation side: the lm-eval adapter (`adapter`, with `scoring`, `generation` and
+`truncation`), the runner (`plan` -> `runner` -> `results_store`, resumable through `resume`),
+task registration (`task_registry`) and the bundled corpora (`corpora`).
+"""

@@ -1,0 +1,199 @@
+"""Generation for the lm-eval adapter: chunked prefill, then one token per step with the recurrent
+cache; prompts of any length decode together for purely recurrent fla models.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+import torch
+from lm_eval.api.instance import Instance
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_GEN_TOKS = 256
+# generation_kwargs keys this adapter understands; anything else is an error, not ignored.
+_GEN_KWARGS = {
+    "until", "max_gen_toks", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "ccq_truncation", "num_beams",
+}
+
+
+def _stack_states(states: list[Any]) -> Any:
+    """One batched state from per-row states of the same structure (tensors stacked on dim 0)."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(states, dim=0)
+    if isinstance(first, dict):
+        return {key: _stack_states([s[key] for s in states]) for key in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack_states(list(items)) for items in zip(*states, strict=True))
+    if first is None:
+        return None
+    raise TypeError(f"cannot stack cache states of type {type(first).__name__}")
+
+
+def _stack_caches(caches: list[Any]) -> Any:
+    """fla Caches of single rows -> one Cache of all rows, in order. Recurrent layers keep no
+    per-position state, so rows of different prompt lengths decode together without padding."""
+    stacked = caches[0]
+    for index, layer in enumerate(stacked.layers):
+        layer.state = _stack_states([cache.layers[index].state for cache in caches])
+    return stacked
+
+def as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() in ("1", "true", "yes"):
+            return True
+        if value.lower() in ("0", "false", "no", ""):
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    return bool(value)
+
+
+class GenerationMixin:
+    """generate_until of CCQEvalLM."""
+
+    def _parse_gen_kwargs(self, gen_kwargs: dict[str, Any], task_name: str | None) -> dict[str, Any]:
+        unknown = set(gen_kwargs) - _GEN_KWARGS
+        if unknown:
+            raise ValueError(f"task {task_name}: unsupported generation_kwargs {sorted(unknown)}; "
+                             f"supported: {sorted(_GEN_KWARGS)}")
+        if int(gen_kwargs.get("num_beams", 1)) != 1:
+            raise ValueError(f"task {task_name}: beam search (num_beams={gen_kwargs['num_beams']}) is not supported")
+        until = gen_kwargs.get("until") or []
+        if isinstance(until, str):
+            until = [until]
+        if not isinstance(until, (list, tuple)) or not all(isinstance(s, str) for s in until):
+            raise ValueError(f"task {task_name}: `until` must be a string or a list of strings, got {until!r}")
+        max_gen_toks = int(gen_kwargs.get("max_gen_toks", gen_kwargs.get("max_new_tokens", DEFAULT_MAX_GEN_TOKS)))
+        temperature = float(gen_kwargs.get("temperature", 1.0) or 0.0)
+        do_sample = as_bool(gen_kwargs.get("do_sample", False)) and temperature > 0.0
+        eos_text = self.tokenizer.eos_token
+        stops = [s for s in until if s] + ([eos_text] if eos_text and eos_text not in until else [])
+        return {
+            "until": tuple(stops), "max_gen_toks": max_gen_toks, "do_sample": do_sample,
+            "temperature": temperature, "top_k": int(gen_kwargs.get("top_k") or 0),
+            "top_p": float(gen_kwargs.get("top_p") or 1.0),
+            "policy": gen_kwargs.get("ccq_truncation", self.default_truncation),
+        }
+
+    def _next_tokens(self, logits: torch.Tensor, settings: dict[str, Any]) -> torch.Tensor:
+        if not settings["do_sample"]:
+            return logits.argmax(-1)
+        scores = logits.float() / settings["temperature"]
+        if settings["top_k"] > 0:
+            kth = torch.topk(scores, min(settings["top_k"], scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if settings["top_p"] < 1.0:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            cumulative = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cumulative - sorted_scores.softmax(-1) >= settings["top_p"]  # keep the first token always
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        probs = scores.softmax(-1).cpu()
+        return torch.multinomial(probs, 1, generator=self._generator).squeeze(-1).to(logits.device)
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        prepared: list[tuple[list[int], dict[str, Any]]] = []
+        seen: set[int] = set()
+        for request in requests:
+            first_time = id(request) not in seen
+            seen.add(id(request))
+            context, gen_kwargs = request.args
+            settings = self._parse_gen_kwargs(dict(gen_kwargs or {}), request.task_name)
+            budget = self.max_length - settings["max_gen_toks"] - len(self.prefix)
+            content = self._fit(self.tok_encode(context), budget, settings["policy"], request.task_name,
+                                f"max_length {self.max_length} minus max_gen_toks {settings['max_gen_toks']}",
+                                count=first_time)
+            prepared.append((self.prefix + content, settings))
+        if any(len(ids) == 0 for ids, _ in prepared):
+            raise ValueError("generate_until: empty prompt and no BOS token to start from")
+
+        # Batch prompts with identical decoding settings. Without padding, a batch needs one length,
+        # except for fla models: each prompt is prefilled alone and their recurrent states are
+        # stacked for decoding together (decoding needs no padding).
+        def group_key(i: int) -> tuple:
+            s = prepared[i][1]
+            return (s["until"], s["max_gen_toks"], s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
+
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i in range(len(prepared)):
+            groups[group_key(i)].append(i)
+        batches = []
+        for indices in groups.values():
+            for sub in self._batches([len(prepared[i][0]) for i in indices], any_length=self._stackable):
+                batches.append([indices[j] for j in sub])
+
+        results: list[str | None] = [None] * len(requests)
+        for batch in tqdm(batches, desc="ccq generate_until", disable=disable_tqdm or self.rank != 0):
+            settings = prepared[batch[0]][1]
+            texts = self._generate([prepared[i][0] for i in batch], settings)
+            for index, text in zip(batch, texts, strict=True):
+                results[index] = text
+                self.cache_hook.add_partial("generate_until", requests[index].args, text)
+        return results  # type: ignore[return-value]
+
+    def _decode_graph(self, cache: Any, batch: int) -> Any:
+        """The captured decode step for `batch` rows, started from `cache`: captured once per batch
+        size and cache layout, then reused by later generate batches (the model must not change in
+        between: a graph replays the kernels and weights it captured)."""
+        from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
+
+        graph = self._decode_graphs.get(batch)
+        if graph is not None and graph.matches(cache):
+            graph.load(cache)
+            return graph
+        graph = GraphedDecodeStep(self._backbone, self._lm_head, cache, batch)
+        self._decode_graphs[batch] = graph
+        return graph
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], settings: dict[str, Any]) -> list[str]:
+        """Chunked prefill, then one token per step with the recurrent cache."""
+        eos_ids = self._eos_ids()
+        stops = settings["until"]
+        if len({len(p) for p in prompts}) == 1:
+            _, _, logits, cache = self._run(self._tensor(prompts), len(prompts[0]))
+        else:  # recurrent fla models only (see generate_until): prefill one by one, decode together
+            prefilled = [self._run(self._tensor([p]), len(p)) for p in prompts]
+            logits = torch.cat([last for _, _, last, _ in prefilled])
+            cache = _stack_caches([c for _, _, _, c in prefilled])
+        graphed = None
+        if self.cuda_graphs and settings["max_gen_toks"] > 1:
+            graphed = self._decode_graph(cache, len(prompts))
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
+        for step in range(settings["max_gen_toks"]):
+            tokens = self._next_tokens(logits, settings)
+            for row, token in enumerate(tokens.tolist()):
+                if done[row]:
+                    continue
+                if token in eos_ids:
+                    done[row] = True
+                    continue
+                generated[row].append(token)
+                if stops:
+                    tail = self.tok_decode(generated[row])
+                    if any(stop in tail for stop in stops):
+                        done[row] = True
+            if all(done) or step == settings["max_gen_toks"] - 1:
+                break
+            if graphed is not None:
+                logits = graphed(tokens)
+            else:
+                step_logits, cache = self._forward(tokens.view(-1, 1), cache, 1)
+                logits = step_logits[:, -1]
+            self.last_decode_steps += 1
+        texts = []
+        for ids in generated:
+            text = self.tok_decode(ids)
+            for stop in stops:
+                cut = text.find(stop)
+                if cut != -1:
+                    text = text[:cut]
+            texts.append(text)
+        return texts

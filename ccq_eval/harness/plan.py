@@ -1,0 +1,490 @@
+"""Planning a run: options -> validated units (model x lm-eval task), before any model is loaded.
+
+A unit is one (model, lm-eval task) pair. Planning validates every option, resolves model and task
+names and checks the output folder, so a bad command fails in a second; it imports neither torch
+nor lm-eval.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ccq_eval.harness import results_store
+from ccq_eval.harness.results_store import UnitDir
+from ccq_eval.model import registry as model_registry_module
+from ccq_eval.model.registry import ModelEntry, RegistryError, default_model_names
+
+# The default run: small enough for a 2-core CPU in minutes on the embedded tiny models.
+DEFAULT_TASKS = ["s-niah", "ppl"]
+DEFAULT_LENGTHS = "1k,2k"
+DEFAULT_DEPTHS = "0,50,100"
+DEFAULT_SAMPLES_PER_CELL = 2
+DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")
+
+# simple_evaluate arguments the runner sets itself; --lm-eval-arg may not override them.
+MANAGED_LMEVAL_ARGS = {
+    "model": "--model",
+    "model_args": "--model",
+    "tasks": "--task",
+    "task_manager": "--task",
+    "batch_size": "--batch-size",
+    "max_batch_size": "--batch-size",
+    "device": "--device",
+    "limit": "--limit",
+    "samples": "--limit",
+    "use_cache": "(the runner's own per-unit resume cache)",
+    "log_samples": "(samples are always logged)",
+    "random_seed": "--seed",
+    "numpy_random_seed": "--seed",
+    "torch_random_seed": "--seed",
+    "fewshot_random_seed": "--seed",
+    "evaluation_tracker": "--output",
+    "metadata": "--lengths / --depths / --samples-per-cell",
+    "verbosity": "(not a result setting)",
+    "predict_only": "(metrics are always computed)",
+}
+
+
+class PlanError(Exception):
+    """A bad command (unknown name, unparseable or conflicting options); nothing was loaded."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing options
+
+
+_LENGTH_TOKEN = re.compile(r"^(?P<number>\d+(?:\.\d+)?)(?P<unit>[kKmM]?)$")
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'1k,2k,4k' -> [1024, 2048, 4096]; plain numbers are token counts (k = 1024, as RULER)."""
+    lengths = []
+    for token in [t.strip() for t in text.split(",")]:
+        match = _LENGTH_TOKEN.match(token)
+        if not match:
+            raise PlanError(
+                f"--lengths: cannot parse {token!r} in {text!r}; give comma-separated token counts "
+                "such as 1k,2k,4k or 1024,2048"
+            )
+        scale = {"": 1, "k": 1024, "m": 1024 * 1024}[match["unit"].lower()]
+        value = float(match["number"]) * scale
+        if value != int(value) or value <= 0:
+            raise PlanError(f"--lengths: {token!r} is not a positive whole number of tokens")
+        lengths.append(int(value))
+    if len(set(lengths)) != len(lengths):
+        raise PlanError(f"--lengths: {text!r} repeats a length")
+    return sorted(lengths)
+
+
+def parse_depths(text: str) -> list[float]:
+    """'0,50,100' -> [0.0, 50.0, 100.0]: needle depths in percent of the haystack."""
+    depths = []
+    for token in [t.strip().rstrip("%") for t in text.split(",")]:
+        try:
+            value = float(token)
+        except ValueError:
+            raise PlanError(
+                f"--depths: cannot parse {token!r} in {text!r}; give comma-separated percentages "
+                "in [0, 100] such as 0,25,50,75,100"
+            ) from None
+        if not 0 <= value <= 100:
+            raise PlanError(f"--depths: {token!r} is outside [0, 100]")
+        depths.append(value)
+    if len(set(depths)) != len(depths):
+        raise PlanError(f"--depths: {text!r} repeats a depth")
+    return sorted(depths)
+
+
+def _parse_scalar(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_lm_eval_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """['bootstrap_iters=1000', ...] -> {'bootstrap_iters': 1000}; keys checked against simple_evaluate."""
+    allowed = _simple_evaluate_parameters()
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise PlanError(f"--lm-eval-arg {pair!r}: expected key=value, e.g. bootstrap_iters=1000")
+        if key in MANAGED_LMEVAL_ARGS:
+            raise PlanError(f"--lm-eval-arg {key}: set by the runner; use {MANAGED_LMEVAL_ARGS[key]} instead")
+        if allowed is not None and key not in allowed:
+            choices = ", ".join(sorted(allowed - set(MANAGED_LMEVAL_ARGS)))
+            raise PlanError(f"--lm-eval-arg {key}: not an lm_eval.simple_evaluate argument; valid: {choices}")
+        parsed[key] = _parse_scalar(value.strip())
+    return parsed
+
+
+def _simple_evaluate_parameters() -> set[str] | None:
+    try:
+        from lm_eval import evaluator
+    except ImportError:  # pragma: no cover - lm-eval is a dependency
+        return None
+    return set(inspect.signature(evaluator.simple_evaluate).parameters)
+
+
+class TaskCatalog(Protocol):
+    """What the runner needs from the task registry."""
+
+    def aliases(self) -> dict[str, str]:
+        """User-facing task names (aliases and our lm-eval tasks) -> one-line description."""
+
+    def resolve(self, name: str) -> list[str]:
+        """An alias or lm-eval task name -> lm-eval task names; KeyError when unknown."""
+
+    def make_task_manager(self, metadata: dict[str, Any]) -> Any:
+        """An lm_eval TaskManager that knows our tasks, with `metadata` for every task."""
+
+
+class RegistryTaskCatalog:
+    """TaskCatalog over ccq_eval.harness.task_registry (helper "adapter")."""
+
+    def __init__(self) -> None:
+        self._module = importlib.import_module("ccq_eval.harness.task_registry")
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self._module.list_tasks())
+
+    def resolve(self, name: str) -> list[str]:
+        return list(self._module.resolve_tasks([name]))
+
+    def make_task_manager(self, metadata: dict[str, Any]) -> Any:
+        return self._module.make_task_manager(metadata=metadata)
+
+
+def default_task_catalog() -> TaskCatalog:
+    """The task catalog commands use (a function, so tests can substitute one)."""
+    return RegistryTaskCatalog()
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class RunOptions:
+    models: list[str] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)
+    lengths: str | None = None
+    depths: str | None = None
+    samples_per_cell: int | None = None
+    limit: float | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    batch_size: int = 1
+    max_length: int | None = None
+    seed: int = 0
+    output: Path = Path("results/latest")
+    lm_eval_args: list[str] = field(default_factory=list)
+    longbench_dir: Path | None = None
+    keep_going: bool = False
+    cuda_graphs: bool = False  # the adapter's CUDA-graph decode steps and scoring forwards
+
+
+def options_command_line(options: RunOptions) -> list[str]:
+    """The `ccq-eval run` command that reproduces `options` (stored in every unit's meta.json)."""
+    argv = ["ccq-eval", "run"]
+    for model in options.models:
+        argv += ["--model", model]
+    for task in options.tasks:
+        argv += ["--task", task]
+    for flag, value in (("--lengths", options.lengths), ("--depths", options.depths),
+                        ("--samples-per-cell", options.samples_per_cell), ("--limit", options.limit),
+                        ("--dtype", options.dtype), ("--max-length", options.max_length),
+                        ("--longbench-dir", options.longbench_dir)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--device", options.device, "--batch-size", str(options.batch_size), "--seed", str(options.seed),
+             "--output", str(options.output)]
+    for pair in options.lm_eval_args:
+        argv += ["--lm-eval-arg", pair]
+    if options.keep_going:
+        argv.append("--keep-going")
+    if options.cuda_graphs:
+        argv.append("--cuda-graphs")
+    return argv
+
+
+@dataclass
+class Unit:
+    """One (model, lm-eval task) evaluation and where it is stored."""
+
+    model: str
+    model_source: str
+    task: str
+    requested_as: str
+    dir: UnitDir
+    spec: dict[str, Any]
+    finished: bool = False
+
+
+@dataclass
+class RunPlan:
+    options: RunOptions
+    units: list[Unit]
+    lengths: list[int] | None
+    depths: list[float] | None
+    lm_eval_args: dict[str, Any]
+    task_metadata: dict[str, Any]
+
+    @property
+    def pending(self) -> list[Unit]:
+        return [unit for unit in self.units if not unit.finished]
+
+
+def _is_sniah(task: str) -> bool:
+    return "s_niah" in task or "sniah" in task
+
+
+def metadata_for_task(task: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """The part of the run's task metadata that can change `task`'s documents.
+
+    Keeping the rest out of the unit's spec lets a later run add, say, S-NIAH depths without
+    the perplexity units counting as asked a different question."""
+    relevant = dict(metadata)
+    if not _is_sniah(task):
+        relevant.pop("depths", None)
+    if "longbench" in task:
+        relevant.pop("lengths", None)  # LongBench's budget is max_length
+        relevant.pop("samples_per_cell", None)
+    else:
+        relevant.pop("data_dir", None)
+    return relevant
+
+
+_FINGERPRINT_BYTES = 1 << 20
+
+
+def _weights_fingerprint(path: Path) -> str:
+    """sha256 of a weight file's size, first MiB and last MiB: changes when a checkpoint is
+    retrained (the embeddings come first), costs milliseconds even for multi-GB files."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    digest.update(str(size).encode())
+    with open(path, "rb") as handle:
+        digest.update(handle.read(_FINGERPRINT_BYTES))
+        if size > 2 * _FINGERPRINT_BYTES:
+            handle.seek(size - _FINGERPRINT_BYTES)
+            digest.update(handle.read())
+    return digest.hexdigest()
+
+
+def _checkpoint_fingerprint(source: str) -> dict[str, Any] | None:
+    """Identity of a local checkpoint folder, so a resumed unit never mixes two checkpoints."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return None
+    config = folder / "config.json"
+    return {
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+        "weights_head_tail_sha256": {p.name: _weights_fingerprint(p) for p in sorted(folder.glob("*.safetensors"))},
+    }
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def plan_run(
+    options: RunOptions,
+    *,
+    model_registry: dict[str, ModelEntry] | None = None,
+    task_catalog: TaskCatalog | None = None,
+) -> RunPlan:
+    """Validate options and resolve names into units. Loads nothing; raises PlanError."""
+    if options.limit is not None and options.samples_per_cell is not None:
+        raise PlanError(
+            "--limit and --samples-per-cell conflict: --limit takes the first N documents of a task "
+            "across all lengths, --samples-per-cell sets N per (length, depth) cell; give one of them"
+        )
+    if options.limit is not None and options.limit <= 0:
+        raise PlanError("--limit must be positive (a count, or a fraction below 1)")
+    if options.samples_per_cell is not None and options.samples_per_cell <= 0:
+        raise PlanError("--samples-per-cell must be a positive whole number")
+    if options.batch_size <= 0:
+        raise PlanError("--batch-size must be a positive whole number")
+    if options.max_length is not None and options.max_length <= 0:
+        raise PlanError("--max-length must be a positive number of tokens")
+    if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
+        raise PlanError(f"--dtype {options.dtype!r}: valid choices are {', '.join(DTYPE_CHOICES)}")
+    if options.cuda_graphs and not str(options.device).startswith("cuda"):
+        raise PlanError(f"--cuda-graphs needs a CUDA device (--device cuda); got --device {options.device}")
+    if options.longbench_dir is not None and not Path(options.longbench_dir).is_dir():
+        raise PlanError(f"--longbench-dir {options.longbench_dir}: no such folder")
+    lm_eval_args = parse_lm_eval_args(options.lm_eval_args)
+
+    using_defaults = not options.tasks  # the default tasks come with the default small grid
+    lengths_text = options.lengths or (DEFAULT_LENGTHS if using_defaults else None)
+    depths_text = options.depths or (DEFAULT_DEPTHS if using_defaults else None)
+    samples_per_cell = options.samples_per_cell
+    if using_defaults and samples_per_cell is None and options.limit is None:
+        samples_per_cell = DEFAULT_SAMPLES_PER_CELL
+    lengths = parse_lengths(lengths_text) if lengths_text else None
+    depths = parse_depths(depths_text) if depths_text else None
+    max_length = options.max_length or (max(lengths) if lengths else None)
+    if options.max_length and lengths and options.max_length < max(lengths):
+        raise PlanError(
+            f"--max-length {options.max_length} is shorter than the longest of --lengths ({max(lengths)}); "
+            "raise --max-length or drop the longer lengths"
+        )
+
+    registry = load_model_registry() if model_registry is None else model_registry
+    model_names = list(options.models) or default_model_names(registry)
+    if not model_names:
+        raise PlanError(
+            f"no --model given and no default models in {model_registry_module.MODEL_REGISTRY_PATH}; "
+            "give --model NAME (a registry name or a checkpoint folder)"
+        )
+    models: list[ModelEntry] = []
+    for name in model_names:
+        if name in registry:
+            models.append(registry[name])
+        elif Path(name).expanduser().is_dir():
+            folder = Path(name).expanduser().resolve()
+            models.append(ModelEntry(name=folder.name, source=str(folder)))
+        elif _looks_like_hub_id(name) and not _hub_offline():
+            models.append(ModelEntry(name=name.replace("/", "__"), source=name))
+        else:
+            choices = ", ".join(sorted(registry)) or "(the registry is empty)"
+            hub = " (hub ids need HF_HUB_OFFLINE unset)" if _looks_like_hub_id(name) else ""
+            raise PlanError(
+                f"unknown model {name!r}: give a registered name ({choices}) or an existing checkpoint "
+                f"folder{hub}; `ccq-eval models` lists the registered ones"
+            )
+    labels = [m.name for m in models]
+    if len(set(labels)) != len(labels):
+        raise PlanError(f"--model names the same model twice: {', '.join(labels)}")
+
+    catalog = default_task_catalog() if task_catalog is None else task_catalog
+    task_names = list(options.tasks) or list(DEFAULT_TASKS)
+    resolved: list[tuple[str, str]] = []  # (lm-eval task, as the user wrote it)
+    for name in task_names:
+        try:
+            expanded = catalog.resolve(name)
+        except KeyError as exc:
+            message = str(exc)
+            if type(exc) is KeyError:  # a bare KeyError: list the choices ourselves
+                choices = ", ".join(sorted(catalog.aliases()))
+                message = (f"unknown task {name!r}; valid choices: {choices} (or an lm-eval task name "
+                           "from `lm-eval ls tasks`)")
+            raise PlanError(message) from None
+        for task in expanded:
+            if task not in [t for t, _ in resolved]:
+                resolved.append((task, name))
+    if depths is not None and not any(_is_sniah(task) for task, _ in resolved):
+        raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
+    grid_tasks = [task for task, _ in resolved if _is_sniah(task) or task.startswith("ccq_ppl")]
+    if options.limit is not None and grid_tasks:
+        raise PlanError(
+            f"--limit takes the first N documents, which for {grid_tasks[0]} are the shortest lengths only; "
+            "use --samples-per-cell for S-NIAH and perplexity tasks (and --limit in a separate LongBench run)"
+        )
+    longbench_tasks = [task for task, _ in resolved if "longbench" in task]
+    if options.samples_per_cell is not None and longbench_tasks:
+        raise PlanError(
+            "--samples-per-cell does not apply to LongBench (fixed datasets); run LongBench separately "
+            "and use --limit N to evaluate its first N records per dataset"
+        )
+
+    task_metadata: dict[str, Any] = {"seed": options.seed}
+    if lengths is not None:
+        task_metadata["lengths"] = lengths
+    if depths is not None:
+        task_metadata["depths"] = depths
+    if samples_per_cell is not None:
+        task_metadata["samples_per_cell"] = samples_per_cell
+    if options.longbench_dir is not None:
+        task_metadata["data_dir"] = str(Path(options.longbench_dir).resolve())  # tasks/longbench's key
+
+    units = []
+    for model in models:
+        fingerprint = _checkpoint_fingerprint(model.source)
+        for task, requested_as in resolved:
+            spec = {  # what the unit computes; a folder's location is not part of it (meta.json has it)
+                "model": model.name,
+                "checkpoint": fingerprint,
+                "task": task,
+                "task_metadata": metadata_for_task(task, task_metadata),
+                "limit": options.limit,
+                "dtype": options.dtype,
+                "max_length": max_length,
+                "lm_eval_args": lm_eval_args,
+            }
+            spec = json.loads(results_store.dumps(spec))  # the form it has once stored
+            unit = Unit(
+                model=model.name,
+                model_source=model.source,
+                task=task,
+                requested_as=requested_as,
+                dir=results_store.unit_dir(options.output, model.name, task),
+                spec=spec,
+            )
+            _check_against_disk(unit)
+            units.append(unit)
+    return RunPlan(
+        options=options,
+        units=units,
+        lengths=lengths,
+        depths=depths,
+        lm_eval_args=lm_eval_args,
+        task_metadata=task_metadata,
+    )
+
+
+def _check_against_disk(unit: Unit) -> None:
+    """A unit folder from an earlier run must have been asked the same question."""
+    if unit.dir.spec.is_file():
+        try:
+            stored = results_store.read_json(unit.dir.spec)
+        except results_store.ResultsError as exc:
+            raise PlanError(str(exc)) from None
+        differences = sorted(
+            key for key in set(stored) | set(unit.spec) if stored.get(key) != unit.spec.get(key)
+        )
+        if differences:
+            detail = "; ".join(
+                f"{key}: stored {stored.get(key)!r}, asked {unit.spec.get(key)!r}" for key in differences
+            )
+            raise PlanError(
+                f"{unit.dir.path} holds a run with different settings ({detail}). Nothing was changed: "
+                "use another --output, or delete that folder to redo it"
+            )
+    if unit.dir.results.is_file():
+        try:
+            results_store.read_json(unit.dir.results)
+        except results_store.ResultsError as exc:
+            raise PlanError(str(exc)) from None
+        unit.finished = True
+
+
+def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:
+    """The model registry (ccq_eval.model.registry), its errors as PlanError."""
+    try:
+        return model_registry_module.load_model_registry(path)
+    except RegistryError as exc:
+        raise PlanError(str(exc)) from None

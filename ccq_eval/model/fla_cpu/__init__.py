@@ -1,0 +1,104 @@
+"""A torch backend for flash-linear-attention's triton-only ops, so that fla's GLA and Gated DeltaNet
+models run on CPU (fla 0.6). CUDA tensors keep fla's kernels.
+
+- `linear_attention`, `delta_rule`, `modules`, `dqkwg`: the torch implementations, one op family
+  each (`torch_*`, device-agnostic, also used by the GPU tests as references).
+- `dispatch`: one table (`OPS`) and the dispatchers with fla's names and signatures.
+- `install`: patches fla's layers and modules to call the dispatchers (`install()`, idempotent).
+
+Numerics: every op computes in float32 or wider (float64 inputs stay float64) and casts its output
+to the dtype fla's kernel would return; recurrent states come back in the compute dtype. The
+chunked forms are chunkwise (chunk size 64, padded tails) and never build a T x T matrix; long
+sequences run in segments of SEGMENT_TOKENS, each checkpointed under autograd.
+
+Algorithms follow the GLA and Gated DeltaNet papers (Yang et al. 2023 / 2024); the code is ours.
+"""
+
+from ccq_eval.model.fla_cpu.common import CHUNK_SIZE, SEGMENT_TOKENS
+from ccq_eval.model.fla_cpu.delta_rule import (
+    torch_chunk_gated_delta_rule,
+    torch_fused_recurrent_gated_delta_rule,
+    torch_l2norm,
+)
+from ccq_eval.model.fla_cpu.dispatch import (
+    OPS,
+    causal_conv1d,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    chunk_gla,
+    chunk_simple_gla,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_gla,
+    fused_recurrent_simple_gla,
+    l2norm,
+    logsigmoid,
+    rms_norm,
+    rms_norm_gated,
+    sigmoid,
+    swiglu,
+    swiglu_linear,
+    swish,
+)
+from ccq_eval.model.fla_cpu.dqkwg import install_hopper_dqkwg_fix, torch_chunk_bwd_dqkwg
+from ccq_eval.model.fla_cpu.install import install, is_installed
+from ccq_eval.model.fla_cpu.linear_attention import (
+    torch_chunk_gla,
+    torch_chunk_simple_gla,
+    torch_fused_recurrent_gla,
+    torch_fused_recurrent_simple_gla,
+)
+from ccq_eval.model.fla_cpu.modules import (
+    torch_causal_conv1d,
+    torch_causal_conv1d_update,
+    torch_cross_entropy,
+    torch_logsigmoid,
+    torch_rms_norm,
+    torch_rms_norm_gated,
+    torch_sigmoid,
+    torch_swiglu,
+    torch_swiglu_linear,
+    torch_swish,
+)
+
+__all__ = [
+    "CHUNK_SIZE",
+    "OPS",
+    "SEGMENT_TOKENS",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "chunk_gla",
+    "chunk_simple_gla",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gla",
+    "fused_recurrent_simple_gla",
+    "install",
+    "install_hopper_dqkwg_fix",
+    "is_installed",
+    "l2norm",
+    "logsigmoid",
+    "rms_norm",
+    "rms_norm_gated",
+    "sigmoid",
+    "swiglu",
+    "swiglu_linear",
+    "swish",
+    "torch_causal_conv1d",
+    "torch_causal_conv1d_update",
+    "torch_chunk_bwd_dqkwg",
+    "torch_chunk_gated_delta_rule",
+    "torch_chunk_gla",
+    "torch_chunk_simple_gla",
+    "torch_cross_entropy",
+    "torch_fused_recurrent_gated_delta_rule",
+    "torch_fused_recurrent_gla",
+    "torch_fused_recurrent_simple_gla",
+    "torch_l2norm",
+    "torch_logsigmoid",
+    "torch_rms_norm",
+    "torch_rms_norm_gated",
+    "torch_sigmoid",
+    "torch_swiglu",
+    "torch_swiglu_linear",
+    "torch_swish",
+]

@@ -1,0 +1,161 @@
+"""fla's ops as device-dispatching functions: a call whose first tensor lives on CUDA goes to fla's
+own function (triton, unchanged), anything else to the torch implementation of this package.
+
+One table, `OPS`, says for every op which fla module defines it and which torch function serves it
+on CPU. The torch functions take fla's argument names, so a CPU call is bound against fla's
+signature (or the torch function's, where fla's is an opaque `*args, **kwargs` wrapper) and passed
+on by name; arguments the torch version has no use for (`cu_seqlens_cpu`, `chunk_indices`,
+`backend`) are dropped, and context parallelism (`cp_context`), which is CUDA-only, is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+from ccq_eval.model.fla_cpu.delta_rule import (
+    torch_chunk_gated_delta_rule,
+    torch_fused_recurrent_gated_delta_rule,
+    torch_l2norm,
+)
+from ccq_eval.model.fla_cpu.linear_attention import (
+    torch_chunk_gla,
+    torch_chunk_simple_gla,
+    torch_fused_recurrent_gla,
+    torch_fused_recurrent_simple_gla,
+)
+from ccq_eval.model.fla_cpu.modules import (
+    torch_causal_conv1d,
+    torch_causal_conv1d_update,
+    torch_logsigmoid,
+    torch_rms_norm,
+    torch_rms_norm_gated,
+    torch_sigmoid,
+    torch_swiglu,
+    torch_swiglu_linear,
+    torch_swish,
+)
+
+
+@dataclass(frozen=True)
+class FlaOp:
+    """One fla op: where fla defines it and what serves it off CUDA.
+
+    Args:
+        module: the fla module that defines the op (the original is looked up there, never patched).
+        torch_impl: the torch version; its parameter names are fla's.
+        from_kwargs: names fla takes through `**kwargs` that the torch version honours.
+        cuda_only: arguments that must be None off CUDA (NotImplementedError otherwise).
+    """
+
+    module: str
+    torch_impl: Callable
+    from_kwargs: tuple[str, ...] = ()
+    cuda_only: tuple[str, ...] = ()
+
+
+OPS: dict[str, FlaOp] = {
+    "chunk_gla": FlaOp("fla.ops.gla.chunk", torch_chunk_gla),
+    "fused_recurrent_gla": FlaOp("fla.ops.gla.fused_recurrent", torch_fused_recurrent_gla),
+    "chunk_simple_gla": FlaOp("fla.ops.simple_gla.chunk", torch_chunk_simple_gla),
+    "fused_recurrent_simple_gla": FlaOp("fla.ops.simple_gla.fused_recurrent", torch_fused_recurrent_simple_gla),
+    "chunk_gated_delta_rule": FlaOp(
+        "fla.ops.gated_delta_rule.chunk", torch_chunk_gated_delta_rule,
+        from_kwargs=("use_gate_in_kernel", "A_log", "dt_bias"), cuda_only=("cp_context",)),
+    "fused_recurrent_gated_delta_rule": FlaOp(
+        "fla.ops.gated_delta_rule.fused_recurrent", torch_fused_recurrent_gated_delta_rule),
+    "l2norm": FlaOp("fla.modules.l2norm", torch_l2norm),
+    "causal_conv1d": FlaOp("fla.modules.causal_conv1d.ops", torch_causal_conv1d, cuda_only=("cp_context",)),
+    "causal_conv1d_update": FlaOp("fla.modules.causal_conv1d.ops", torch_causal_conv1d_update),
+    "rms_norm": FlaOp("fla.modules.layernorm", torch_rms_norm),
+    "rms_norm_gated": FlaOp("fla.modules.fused_norm_gate", torch_rms_norm_gated),
+    "swiglu": FlaOp("fla.modules.activations.ops", torch_swiglu),
+    "swiglu_linear": FlaOp("fla.modules.activations.ops", torch_swiglu_linear),
+    "swish": FlaOp("fla.modules.activations.ops", torch_swish),
+    "sigmoid": FlaOp("fla.modules.activations.ops", torch_sigmoid),
+    "logsigmoid": FlaOp("fla.modules.activations.ops", torch_logsigmoid),
+}
+
+
+@cache
+def fla_original(name: str) -> Callable:
+    """fla's own function for op `name`, from its defining module."""
+    return getattr(importlib.import_module(OPS[name].module), name)
+
+
+@cache
+def _cpu_signature(name: str) -> tuple[inspect.Signature, frozenset[str]]:
+    """The signature a CPU call is bound against, and the torch version's parameter names."""
+    torch_signature = inspect.signature(OPS[name].torch_impl)
+    signature = inspect.signature(fla_original(name))
+    opaque = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values())
+    return (torch_signature if opaque else signature), frozenset(torch_signature.parameters)
+
+
+def _call_torch(name: str, args: tuple, kwargs: dict):
+    op = OPS[name]
+    signature, torch_params = _cpu_signature(name)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments, extra = {}, {}
+    for pname, value in bound.arguments.items():
+        kind = signature.parameters[pname].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            extra = value
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            arguments[pname] = value
+    for pname in op.cuda_only:
+        if arguments.get(pname, extra.get(pname)) is not None:
+            raise NotImplementedError(f"{name} on CPU: context parallelism ({pname}) is CUDA-only.")
+    call = {key: value for key, value in arguments.items() if key in torch_params}
+    call.update({key: extra[key] for key in op.from_kwargs if key in extra})
+    return op.torch_impl(**call)
+
+
+def _dispatcher(name: str) -> Callable:
+    first = next(iter(inspect.signature(OPS[name].torch_impl).parameters))
+
+    def op(*args, **kwargs):
+        tensor = args[0] if args else kwargs[first]
+        if tensor.is_cuda:
+            return fla_original(name)(*args, **kwargs)
+        return _call_torch(name, args, kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"fla's {name} on CUDA tensors, {OPS[name].torch_impl.__name__} on any other device."
+    return op
+
+
+chunk_gla = _dispatcher("chunk_gla")
+fused_recurrent_gla = _dispatcher("fused_recurrent_gla")
+chunk_simple_gla = _dispatcher("chunk_simple_gla")
+fused_recurrent_simple_gla = _dispatcher("fused_recurrent_simple_gla")
+chunk_gated_delta_rule = _dispatcher("chunk_gated_delta_rule")
+fused_recurrent_gated_delta_rule = _dispatcher("fused_recurrent_gated_delta_rule")
+l2norm = _dispatcher("l2norm")
+causal_conv1d = _dispatcher("causal_conv1d")
+causal_conv1d_update = _dispatcher("causal_conv1d_update")
+rms_norm = _dispatcher("rms_norm")
+rms_norm_gated = _dispatcher("rms_norm_gated")
+swiglu = _dispatcher("swiglu")
+swiglu_linear = _dispatcher("swiglu_linear")
+swish = _dispatcher("swish")
+sigmoid = _dispatcher("sigmoid")
+logsigmoid = _dispatcher("logsigmoid")
+
+
+def cpu_unsupported(name: str, original: Callable) -> Callable:
+    """`original` on CUDA; a clear error on any other device (an fla op with no torch version here)."""
+
+    def wrapper(x, *args, **kwargs):
+        if x.is_cuda:
+            return original(x, *args, **kwargs)
+        raise NotImplementedError(
+            f"fla's {name} is triton-only and ccq_eval.model.fla_cpu has no CPU version of it; "
+            "use hidden_act='swish' for GatedMLP on CPU."
+        )
+
+    return wrapper

@@ -1,0 +1,173 @@
+"""fla's chunk_bwd_dqkwg in torch, and the patch that routes fla's gated backward to it where fla refuses
+the call (fla #640: on Hopper with 3.4.0 <= Triton < 3.7.1 its kernel gives wrong results and fla raises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ccq_eval.model.fla_cpu.common import (
+    CHUNK_SIZE,
+    _causal_mask,
+    _compute_dtype,
+    _heads_first,
+    _pad_time,
+)
+
+
+def torch_chunk_bwd_dqkwg(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    w: torch.Tensor | None = None,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+    chunk_indices: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """fla.ops.common.chunk_o.chunk_bwd_dqkwg (kernel chunk_bwd_kernel_dqkwg) in plain torch.
+
+    Same signature (argument order q, k, v, do, h, dh, ...) and returns as fla's:
+    q, k [B, T, H, K]; v, do, dv [B, T, HV, V]; w [B, T, HV, K]; g [B, T, HV] the chunk-local
+    cumulative log decay in log2 units; g_gamma [HV] the per-step log2 decay (ignored when g is
+    given, as in the kernel); h / dh [B, NT, HV, K, V] ([.., V, K] if state_v_first): the state at
+    the start of chunk n and the gradient of the state at the end of chunk n.
+    Returns dq [B, T, H, K] (q.dtype), dk (k.dtype), dw = -(dv @ h^T) (w.dtype, None without w),
+    dg [B, T, HV] (None without g): the gradient wrt the cumulative g in natural-log units, before
+    fla's within-chunk reverse cumsum; float32 like fla's (float64 for float64 inputs).
+    All chunks at once; computed in float32 or wider.
+    """
+    if cu_seqlens is not None or chunk_indices is not None:
+        raise NotImplementedError(
+            "torch_chunk_bwd_dqkwg: variable-length inputs (cu_seqlens) are not supported."
+        )
+    if w is not None and dv is None:
+        raise ValueError("torch_chunk_bwd_dqkwg: w (delta rule) needs dv.")
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+    dtype = _compute_dtype(q, k, v, do, h, dh, w, dv, g, g_gamma)
+    if scale is None:
+        scale = K**-0.5
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, heads, D] -> [B, heads, N, C, D] in the compute dtype, zero-padded tail."""
+        x = _pad_time(_heads_first(x, dtype), pad)
+        return x.reshape(B, x.shape[1], N, C, x.shape[-1])
+
+    def unchunk(x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, N, C, *] -> [B, T, heads, *]."""
+        return x.reshape(B, x.shape[1], N * C, *x.shape[4:])[:, :, :T].transpose(1, 2)
+
+    def states(x: torch.Tensor) -> torch.Tensor:
+        """[B, N, HV, ., .] -> [B, HV, N, V, K]: V-first, the orientation the kernel loads."""
+        x = x.to(dtype).transpose(1, 2)
+        return x if state_v_first else x.transpose(-1, -2)
+
+    # value head i uses query/key head i // (HV // H) (grouped value heads)
+    qc = chunks(q).repeat_interleave(HV // H, dim=1)
+    kc = chunks(k).repeat_interleave(HV // H, dim=1)
+    vc, doc = chunks(v), chunks(do)
+    hs, dhs = states(h), states(dh)
+
+    # chunk-local log2 decay at every position [.., N, C] and at the last valid one [.., N]
+    n_valid = (T - torch.arange(N, device=q.device) * C).clamp(max=C)
+    if g is not None:
+        gc = _pad_time(g.to(dtype).transpose(1, 2), pad).reshape(B, HV, N, C)
+        g_last = gc.gather(-1, (n_valid - 1).expand(B, HV, N)[..., None])[..., 0]
+    elif g_gamma is not None:
+        gamma = g_gamma.to(dtype)[:, None, None]  # [HV, 1, 1]
+        gc = gamma * torch.arange(1, C + 1, device=q.device, dtype=dtype)
+        g_last = gamma[..., 0] * n_valid.to(dtype)
+    else:
+        gc = q.new_zeros(1, 1, N, C, dtype=dtype)
+        g_last = gc[..., 0]
+    valid = torch.arange(N * C, device=q.device).reshape(N, C) < T
+    # exponents masked to -inf before exp2, so padded / acausal entries are exact zeros (no inf * 0)
+    decay_k = (g_last[..., None] - gc).masked_fill(~valid, float("-inf")).exp2()
+    causal = _causal_mask(C, q.device) & valid[:, :, None] & valid[:, None, :]
+    rel = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp2()
+
+    ds = (doc @ vc.transpose(-1, -2)) * rel * scale  # dL/d(intra-chunk scores) [.., C, C]
+    dq = (doc @ hs) * (gc.exp2()[..., None] * scale) + ds @ kc
+    dk_inter = (vc @ dhs) * decay_k[..., None]
+    dk = dk_inter + ds.transpose(-1, -2) @ qc
+
+    dg = None
+    if g is not None:
+        # d/dg_last of the chunk-end state exp2(g_last) h + sum_i exp2(g_last - g_i) k_i v_i^T
+        dg_last = (hs * dhs).sum((-1, -2)) * g_last.exp2() + (dk_inter * kc).sum((-1, -2))
+        dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)
+        is_last = torch.arange(C, device=q.device) == (n_valid - 1)[:, None]  # [N, C]
+        dg = dg + is_last * dg_last[..., None]
+        dg = unchunk(dg).contiguous()
+    dw = None
+    if w is not None:
+        dw = unchunk(-(chunks(dv) @ hs)).to(w.dtype).contiguous()
+
+    dq, dk = unchunk(dq), unchunk(dk)
+    if H != HV:
+        dq = dq.reshape(B, T, H, HV // H, K).sum(3)
+        dk = dk.reshape(B, T, H, HV // H, K).sum(3)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dw, dg
+
+
+# The fla modules whose backward calls chunk_bwd_dqkwg by its module-level name and that our
+# models reach (fla.ops.gla's backward has its own kernels and never calls it).
+_DQKWG_CALLERS = ("fla.ops.gated_delta_rule.chunk", "fla.ops.simple_gla.chunk")
+
+
+def _hits_fla_640(q: torch.Tensor, g: torch.Tensor | None) -> bool:
+    """The guard in fla's chunk_bwd_dqkwg, on CUDA tensors: it raises exactly then."""
+    from fla.ops.common import chunk_o
+
+    return (
+        q.is_cuda
+        and g is not None
+        and chunk_o.IS_NVIDIA_HOPPER
+        and chunk_o.TRITON_ABOVE_3_4_0
+        and not chunk_o.TRITON_ABOVE_3_7_1
+    )
+
+
+def _hopper_dqkwg(original: Callable) -> Callable:
+    def chunk_bwd_dqkwg(
+        q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
+        state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None,
+    ):
+        fn = torch_chunk_bwd_dqkwg if _hits_fla_640(q, g) else original
+        return fn(
+            q, k, v, do, h, dh, w=w, g=g, g_gamma=g_gamma, dv=dv, scale=scale, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+        )
+
+    chunk_bwd_dqkwg._ccq_original = original
+    return chunk_bwd_dqkwg
+
+
+def install_hopper_dqkwg_fix() -> None:
+    """Route fla's gated chunk_bwd_dqkwg to torch_chunk_bwd_dqkwg where fla refuses it.
+
+    fla #640: on Hopper with 3.4.0 <= Triton < 3.7.1 chunk_bwd_kernel_dqkwg gives wrong results and
+    fla 0.6.0 raises instead, which breaks the backward of chunk_gated_delta_rule / chunk_simple_gla
+    on our H200. Patches the name in _DQKWG_CALLERS; everything else still calls fla (idempotent).
+    """
+    import importlib
+
+    from fla.ops.common import chunk_o
+
+    for module_name in _DQKWG_CALLERS:
+        # wrap fla's own function (from its defining module, never patched): idempotent
+        module = importlib.import_module(module_name)
+        module.chunk_bwd_dqkwg = _hopper_dqkwg(chunk_o.chunk_bwd_dqkwg)

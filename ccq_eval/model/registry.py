@@ -1,0 +1,68 @@
+"""The registry of named models (models/registry.json): what `ccq-eval models` lists and `run --model`
+accepts besides checkpoint folders. Reading it needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_REGISTRY_PATH = REPO_ROOT / "models" / "registry.json"
+FALLBACK_DEFAULT_MODELS = ["tiny-gla", "tiny-gla-ccq", "tiny-gdn", "tiny-gdn-ccq"]
+
+
+class RegistryError(Exception):
+    """The registry file cannot be read; the message names it and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    source: str  # what ccq_eval.model.loading.load_model receives
+    description: str = ""
+    default: bool = False
+
+
+def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:
+    """models/registry.json as {name: ModelEntry}; an absent file gives an empty registry.
+
+    Format (ccq_eval.model.loading): {name: {"path": <folder, relative to models/>, "description",
+    "default": bool}}; a list of {"name", "path", ...} is accepted too.
+    """
+    path = Path(MODEL_REGISTRY_PATH if path is None else path)
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RegistryError(f"cannot read the model registry {path}: {exc}; fix or delete it") from None
+    entries = raw.get("models", raw) if isinstance(raw, dict) else raw
+    if isinstance(entries, dict):
+        items = [dict(value, name=key) if isinstance(value, dict) else {"name": key, "path": value}
+                 for key, value in entries.items()]
+    elif isinstance(entries, list):
+        items = [dict(item) for item in entries]
+    else:
+        raise RegistryError(f"{path}: expected a JSON object or list of models")
+    registry = {}
+    for item in items:
+        name = str(item["name"])
+        source = item.get("path") or item.get("source") or item.get("checkpoint") or name
+        if not Path(str(source)).is_absolute() and (Path(path).parent / str(source)).exists():
+            source = str((Path(path).parent / str(source)).resolve())
+        elif not Path(str(source)).is_absolute() and (REPO_ROOT / str(source)).exists():
+            source = str((REPO_ROOT / str(source)).resolve())
+        registry[name] = ModelEntry(
+            name=name,
+            source=str(source),
+            description=str(item.get("description", "")),
+            default=bool(item.get("default", False)),
+        )
+    return registry
+
+
+def default_model_names(registry: dict[str, ModelEntry]) -> list[str]:
+    flagged = [entry.name for entry in registry.values() if entry.default]
+    return flagged or [name for name in FALLBACK_DEFAULT_MODELS if name in registry]

@@ -1,0 +1,1 @@
+"""Length-extrapolation perplexity in lm-eval (hooks: utils.py; see README.md)."""

@@ -1,0 +1,1 @@
+"""RULER S-NIAH in lm-eval (hooks: utils.py; see README.md)."""

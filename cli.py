@@ -1,18 +1,20 @@
 """ccq-eval: evaluate linear-attention LMs with and without CCQ on long-context tasks.
 
 Thin typer front end; the work happens in ccq_eval.harness (plan, runner, results_store) and
-ccq_eval.analysis (tables, stats, figures). Imports are lazy so that commands which only read
-results load neither torch nor fla, and argument errors appear at once.
-figures). `table`, `compare` and `figures` read results from disk and never load a model.
+ccq_eval.analysis (tables, stats, figures). Imports are lazy: `tasks`, `models`, `table`, `compare`
+and `figures` read files and never load torch, fla or a model, and argument errors appear at once.
 """
 
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from ccq_eval import logs
 
 app = typer.Typer(
     name="ccq-eval",
@@ -22,20 +24,55 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+class TableFormat(str, Enum):
+    markdown = "markdown"
+    csv = "csv"
+    latex = "latex"
+
+
+class TableView(str, Enum):
+    paper = "paper"
+    tidy = "tidy"
+
+
+# Values of --dtype (ccq_eval.harness.plan.DTYPE_CHOICES, listed here so that --help needs no import).
+Dtype = Enum("Dtype", {name: name for name in (
+    "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")}, type=str)
+Verbosity = Enum("Verbosity", {name: name for name in logs.VERBOSITY_LEVELS}, type=str)
+
 ResultsArg = Annotated[Path, typer.Argument(help="Results folder written by `ccq-eval run` (or lm-eval).")]
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help="markdown, csv or latex.")]
+FormatOpt = Annotated[TableFormat, typer.Option("--format", "-f", help="Output format.")]
+OutputFileOpt = Annotated[Path | None, typer.Option(
+    "--output", "-o", help="Write to this file (default: stdout).")]
+# The filter that shows each warning once in this process (set by the app's callback).
+_warnings_once: logs.OncePerRun | None = None
+
+
+def _version(show: bool) -> None:
+    if show:
+        from ccq_eval import __version__
+
+        typer.echo(f"ccq-eval {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    verbosity: Annotated[Verbosity, typer.Option(
+        "--verbosity", help="Log level of ccq-eval and lm-eval messages.")] = Verbosity.WARNING,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+) -> None:
+    """Long-context evaluation of linear-attention LMs (GLA, Gated DeltaNet) with and without CCQ."""
+    global _warnings_once
+    _warnings_once = logs.configure(verbosity.value)
 
 
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"Error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def _check_format(fmt: str) -> None:
-    from ccq_eval.analysis.tables import FORMATS
-
-    if fmt not in FORMATS:
-        _fail(f"--format {fmt!r}: valid choices are {', '.join(FORMATS)}")
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -63,7 +100,7 @@ def run(
         help="lm-eval limit: first N documents of each task (a fraction if < 1). Not with --samples-per-cell.")]
     = None,
     device: Annotated[str, typer.Option(help="Torch device, e.g. cpu or cuda:0.")] = "cpu",
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16, ... (default: float32).")] = None,
+    dtype: Annotated[Dtype | None, typer.Option(help="Weights and compute dtype (default: float32).")] = None,
     batch_size: Annotated[int, typer.Option(help="Requests per forward: scoring batches equal-length texts; generation with recurrent fla models decodes prompts of any length together.")] = 1,
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
@@ -93,7 +130,7 @@ def run(
 
     options = run_plan.RunOptions(
         models=list(model), tasks=list(task), lengths=lengths, depths=depths,
-        samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype,
+        samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype.value if dtype else None,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, keep_going=keep_going,
         cuda_graphs=cuda_graphs,
@@ -109,6 +146,8 @@ def run(
     )
     from ccq_eval.harness import reporting, runner
 
+    if _warnings_once is not None:
+        _warnings_once.drop_metadata_hint = True  # the runner passes every task its metadata
     reporter = reporting.SilentReporter() if quiet else reporting.RichReporter()
     try:
         summary = runner.execute_plan(plan, reporter=reporter)
@@ -143,21 +182,19 @@ def _write_report(results: Path) -> None:
 @app.command()
 def table(
     results: ResultsArg,
-    format: FormatOpt = "markdown",
-    view: Annotated[str, typer.Option(help="paper: the papers' pivots; tidy: one row per value.")] = "paper",
+    format: FormatOpt = TableFormat.markdown,
+    view: Annotated[TableView, typer.Option(
+        help="paper: the papers' pivots; tidy: one row per value.")] = TableView.paper,
     digits: Annotated[int, typer.Option(help="Decimals shown (markdown / latex).")] = 2,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+    output: OutputFileOpt = None,
 ) -> None:
     """Tables from results on disk: S-NIAH accuracy and perplexity per length, LongBench per dataset."""
     from ccq_eval.analysis import tables
     from ccq_eval.harness.results_store import ResultsError
 
-    _check_format(format)
-    if view not in ("paper", "tidy"):
-        _fail(f"--view {view!r}: valid choices are paper, tidy")
     try:
         tidy = tables.load_tidy(results)
-        text = tables.render_tables(tidy, format, view, digits)
+        text = tables.render_tables(tidy, format.value, view.value, digits)
     except ResultsError as exc:
         _fail(str(exc))
     _emit(text, output)
@@ -169,17 +206,16 @@ def compare(
     baseline: Annotated[str, typer.Option(help="Model name of the baseline (as in the results).")],
     variant: Annotated[str, typer.Option(help="Model name of the variant.")],
     metric: Annotated[str | None, typer.Option(help="Metric to compare (default: each task's first).")] = None,
-    format: FormatOpt = "markdown",
+    format: FormatOpt = TableFormat.markdown,
     n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
     seed: Annotated[int, typer.Option(help="Bootstrap seed.")] = 0,
     alpha: Annotated[float, typer.Option(help="Significance level.")] = 0.05,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+    output: OutputFileOpt = None,
 ) -> None:
     """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
     from ccq_eval.analysis import stats
     from ccq_eval.harness import results_store
 
-    _check_format(format)
     if n_boot < 100:
         _fail("--n-boot must be at least 100")
     if not 0 < alpha < 1:
@@ -190,13 +226,14 @@ def compare(
                                      alpha=alpha)
     except results_store.ResultsError as exc:
         _fail(str(exc))
-    _emit(stats.render_comparison(frame, baseline, variant, format, alpha=alpha), output)
+    _emit(stats.render_comparison(frame, baseline, variant, format.value, alpha=alpha), output)
 
 
 @app.command()
 def figures(
     results: ResultsArg,
-    out: Annotated[Path, typer.Option("--out", help="Folder for the PNG and PDF files.")] = Path("figures"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the PNG and PDF files.")]
+    = Path("figures"),
 ) -> None:
     """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars."""
     from ccq_eval.analysis import figures as figure_module
@@ -204,7 +241,7 @@ def figures(
     from ccq_eval.harness.results_store import ResultsError
 
     try:
-        paths = figure_module.draw_all(tables.load_tidy(results), out)
+        paths = figure_module.draw_all(tables.load_tidy(results), output)
     except ResultsError as exc:
         _fail(str(exc))
     for path in paths:
@@ -276,6 +313,9 @@ def lm_eval_cli(ctx: typer.Context) -> None:
 
     import ccq_eval.harness.adapter  # noqa: F401  (registers the "ccq" model with lm-eval)
 
+    if _warnings_once is not None:
+        _warnings_once.drop_metadata_hint = any(arg.startswith("--metadata") for arg in ctx.args)
+        logs.hand_over_to_lm_eval(_warnings_once)
     sys.argv = ["lm-eval", *ctx.args]
     cli_evaluate()
 

@@ -153,9 +153,14 @@ def list_tasks() -> dict[str, str]:
     index = _our_index()
     names = {alias: description for alias, (_, description) in ALIASES.items()}
     for name in sorted(index):
-        kind = {Kind.GROUP: "group", Kind.TAG: "tag"}.get(index[name].kind, "task")
-        folder = Path(index[name].yaml_path).parent.name if index[name].yaml_path else "?"
-        names.setdefault(name, f"lm-eval {kind} in tasks/{folder}")
+        entry = index[name]
+        kind = {Kind.GROUP: "group", Kind.TAG: "tag"}.get(entry.kind, "task")
+        # A tag has no YAML file of its own: its folder is that of the tasks it tags.
+        paths = [entry.yaml_path] if entry.yaml_path else [
+            index[member].yaml_path for member in entry.tags if member in index]
+        folders = sorted({Path(path).parent.name for path in paths if path})
+        members = f" of {', '.join(sorted(entry.tags))}" if entry.kind == Kind.TAG and entry.tags else ""
+        names.setdefault(name, f"lm-eval {kind}{members} in " + ", ".join(f"tasks/{f}" for f in folders))
     return names
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -47,7 +48,7 @@ MANAGED_LMEVAL_ARGS = {
     "numpy_random_seed": "--seed",
     "torch_random_seed": "--seed",
     "fewshot_random_seed": "--seed",
-    "evaluation_tracker": "--output",
+    "evaluation_tracker": "--output (units are also stored as lm-eval's tracker stores them: <output>/lm_eval)",
     "metadata": "--lengths / --depths / --samples-per-cell",
     "verbosity": "(not a result setting)",
     "predict_only": "(metrics are always computed)",
@@ -104,22 +105,37 @@ def parse_depths(text: str) -> list[float]:
     return sorted(depths)
 
 
-def _parse_scalar(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
+# lm-eval's result loggers (its CLI's --wandb_args / --wandb_config_args): applied to each unit's
+# results after simple_evaluate, and not part of what a unit computes.
+LOGGER_ARGS = ("wandb_args", "wandb_config_args")
+
+
+def split_logger_args(pairs: Sequence[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """--lm-eval-arg values -> (simple_evaluate pairs, {logger argument: its key=value,... as a dict}),
+    e.g. `wandb_args=project=ccq,name=run1` -> {"wandb_args": {"project": "ccq", "name": "run1"}}."""
+    rest, loggers = [], {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key.strip() in LOGGER_ARGS:
+            from lm_eval.utils import simple_parse_args_string
+
+            loggers[key.strip()] = simple_parse_args_string(value)
+        else:
+            rest.append(pair)
+    if loggers and "wandb_args" not in loggers:
+        raise PlanError("--lm-eval-arg wandb_config_args needs wandb_args too (W&B's init arguments)")
+    if loggers and importlib.util.find_spec("wandb") is None:
+        raise PlanError("--lm-eval-arg wandb_args: W&B logging needs the wandb package (pip install wandb)")
+    return rest, loggers
 
 
 def parse_lm_eval_args(pairs: Sequence[str]) -> dict[str, Any]:
-    """['bootstrap_iters=1000', ...] -> {'bootstrap_iters': 1000}; keys checked against simple_evaluate."""
+    """['bootstrap_iters=1000', ...] -> {'bootstrap_iters': 1000}; keys checked against simple_evaluate,
+    values typed as lm-eval types its own key=value arguments (lm_eval.utils.handle_arg_string)."""
+    if not pairs:
+        return {}
+    from lm_eval.utils import handle_arg_string
+
     allowed = _simple_evaluate_parameters()
     parsed: dict[str, Any] = {}
     for pair in pairs:
@@ -132,7 +148,7 @@ def parse_lm_eval_args(pairs: Sequence[str]) -> dict[str, Any]:
         if allowed is not None and key not in allowed:
             choices = ", ".join(sorted(allowed - set(MANAGED_LMEVAL_ARGS)))
             raise PlanError(f"--lm-eval-arg {key}: not an lm_eval.simple_evaluate argument; valid: {choices}")
-        parsed[key] = _parse_scalar(value.strip())
+        parsed[key] = handle_arg_string(value)
     return parsed
 
 
@@ -247,6 +263,7 @@ class RunPlan:
     depths: list[float] | None
     lm_eval_args: dict[str, Any]
     task_metadata: dict[str, Any]
+    lm_eval_loggers: dict[str, dict[str, Any]] = field(default_factory=dict)  # split_logger_args
 
     @property
     def pending(self) -> list[Unit]:
@@ -336,7 +353,8 @@ def plan_run(
         raise PlanError(f"--cuda-graphs needs a CUDA device (--device cuda); got --device {options.device}")
     if options.longbench_dir is not None and not Path(options.longbench_dir).is_dir():
         raise PlanError(f"--longbench-dir {options.longbench_dir}: no such folder")
-    lm_eval_args = parse_lm_eval_args(options.lm_eval_args)
+    evaluate_pairs, lm_eval_loggers = split_logger_args(options.lm_eval_args)
+    lm_eval_args = parse_lm_eval_args(evaluate_pairs)
 
     using_defaults = not options.tasks  # the default tasks come with the default small grid
     lengths_text = options.lengths or (DEFAULT_LENGTHS if using_defaults else None)
@@ -452,6 +470,7 @@ def plan_run(
         lengths=lengths,
         depths=depths,
         lm_eval_args=lm_eval_args,
+        lm_eval_loggers=lm_eval_loggers,
         task_metadata=task_metadata,
     )
 

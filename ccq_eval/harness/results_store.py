@@ -9,6 +9,12 @@ One folder per (model, task) unit:
         meta.json              run metadata (versions, seed, device, wall time, ...)
         results.json           lm-eval results dict; written last, so it marks the unit finished
 
+and every finished unit once more as lm-eval's EvaluationTracker lays out its output, so that
+lm-eval's readers (lm_eval.utils.get_results_filenames, get_sample_results_filenames, ...) and
+tools built on them work on `<output>/lm_eval`:
+
+    <output>/lm_eval/<model>/results_<time>.json, samples_<task>_<time>.jsonl (hard links)
+
 Every file is written atomically (temporary file in the same folder, then os.replace), so
 a run killed at any moment leaves either the old file or the new one, never half of one.
 Readers (`table`, `compare`, `figures`) only read these files; they never load a model.
@@ -30,6 +36,7 @@ import sqlite3
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ RESULTS_FILE = "results.json"
 META_FILE = "meta.json"
 UNIT_SPEC_FILE = "unit.json"
 RESPONSES_DB = "responses.sqlite"
+TRACKER_DIR = "lm_eval"
 
 
 class ResultsError(Exception):
@@ -202,7 +210,8 @@ def write_unit(
     samples: dict[str, list[dict[str, Any]]],
     meta: dict[str, Any],
 ) -> None:
-    """Store a finished unit: samples, then metadata, then results.json (the 'finished' mark).
+    """Store a finished unit: samples, then metadata, then the results under lm-eval's tracker
+    names, then results.json (the 'finished' mark).
 
     `results` is the dict lm_eval.simple_evaluate returns (its "samples" entry is ignored;
     pass the samples separately).
@@ -215,7 +224,29 @@ def write_unit(
     stored = {key: value for key, value in results.items() if key != "samples"}
     stored["task_hashes"] = {name: task_hash(task_samples) for name, task_samples in samples.items()}
     stored.setdefault("model_name", meta.get("model"))
+    _write_tracker_files(unit, stored, samples)
     atomic_write_json(unit.results, stored)
+
+
+def tracker_folder(unit: UnitDir) -> Path:
+    """<output>/lm_eval/<model>: where the unit's results are also stored as lm-eval lays them out."""
+    return unit.path.parent.parent / TRACKER_DIR / unit.path.parent.name
+
+
+def _write_tracker_files(unit: UnitDir, stored: dict[str, Any], samples: dict[str, list]) -> None:
+    """results_<stamp>.json and samples_<task>_<stamp>.jsonl as lm-eval's EvaluationTracker names them
+    (stamp: ISO time with '-' for ':'); the samples are hard links to the unit's (copies where links
+    fail)."""
+    folder = tracker_folder(unit)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().isoformat().replace(":", "-")
+    for task_name in samples:
+        tracker_samples = folder / f"samples_{task_name}_{stamp}.jsonl"
+        try:
+            os.link(unit.samples(task_name), tracker_samples)
+        except OSError:
+            shutil.copyfile(unit.samples(task_name), tracker_samples)
+    atomic_write_json(folder / f"results_{stamp}.json", stored)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,9 +439,21 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     return written
 
 
+def _is_tracker_copy(path: Path, root: Path) -> bool:
+    """A results_<stamp>.json in <output>/lm_eval/<model>/ whose units <output>/<model>/ are read too
+    (below `root`): the copy `write_unit` made of a unit."""
+    model_folder = path.parent
+    units = model_folder.parent.parent / model_folder.name
+    return (model_folder.parent.name == TRACKER_DIR and units.resolve().is_relative_to(root.resolve())
+            and any(units.glob(f"*/{RESULTS_FILE}")))
+
+
 def find_results_files(root: Path) -> list[Path]:
+    """Every unit's results.json and every lm-eval results_<stamp>.json, except the copies of the
+    units read here that `write_unit` lays out for lm-eval's readers (each result is read once)."""
     root = Path(root)
-    files = [p for p in root.rglob("*.json") if p.name == RESULTS_FILE or _LMEVAL_RESULTS.match(p.name)]
+    files = [p for p in root.rglob("*.json") if p.name == RESULTS_FILE
+             or (_LMEVAL_RESULTS.match(p.name) and not _is_tracker_copy(p, root))]
     return sorted(files)
 
 

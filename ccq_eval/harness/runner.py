@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import shlex
@@ -26,6 +27,8 @@ from ccq_eval.harness.plan import RunPlan, TaskCatalog, Unit, options_command_li
 from ccq_eval.harness.reporting import Reporter, SilentReporter
 from ccq_eval.harness.results_store import ResponseCache
 from ccq_eval.harness.resume import ResumableLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,6 +179,23 @@ def gpu_kernel_settings() -> dict[str, str | None]:
             "autotune_configs": os.environ.get("CCQ_EVAL_AUTOTUNE_CONFIGS")}
 
 
+def log_to_wandb(loggers: dict[str, dict[str, Any]], unit: Unit, outcome: UnitOutcome) -> None:
+    """One stored unit through lm-eval's W&B logger, as its CLI does with --wandb_args (one W&B run
+    per unit, named <model>/<task> unless wandb_args names it). A failure is logged, not raised: the
+    unit is stored already."""
+    from lm_eval.loggers import WandbLogger
+
+    init_args = {"name": f"{unit.model}/{unit.task}"} | dict(loggers["wandb_args"])
+    try:
+        wandb_logger = WandbLogger(init_args, loggers.get("wandb_config_args"))
+        wandb_logger.post_init(dict(outcome.results))
+        wandb_logger.log_eval_result()
+        wandb_logger.log_eval_samples(outcome.samples)
+        wandb_logger.run.finish()
+    except Exception as exc:  # noqa: BLE001  (as lm-eval's CLI: logging must not fail the run)
+        logger.warning("logging %s / %s to W&B failed: %s", unit.model, unit.task, exc)
+
+
 @dataclass
 class RunSummary:
     done: list[Unit] = field(default_factory=list)
@@ -252,6 +272,8 @@ def execute_plan(
                 "platform": platform.platform(),
             } | outcome.meta
             results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)
+            if plan.lm_eval_loggers:
+                log_to_wandb(plan.lm_eval_loggers, unit, outcome)
             unit.finished = True
             summary.done.append(unit)
             report.unit_end(unit, "done", f"{wall_time:.1f} s")

@@ -277,7 +277,7 @@ def test_archive_keeps_tables_and_comparisons_and_drops_long_texts(results, tmp_
     """`ccq-eval archive`: compact copy (xz samples, long prompts as digests, no resume cache) from
     which `table` and `compare` give exactly what they give on the original results."""
     long_text = "haystack " * 400
-    unit = next(results.rglob("samples_*.jsonl")).parent
+    unit = next(p.parent for p in results.rglob("samples_*.jsonl") if (p.parent / "results.json").is_file())
     (unit / results_store.RESPONSES_DB).write_bytes(b"resume cache")
     samples = next(unit.glob("samples_*.jsonl"))
     original = samples.read_text(encoding="utf-8")

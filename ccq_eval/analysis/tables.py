@@ -461,7 +461,8 @@ def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
 
 
 # --------------------------------------------------------------------------------------------
-# Rendering (own renderers: no optional dependency such as tabulate or jinja2)
+# Rendering: LaTeX through pandas' Styler; markdown by hand, because pytablewriter and tabulate pad
+# every cell to its column's width, which would change every committed table.md.
 
 
 def _format_cell(value: Any, digits: int) -> str:
@@ -495,16 +496,15 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(frame: pd.DataFrame, digits: int = 2, caption: str = "") -> str:
-    headers, body = _flat(frame)
-    lines = [r"\begin{table}[t]", r"\centering"]
-    if caption:
-        lines.append(r"\caption{" + _latex_escape(caption) + "}")
-    lines += [r"\begin{tabular}{" + "l" * (len(headers) - frame.shape[1]) + "r" * frame.shape[1] + "}",
-              r"\toprule", " & ".join(_latex_escape(h) for h in headers) + r" \\", r"\midrule"]
-    for row in body:
-        lines.append(" & ".join(_latex_escape(_format_cell(v, digits)) for v in row) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
-    return "\n".join(lines)
+    """A booktabs table (pandas Styler.to_latex): index columns left-aligned, values right-aligned."""
+    flat = frame.reset_index() if any(name is not None for name in frame.index.names) else frame
+    styler = (flat.style.format(precision=digits, na_rep="-", escape="latex")
+              .format_index(escape="latex", axis=1).hide(axis="index"))
+    return styler.to_latex(
+        hrules=True, position="t", position_float="centering",
+        caption=_latex_escape(caption) if caption else None,  # the Styler leaves captions unescaped
+        column_format="l" * (flat.shape[1] - frame.shape[1]) + "r" * frame.shape[1],
+    ).rstrip("\n")
 
 
 def to_csv(frame: pd.DataFrame) -> str:

@@ -6,10 +6,13 @@
   evaluated length) and the position-bucketed curve (ppl of each position bucket);
 - LongBench scores per dataset as grouped bars (and LongBench-E per bucket).
 
-Colours: a model's family (its name without a trailing "-ccq") owns one hue of the tab10
-palette (fixed for known architectures such as GLA and Gated DeltaNet, else from a hash of
-the name), so the same model gets the same colour in every figure; the CCQ variant takes the full colour with solid lines and round markers, the
-baseline a lighter shade with dashed lines and square markers.
+Colour-blind safe: a model's family (its name without a trailing "-ccq") owns one hue of the
+Okabe-Ito palette (fixed for known architectures such as GLA and Gated DeltaNet, else from a hash
+of the name), so the same model gets the same colour in every figure; the CCQ variant takes the
+full colour, solid lines and filled markers, the baseline a lighter shade, dashed lines and hollow
+markers. Every model also has its own marker shape and size, so curves that lie on top of each
+other stay visible. Heatmaps use the sequential, colour-blind-safe cividis map with cell values
+in a contrasting colour.
 """
 
 from __future__ import annotations
@@ -42,11 +45,17 @@ STYLE = {
     "axes.spines.right": False,
     "axes.grid": True,
     "grid.alpha": 0.3,
-    "savefig.bbox": "tight",
     "pdf.fonttype": 42,  # embed TrueType: editable text in the PDF
 }
+# Okabe & Ito's colour-blind-safe palette (without its black): blue, orange, bluish green,
+# vermillion, reddish purple, sky blue, yellow.
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442")
+HEATMAP_CMAP = "cividis"
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# Panel titles of tasks whose display name is an id (ccq_eval.analysis.tables.display_task).
+PANEL_TITLES = {"ppl_sweep": "truncated-document sweep", "ppl_buckets": "position buckets"}
 _CCQ_SUFFIX = re.compile(r"[-_]ccq$", re.IGNORECASE)
-_N_HUES = 10
+_N_HUES = len(PALETTE)
 
 
 def model_family(model: str) -> str:
@@ -57,14 +66,14 @@ def is_ccq(model: str) -> bool:
     return bool(_CCQ_SUFFIX.search(model)) or "ccq" in model.lower()
 
 
-# Architectures papers compare get fixed tab10 hues (first match wins); other names hash to one.
+# Architectures papers compare get fixed hues of PALETTE (first match wins); other names hash to one.
 _KNOWN_FAMILY_HUES = (
     (re.compile(r"gdn|gated[-_ ]?delta", re.IGNORECASE), 1),  # orange
-    (re.compile(r"deltanet", re.IGNORECASE), 3),  # red
+    (re.compile(r"deltanet", re.IGNORECASE), 3),  # vermillion
     (re.compile(r"gla", re.IGNORECASE), 0),  # blue
-    (re.compile(r"mamba", re.IGNORECASE), 2),  # green
-    (re.compile(r"retnet|hgrn|rwkv", re.IGNORECASE), 4),  # purple
-    (re.compile(r"llama|transformer|gpt", re.IGNORECASE), 7),  # grey
+    (re.compile(r"mamba", re.IGNORECASE), 2),  # bluish green
+    (re.compile(r"retnet|hgrn|rwkv", re.IGNORECASE), 4),  # reddish purple
+    (re.compile(r"llama|transformer|gpt", re.IGNORECASE), 5),  # sky blue
 )
 
 
@@ -79,7 +88,7 @@ def model_colors(models: Iterable[str]) -> dict[str, tuple[float, float, float, 
     """Stable colour per model: its family's hue (fixed for known architectures, else from a
     hash of the name; linear probing on clashes, families in sorted order), full colour for
     CCQ variants, a lighter shade for baselines."""
-    palette = plt.get_cmap("tab10").colors
+    palette = [matplotlib.colors.to_rgb(c) for c in PALETTE]
     families = sorted({model_family(m) for m in models})
     hue_of: dict[str, int] = {}
     taken: set[int] = set()
@@ -101,9 +110,25 @@ def model_colors(models: Iterable[str]) -> dict[str, tuple[float, float, float, 
     return colors
 
 
-def _line_style(model: str) -> dict:
-    return {"linestyle": "-" if is_ccq(model) else "--", "marker": "o" if is_ccq(model) else "s",
-            "markersize": 4, "linewidth": 1.6}
+def _line_style(model: str, index: int, count: int) -> dict:
+    """The index-th of `count` overlaid curves: its own marker, drawn larger and lower the earlier it
+    comes, so identical curves show as nested markers instead of hiding each other; CCQ variants solid
+    and filled, baselines dashed and hollow."""
+    ccq = is_ccq(model)
+    return {"linestyle": "-" if ccq else (0, (4, 2)), "marker": MARKERS[index % len(MARKERS)],
+            "markersize": 4 + 2.5 * (count - 1 - index), "linewidth": 1.5, "zorder": 2 + index,
+            "markerfacecolor": None if ccq else "white", "markeredgewidth": 1.2}
+
+
+def panel_title(task: str) -> str:
+    name = tables.display_task(task)
+    return PANEL_TITLES.get(name, name)
+
+
+def _text_color(rgba) -> str:
+    """Black on light cells, white on dark ones (relative luminance of the cell's colour)."""
+    red, green, blue = rgba[:3]
+    return "black" if 0.2126 * red + 0.7152 * green + 0.0722 * blue > 0.45 else "white"
 
 
 def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
@@ -122,7 +147,7 @@ def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
     paths = []
     for suffix in (".png", ".pdf"):
         path = out / f"{stem}{suffix}"
-        fig.savefig(path, dpi=200 if suffix == ".png" else None)
+        fig.savefig(path, dpi=150 if suffix == ".png" else None)
         paths.append(path)
     plt.close(fig)
     return paths
@@ -162,7 +187,7 @@ def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 grid = task_rows[task_rows["model"] == model].pivot_table(
                     index="depth", columns="length", values="value", aggfunc="first")
                 grid = grid.sort_index().reindex(sorted(grid.columns), axis=1)
-                image = ax.imshow(grid.to_numpy(dtype=float), cmap="RdYlGn", vmin=0, vmax=vmax,
+                image = ax.imshow(grid.to_numpy(dtype=float), cmap=HEATMAP_CMAP, vmin=0, vmax=vmax,
                                   aspect="auto", interpolation="nearest")
                 ax.set_xticks(range(grid.shape[1]), [tables._length_label(c) for c in grid.columns])
                 ax.set_yticks(range(grid.shape[0]), [f"{d:g}%" for d in grid.index])
@@ -172,7 +197,7 @@ def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
                     if not math.isnan(value):
                         ax.text(j, i, f"{value:.0f}" if vmax > 1 else f"{value:.2f}", ha="center",
-                                va="center", fontsize=7, color="black")
+                                va="center", fontsize=8, color=_text_color(image.cmap(image.norm(value))))
             fig.suptitle(f"{tables.display_task(task)}: accuracy by needle depth and context length")
             fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
             paths += _save(fig, out, f"sniah_heatmap_{_safe(tables.display_task(task))}")
@@ -186,12 +211,13 @@ def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, c
         fig, axes = _panels(len(tasks))
         for ax, task in zip(axes, tasks):
             task_rows = rows[rows["task"] == task]
-            for model in sorted(task_rows["model"].unique()):
+            models = sorted(task_rows["model"].unique())
+            for index, model in enumerate(models):
                 curve = task_rows[task_rows["model"] == model].sort_values("length")
                 ax.plot(curve["length"].astype(float), curve["value"], color=colors[model], label=model,
-                        **_line_style(model))
+                        **_line_style(model, index, len(models)))
             _length_ticks(ax, task_rows["length"])
-            ax.set_title(tables.display_task(task))
+            ax.set_title(panel_title(task))
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             if log_y:

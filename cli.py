@@ -115,7 +115,7 @@ def run(
         help="Continue with the next unit when one fails (default: stop).")] = False,
     cuda_graphs: Annotated[bool, typer.Option(
         help="Replay decode steps and scoring forwards from CUDA graphs (recurrent fla models on CUDA): "
-        "removes the host-side cost that bounds 340M-shape models on an H200; scores then differ from "
+        "removes the host-side cost that bounds mid-size models on a fast GPU; scores then differ from "
         "eager ones by rounding.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     report: Annotated[bool, typer.Option(

@@ -277,8 +277,8 @@ KERNEL_ENV_VAR = "CCQ_EVAL_CCQ_KERNEL"
 
 
 def fused_kernel_enabled() -> bool:
-    """The fused Triton kernels (ccq_eval/model/kernels/ccq_*.py) are the default on CUDA (they passed the GPU tests on the
-    H200: benchmarks/README.md); CCQ_EVAL_CCQ_KERNEL=unfused selects the unfused kernel path instead."""
+    """The fused Triton kernels (ccq_eval/model/kernels/ccq_*.py) are the default on CUDA;
+    CCQ_EVAL_CCQ_KERNEL=unfused selects the unfused kernel path instead."""
     choice = os.environ.get(KERNEL_ENV_VAR, "fused").strip().lower()
     if choice not in ("fused", "unfused"):
         raise ValueError(f"{KERNEL_ENV_VAR} must be 'fused' or 'unfused', got {choice!r}")
@@ -426,10 +426,9 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     prefill and scoring and a one-step kernel for decoding; for training from a zero state,
     _FusedOrder1Keys. Everything else forms unit_keys(k) and lambda here and calls ccq_read.
     keys_unit: k is already L2-normalised (Gated DeltaNet's l2norm; ccq.md: its keys "are already
-    unit-norm"), so the fused chunked read takes it as kappa and skips its normalising pass (about
-    20 us per layer at d_k = 256 and 20K tokens). The other paths normalise it again, which changes
-    it by rounding, and for keys fla's l2norm leaves shorter than unit (its eps = 1e-6 is added to
-    ||k||^2, so below ||k|| ~ 1e-3) by their length."""
+    unit-norm"), so the fused chunked read takes it as kappa and skips its normalising pass. The other
+    paths normalise it again, which changes it by rounding, and for keys fla's l2norm leaves shorter
+    than unit (its eps = 1e-6 is added to ||k||^2, so below ||k|| ~ 1e-3) by their length."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
     B, T, H, K = r.shape
     if _fused_applies(r, order) and _needs_grad(*inputs) and initial_state is None and T > 1:

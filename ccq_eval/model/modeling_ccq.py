@@ -125,8 +125,8 @@ class CCQReadMixin:
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         if last_state is None and not use_cache and _same_convolutions(convs):
             # No state in or out: one depthwise convolution over the q, k, v channels side by side,
-            # as fla's GatedDeltaNet does for its baseline. Each channel is computed as before; one
-            # call instead of three saves host time, which bounds the 340M shapes' forward on the H200.
+            # as fla's GatedDeltaNet does for its baseline. Each channel is computed as with three
+            # calls; one call saves host time, which bounds the forward of mid-size models on a GPU.
             projected = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states),
                                    self.v_proj(hidden_states)], dim=-1)
             weight = torch.cat([conv.weight.squeeze(1) for conv in convs], dim=0)

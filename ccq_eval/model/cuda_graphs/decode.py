@@ -1,8 +1,8 @@
 """One-token decode steps of an fla causal LM replayed from a CUDA graph (opt-in, CUDA only).
 
-Why: on an H200 a 24-layer fla model spends about 35 ms per decoded token in host-side work (Python,
-per-layer bookkeeping, some hundred kernel launches) while the GPU work is well under a millisecond
-(benchmarks/results/h200). A captured graph replays the same kernels with one launch.
+Why: an eager one-token step of a many-layer fla model is host-bound (Python, per-layer bookkeeping,
+some hundred kernel launches) while its GPU work is tiny. A captured graph replays the same kernels
+with one launch.
 
 How: the recurrent cache after prefill is deep-copied into static buffers; one step is captured as
 backbone -> LM head -> copy of every new state tensor back into the buffer it was read from (fla's
@@ -12,15 +12,10 @@ copy first: autotuning cannot run inside a capture. During capture nothing execu
 still hold the prefill state when decoding starts. A later prefill of the same layout is decoded by
 the same graph: `load` copies its states into those buffers (CCQEvalLM keeps a graph per batch size).
 
-Status: on the H200 (2026-12-01) graphed decoding gave the same greedy text as eager decoding for
-fla's GLA and Gated DeltaNet, with and without CCQ layers, at head dims 64 (CCQ's torch recurrence)
-and 128 (the fused decoding kernel), and 16 replays gave the same logits as 16 eager steps
-(tests/model/test_graphed_decode.py, marked gpu; benchmarks/results/h200/fused-v3/). An earlier version
-drifted with CCQ layers: the state buffers the graph reads were not kept alive once CCQ's new P, m, n
-replaced them in the cache, so their memory was reused between replays; they are held now (below).
-On 2026-12-02 the same tests passed with `load` (a second prefill replayed by the same graph) and the
-per-dtype copy-back (benchmarks/results/h200/session9/gpu-tests-graphed.log).
-Off by default (CCQEvalLM's cuda_graphs).
+The state buffers the graph reads are held by this object for its lifetime: once CCQ's new P, m, n
+replace them in the cache, nothing else keeps them alive, and their memory must not be reused between
+replays. tests/model/test_graphed_decode.py (marked gpu) ties graphed to eager decoding, text and
+logits. Off by default (CCQEvalLM's cuda_graphs).
 """
 
 from __future__ import annotations
@@ -48,12 +43,8 @@ def _state_tensors(cache: Any) -> list[torch.Tensor]:
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """target <- source for every pair, as one multi-tensor kernel per dtype (torch._foreach_copy_),
-    not one memcpy per tensor. Why: captured, each copy_ is a memcpy node. A replayed CCQ-GLA step
-    (three new states per layer, 97 memcpy nodes) took 3.50 ms per token on the H200 against 2.07 ms
-    of kernel time, and fla's (25 nodes) 1.89 against 1.70 (benchmarks/results/h200/session8/): the
-    idle time grows with the memcpy nodes more than with the kernels. With this (and the decoding
-    kernel reading the gate's parameters in their own dtype) the CCQ step took 2.2 ms per token
-    (benchmarks/results/h200/session9/generation.md)."""
+    not one memcpy per tensor. Why: captured, each copy_ is a memcpy node, and a replay's idle time
+    grows with the memcpy nodes more than with the kernels."""
     groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for target, source in zip(targets, sources, strict=True):
         group = groups.setdefault((target.dtype, source.dtype, target.device), ([], []))
@@ -115,8 +106,8 @@ class GraphedDecodeStep:
     def load(self, cache: Any) -> None:
         """Decode from `cache` next (another prefill's, of this layout: see `matches`): its states are
         copied into the buffers the graph reads. The graph's work does not depend on the prompt, only
-        on the states, so this is the same as capturing anew, without the warm-up and capture (about
-        0.2 s for a 340M-shape model on the H200, the time of some 60-100 replays)."""
+        on the states, so this is the same as capturing anew, without the warm-up and capture (which
+        cost as much as dozens of replays)."""
         states = _state_tensors(cache)
         if not self._same_layout(states):
             raise ValueError("GraphedDecodeStep.load: the cache's state tensors differ in shape, dtype or "

@@ -1,9 +1,8 @@
 """Scoring forwards of a recurrent fla model replayed from CUDA graphs (opt-in, CUDA only).
 
-Why: on the H200 the 340M shapes' eager forward is bound by host-side work (Python and some
-thousand kernel launches per 20K-token text), not by the GPU: with CCQ layers the host took 87 ms
-for a forward whose GPU work was 84 ms (benchmarks/README.md). A captured graph replays the same
-kernels with one launch, so scoring runs at the GPU's pace and the host is free to tokenise ahead.
+Why: on a fast GPU the eager forward of a mid-size model is bound by host-side work (Python and some
+thousand kernel launches per long text), not by the GPU. A captured graph replays the same kernels
+with one launch, so scoring runs at the GPU's pace and the host is free to tokenise ahead.
 
 How: one graph per (rows, padded length). A text of T tokens is scored in a graph for
 `padded_length(T)` >= T positions, the extra positions filled with token 0: the models are causal, so

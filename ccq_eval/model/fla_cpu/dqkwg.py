@@ -161,7 +161,8 @@ def install_hopper_dqkwg_fix() -> None:
 
     fla #640: on Hopper with 3.4.0 <= Triton < 3.7.1 chunk_bwd_kernel_dqkwg gives wrong results and
     fla 0.6.0 raises instead, which breaks the backward of chunk_gated_delta_rule / chunk_simple_gla
-    on our H200. Patches the name in _DQKWG_CALLERS; everything else still calls fla (idempotent).
+    on such GPUs (an H200, for instance). Patches the name in _DQKWG_CALLERS; everything else still
+    calls fla (idempotent).
     """
     import importlib
 

@@ -36,11 +36,8 @@ from ccq_eval.model.kernels.triton_device import launches_on_input_device
 # (derived by hand; tests check all four gradients against autograd through ccq_read_reference).
 
 # BK: the width of a column block, and of the reduction tile of the products with a K x K state
-# (8 warps). With BK = 64 the query kernel spilled 1-2 KB per thread (ptxas sm_90, triton 3.9), with 32
-# about 250 bytes, with 16 nothing. A separate reduction tile (16 x 32, 32 x 32, 16 x 64 besides 16 x 16)
-# was tried: autotuning the bf16 key kernel of GLA-340M (K = 128, 4K tokens) with those candidates hit
-# an illegal memory access on the H200 (triton 3.6, commit 91aa55e), though the fp32 candidate test
-# passed; equal tiles of 16 and 32 train both 340M shapes in bf16.
+# (8 warps). 16 and 32 only: with 64 the query kernel spills registers, and tiles of other shapes
+# failed in bf16 on a GPU (benchmarks/README.md).
 _BWD_CONFIGS = [triton.Config({"BK": bk}, num_warps=8, num_stages=2) for bk in (16, 32)]
 
 
@@ -348,8 +345,7 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
         H=H, K=K, C=C, CENTERED=bool(centered), NORMALIZE=raw_keys, IEEE=ieee,
     )
     # Sums over t >= j along time, time made the innermost axis: torch scans an outer axis with one
-    # thread per inner element (B * H of them), which took 500 us per layer at 4K tokens on the H200
-    # (the Gated DeltaNet training profile at 250850d).
+    # thread per inner element (B * H of them), which is slow.
     dlog_gamma = dc.transpose(1, 2).flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
     if gate is not None:
         return dr, dk, dlog_gamma, dlam, dweight_parts.sum((0, 1))

@@ -1,42 +1,30 @@
-"""Fused Triton kernels for the CCQ read of order 1 (the default), forward and backward, for CUDA.
+"""Fused Triton kernels for the forward of the CCQ read of order 1 (the default on CUDA for head dims
+128 and 256; CCQ_EVAL_CCQ_KERNEL=unfused switches them off, see ccq.fused_kernel_enabled).
 
-The default CCQ read on CUDA for head dims 128 and 256 (CCQ_EVAL_CCQ_KERNEL=unfused
-switches it off; see ccq.fused_kernel_enabled); checked on the H200 by the GPU tests and
-scripts/fused_smoke.py (benchmarks/README.md).
+The unfused path (`ccq._ccq_chunk_kernel`) spends tens of kernel launches per layer (the decayed sums
+m and n, fla's chunk_simple_gla with its preparation kernels, the polynomial), and on a fast GPU that
+host-side cost, not arithmetic, bounds it. Here the whole read is four launches of three kernels:
 
-The unfused kernel path (`ccq._ccq_chunk_kernel`) spends about 60 kernel launches per layer (the
-decayed sums m and n, fla's chunk_simple_gla with its own preparation kernels, and the polynomial):
-on the H200 that host-side cost, not arithmetic, made CCQ 1.6-2x slower than the backbone. Here the
-whole read is four launches of three kernels:
-
-1. `_ccq_chunk_states_kernel`, run twice around a scan: the sums P = sum w kappa kappa^T, m and n
+1. `_ccq_chunk_states_kernel`, run twice around a scan: the sums P = sum w kappa kappa^T, m and n,
    walked chunk by chunk (one tensor-core product per chunk, the state in registers) inside segments
    of the sequence that run in parallel. The first run sums each segment from zero;
 2. `_ccq_state_scan_kernel` turns those sums into the state entering every segment (SCAN_STEPS
    segments loaded at once); the second run walks the segments again from their entering states and
    writes the state entering every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c],
-   n_in[c], once. (Before, every chunk's own sum was written, then scanned in place over all chunks:
-   the K x K states went through memory three times, 445 us per Gated DeltaNet layer at 20K tokens on
-   the H200. A single sequential kernel, as fla's chunk_fwd_h, was latency-bound: 88 us per layer at
-   4K tokens, five times that at 20K.)
+   n_in[c], once, so the K x K states go through memory once;
 3. `_ccq_read_kernel`: every chunk in parallel; the in-chunk cumulative decay, the intra-chunk part
    (r kappa^T masked by the decays) @ kappa, the carried part r @ P_in[c], the counts n_t, means mu_t,
    the gate product and q~ = r - lambda Sigma r, written once in the input dtype. The chunk's scores
-   r kappa^T are formed once per program, which then walks its columns of q~ (at d_k = 256 on the
-   H200: 380 us per layer at 20K, against 649 us when each column block recomputed them; 253 us with
-   4 warps and 4 stages, see _READ_CONFIGS). Folding
-   the read into the second state pass, so that the chunk states are never written, was 2.6-3.3x
-   slower: that walk is serial, and the read lengthened each of its steps (benchmarks/README.md,
-   "Fused v5.1").
+   r kappa^T are formed once per program, which then walks its columns of q~.
 
-`_ccq_decode_kernel` is the one-token step of the recurrence (state update and q~ in one launch).
-The backward (see the comment above `_ccq_bwd_query_kernel`) reuses the forward's chunk states and
-its scan kernel for the anti-causal sums. No [T, K, K] tensor is formed: P_in holds one K x K matrix
-per chunk, in the input dtype like fla's chunk states (fp32 when the inputs are fp32). Sums over keys
-(n, m, the polynomial) are fp32.
+`ccq_decode` holds the one-token step and `ccq_backward` the backward, which reuses these chunk states
+and the scan kernel. No [T, K, K] tensor is formed: P_in holds one K x K matrix per chunk, in the
+input dtype like fla's chunk states (fp32 when the inputs are fp32). Sums over keys (n, m, the
+polynomial) are fp32.
 
 Kernels run on CUDA; with TRITON_INTERPRET=1 (set before this module is imported) they run on CPU
-tensors, which is how the CPU tests check them against `ccq.ccq_read_reference`.
+tensors, which is how the CPU tests check them against `ccq.ccq_read_reference`. Measurements of
+each design choice: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -58,15 +46,11 @@ _LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stage
 SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per head
 SCAN_STEPS = 16  # slots loaded at once by the scan (segments in the forward, chunks in the backward)
 # The read kernel: SPLIT programs per chunk share the K columns of q~; each computes the chunk's
-# scores r kappa^T once and then walks its columns in BV-wide blocks. (One program per BV columns,
-# as before, recomputed the scores K / BV times.) WHOLE: the chunk's K-wide rows of r and kappa are
-# loaded once and every product is one dot over the whole head dim (at d_k = 256: 255 registers and
-# 124 KB of shared memory, 1 program per SM); otherwise the products walk K in BK-wide tiles (121
-# registers, 32 KB: 2 programs per SM). The tiled kernel with 4 warps and 3 or 4 stages is the fastest
-# by kernel time on the H200 (benchmarks/tune_ccq.py, 2026-12-02, profiler, T = 20480, bf16): at
-# d_k = 256 (Gated DeltaNet-340M) 273 / 253 us against 353 us for the whole-K 8-warp kernel the
-# autotuner picked before; at d_k = 128 (GLA-340M) 78 / 76 us against 100 us. With 4 warps the
-# whole-K kernel spills, so it keeps 8.
+# scores r kappa^T once and then walks its columns in BV-wide blocks. WHOLE: the chunk's K-wide rows
+# of r and kappa are loaded once and every product is one dot over the whole head dim (more registers
+# and shared memory, fewer programs per SM); otherwise the products walk K in BK-wide tiles. The tiled
+# kernel with 4 warps and 3 or 4 stages is listed because it was the fastest measured
+# (benchmarks/tune_ccq.py); with 4 warps the whole-K kernel spills, so it keeps 8.
 _READ_CONFIGS = ([triton.Config({"BK": 32, "BV": 64, "SPLIT": split, "WHOLE": whole}, num_warps=8,
                                 num_stages=2) for whole in (False, True) for split in (1, 2)]
                  + [triton.Config({"BK": 32, "BV": 64, "SPLIT": 1, "WHOLE": False}, num_warps=4,
@@ -124,10 +108,8 @@ NORM_TILE = 16384  # entries per program of _inverse_norms_kernel
 @triton.jit
 def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
     """1 / max(||x_i||, 1e-6) for the N rows of K entries of x (ccq.unit_keys), in fp32. Once per call
-    of the forward, for its state and read kernels: computed inside them, the norms of a chunk's keys
-    took a cross-warp reduction per chunk and program, about 100 us of the state kernel's first pass
-    and 70 us of its second (d_k = 256, Gated DeltaNet-340M at 20K tokens on the H200,
-    benchmarks/results/h200/fused-v5/kernels-87b2092.txt)."""
+    of the forward, for its state and read kernels: inside them the norms of a chunk's keys would take
+    a cross-warp reduction per chunk and program."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < N
     v = tl.load(x + rows[:, None].to(tl.int64) * K + tl.arange(0, K)[None, :], mask=ok[:, None], other=0.0)
@@ -140,13 +122,9 @@ def _inverse_norms_kernel(x, inv_norm, N, K: tl.constexpr, ROWS: tl.constexpr):
 # segment's chunks, one tensor-core product per chunk. Segments make the walk parallel over time: a
 # first run of the kernel sums each segment (from its last chunk back), the state scan turns those
 # sums into the states entering the segments, and a second run walks the segments again in order from
-# those states, writing the state entering every chunk. (Computing every chunk's own sum in parallel
-# and scanning those, as before, wrote the K x K states twice and read them once more: at d_k = 256 on
-# the H200, 205 + 240 us per Gated DeltaNet layer at 20K tokens, 1.2-2.1 TB/s.)
-# On the H200 (Gated DeltaNet-340M, 20K tokens) 4 warps were fastest, though at d_k = 256 the second
-# pass spills about 250 bytes per thread with them (ptxas, sm_90), then 8 warps with 1 or 2 stages;
-# 3 stages were never faster. 16 warps: the second pass at d_k = 256 fits in 128 registers per
-# thread, twice the warps per SM of 8 warps at 235 (with it, fc97e50, both passes still took 152 us).
+# those states, writing the state entering every chunk (so the K x K states are written once).
+# Candidates: 4 warps (the fastest measured, though the second pass spills a little at d_k = 256),
+# 8 warps with 1 or 2 stages, and 16 warps (the second pass then fits in 128 registers per thread).
 _STATE_CONFIGS = [triton.Config({}, num_warps=warps, num_stages=stages)
                   for warps, stages in ((4, 2), (8, 2), (8, 1), (16, 2))]
 STATE_ROWS = 64  # rows per program: the M of a Hopper tensor-core product (<= every head dim)
@@ -228,8 +206,7 @@ def _ccq_chunk_states_kernel(
         # The chunks from the last back, each term weighted by its decay to the segment's end
         # (exp(log_total) * to_end <= 1): the sum is never rescaled, so the tensor-core products
         # accumulate in place (ptxas: an asynchronous product with one pending; a rescaled sum, as in
-        # the other branch, waits for each product). On the H200 this pass took as long as before
-        # (151.6 us vs 151 at Gated DeltaNet's 20K forward): the wait was not what bounds it.
+        # the other branch, waits for each product).
         S = tl.zeros([BR, K], dtype=tl.float32)
         m = tl.zeros([BR], dtype=tl.float32)
         n = tl.sum(tl.zeros([1], dtype=tl.float32), 0)
@@ -296,7 +273,7 @@ def _scan_counts(slots, base, acc, decay_row, NT, STEPS: tl.constexpr):
 
 
 # Not autotuned: the scan works in place, and the autotuner's repeated timing runs would accumulate
-# the sums again and again (on the H200 that gave NaNs).
+# the sums again and again.
 @triton.jit
 def _ccq_state_scan_kernel(
     P_in, m_in, n_in, chunk_decay, P0, m0, n0, P_final, m_final, n_final,
@@ -462,9 +439,9 @@ FORWARD_HEAD_DIMS = (64, 128, 256)
 
 
 def supports_head_dim(K: int) -> bool:
-    """Head dims checked on the H200: 128 (GLA-340M) and 256 (Gated DeltaNet-340M). With 32 and 64
-    the read kernel hit an illegal memory access in bf16 (cause not found); they take the unfused path,
-    and so do wider heads (the state kernel keeps K-wide rows in registers)."""
+    """Head dims the fused kernels serve: 128 (GLA-340M) and 256 (Gated DeltaNet-340M), the ones checked
+    on a GPU. Others take the unfused path: 32 and 64 because the read kernel failed with them in bf16
+    (benchmarks/README.md), wider heads because the state kernel keeps K-wide rows in registers."""
     return K in (128, 256)
 
 

@@ -2,18 +2,16 @@
 
 Why: in `CCQGatedDeltaNet.forward` q and k are [B, T, H, K] views of one short convolution's output
 over the q|k|v channels (`short_conv_qkv`): the last dim is contiguous, the T stride is the whole
-q|k|v width. `fla_cpu.l2norm(torch.stack([q, k]))` first copies both into a contiguous stack. On the
-H200 (Gated DeltaNet 340M, T = 20480, bf16) that stack took 254 us per layer (torch's cat kernel on
-strided inputs) and fla's l2norm another 58 us, while the whole job moves 2 x 42 MB in and 2 x 42 MB
-out (~40 us at memory bandwidth). Here one kernel launch reads both views and writes both results,
-contiguous, into one [2, B, T, H, K] tensor; one more launch is the backward.
+q|k|v width. `fla_cpu.l2norm(torch.stack([q, k]))` first copies both into a contiguous stack, which
+costs several times what the normalisation itself moves. Here one kernel launch reads both views and
+writes both results, contiguous, into one [2, B, T, H, K] tensor; one more launch is the backward.
 
 Numerics are fla's l2norm (fla/modules/norm/l2norm.py): fp32 compute, rstd = 1 / sqrt(sum(x^2) + eps),
 y = x * rstd written in the input dtype; the backward dx = dy * rstd - sum(dy * y) * y * rstd from the
 saved y (input dtype) and rstd (fp32), dx in the input dtype.
 
 On CPU, and for fp64 anywhere (fp64 arithmetic, not the kernels' fp32), `l2norm_pair` is the torch
-path the model used before, `fla_cpu.torch_l2norm(torch.stack([q, k]))`, bit for bit. With
+path `fla_cpu.torch_l2norm(torch.stack([q, k]))`, bit for bit. With
 TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU tensors instead, which
 is how tests/model/test_l2norm_pair.py checks them without a GPU.
 """

@@ -8,15 +8,14 @@
 #   bash scripts/gpu_session.sh collect          # pack what exists into $OUT
 #
 # Stages (each bounded by `timeout`; a failed stage is logged and the next one still runs):
-#   1. the four embedded checkpoints trained at once, plus a second tiny-gla-ccq run with the same
-#      seed (the reproducibility check), beside the GPU tests (pytest -m gpu);
+#   1. the five embedded checkpoints trained at once, one process each, beside the GPU tests
+#      (pytest -m gpu; STAGES without "tests" skips them);
 #   2. the default suite at the larger grid on the freshly trained models (one process per model);
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
-# Environment knobs: STAGES (comma-separated subset of train,eval,bench; default all three; the GPU
-# tests run with stage 1 whenever train or tests is named), BENCH (subset of model,train4,harness,ops,
+# Environment knobs: STAGES (comma-separated subset of tests,train,eval,bench; default all four), BENCH (subset of model,train4,harness,ops,
 # sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
-# STEPS (training steps), COMMIT
+# STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=/tmp/gpu
@@ -30,21 +29,41 @@ collect() {
     name=$(basename "$d")
     tar czf "$OUT/model-$name.tgz" -C models "$name"
   done
-  # Autotune winners only (small JSON): a later lease can carry them and skip autotuning.
-  find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$OUT/triton-autotune.tgz" -T - 2>/dev/null
   # Results as `ccq-eval archive` writes them (xz samples, no resume caches): the raw folder is
   # hundreds of MB, over the 16 MiB a returned file may have.
   for r in results/*/; do
     [ -d "$r" ] && (cd "$WORK/repo" && PYTHONPATH=/tmp/site:$PWD python3 cli.py archive "$WORK/$r" "$WORK/archive/$(basename "$r")" > /dev/null 2>&1)
   done
-  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench repro 2>/dev/null
-  cp pipeline.log status "$OUT/" 2>/dev/null
+  # Autotune winners (small JSON) go inside results.tgz: a call returns at most 8 files.
+  find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$WORK/triton-autotune.tgz" -T - 2>/dev/null
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench triton-autotune.tgz status pipeline.log \
+    2>/dev/null
   ls -la "$OUT"
   tail -n 5 logs/*.log 2>/dev/null | tail -n 60
   cat status
 }
 
 stage() { echo "$(date +%T) $*" | tee -a "$WORK/status"; }
+MODELS=${MODELS:-tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq tiny-transformer}
+
+# Stage 2, the GPU grid on the freshly trained checkpoints (run from the current directory's tree).
+evaluate() {
+  stage "2: evaluation (freshly trained checkpoints where stage 1 made them)"
+  for m in $MODELS; do
+    [ -f "$WORK/models/$m/model.safetensors" ] && rm -rf "models/$m" && cp -r "$WORK/models/$m" "models/$m"
+  done
+  python3 scripts/train_tiny.py --register-only --models "$(echo $MODELS | tr ' ' ,)" --out models > /dev/null
+  run=(python3 cli.py run --device cuda --dtype float32 --no-report --quiet --keep-going -o "$WORK/results/gpu-grid")
+  local pids=() m p
+  for m in $MODELS; do
+    ( timeout "${EVAL_TIMEOUT:-420}" "${run[@]}" -m "$m" -t s-niah --lengths 1k,2k,4k,8k --depths 0,25,50,75,100 \
+        --samples-per-cell "${SAMPLES:-10}" ;\
+      timeout 150 "${run[@]}" -m "$m" -t ppl --lengths 1k,2k,4k,8k,16k,20k \
+    ) > "$WORK/logs/eval-$m.log" 2>&1 & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || stage "an evaluation process failed (rc $?)"; done
+  stage "2: evaluation done"
+}
 listed() { [[ ",$2," == *",$1,"* ]]; }  # whether $1 is an item of the comma-separated list $2
 
 pipeline() {
@@ -52,7 +71,7 @@ pipeline() {
   export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
     CCQ_EVAL_AUTOTUNE_CONFIGS=${CCQ_EVAL_AUTOTUNE_CONFIGS:-4} CCQ_EVAL_GIT_COMMIT=${COMMIT:-unknown}
-  mkdir -p "$WORK/logs" "$WORK/models" "$WORK/repro" "$WORK/results" "$WORK/bench"
+  mkdir -p "$WORK/logs" "$WORK/models" "$WORK/results" "$WORK/bench"
   stage "install wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     > "$WORK/logs/install.log" 2>&1 || stage "install FAILED"
@@ -61,47 +80,32 @@ pipeline() {
     >> "$WORK/logs/gpu.log" 2>&1
   mkdir -p /tmp/triton-cache && cp -rn "$WORK/autotune-seed/." /tmp/triton-cache/ 2>/dev/null
 
-  want() { listed "$1" "${STAGES:-train,eval,bench}"; }
+  want() { listed "$1" "${STAGES:-tests,train,eval,bench}"; }
   pids=(); tests_pid=
   if want train || want tests; then
-  stage "1: training (${STEPS:-1200} steps) + GPU tests"
-  train=(python3 scripts/train_tiny.py --device cuda --steps "${STEPS:-1200}" --batch-size 32 --context 2048
-         --data-workers 1 --no-register --code-commit "${COMMIT:-unknown}")
+  stage "1: training (${STEPS:-default} steps) + GPU tests"
+  train=(python3 scripts/train_tiny.py --device cuda ${STEPS:+--steps "$STEPS"}
+         --data-workers 2 --no-register --code-commit "${COMMIT:-unknown}" ${TRAIN_ARGS:-})
   if want train; then
-    for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
-      timeout 660 "${train[@]}" --models "$m" --out "$WORK/models" > "$WORK/logs/train-$m.log" 2>&1 & pids+=($!)
+    for m in $MODELS; do
+      timeout "${TRAIN_TIMEOUT:-1500}" "${train[@]}" --models "$m" --out "$WORK/models" > "$WORK/logs/train-$m.log" 2>&1 &
+      pids+=($!)
     done
-    timeout 660 "${train[@]}" --models tiny-gla-ccq --out "$WORK/repro" > "$WORK/logs/train-repro-tiny-gla-ccq.log" 2>&1 &
-    pids+=($!)
   fi
+  if want tests; then
   # One autotune candidate per kernel in the tests (they check values; compile time is the lease's).
   CCQ_EVAL_AUTOTUNE_CONFIGS=1 timeout "${TESTS_TIMEOUT:-840}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
-    ${GPU_TESTS:-tests/test_ccq_triton.py tests/test_models_ccq.py tests/test_ccq_operator.py \
-    tests/test_backend_gpu.py::test_tiny_model_cuda_matches_cpu tests/test_graphed_decode.py} \
-    > "$WORK/logs/gpu-tests.log" 2>&1 &
+    ${GPU_TESTS:-tests} > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
   # The benchmarks time the GPU alone: with no training beside them, let the tests finish first.
   want train || { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; tests_pid=; }
+  fi
   for p in "${pids[@]}"; do wait "$p" || stage "a training process failed (rc $?)"; done
   stage "1: training done"
   fi
 
-  if want eval; then
-  stage "2: evaluation (freshly trained checkpoints where stage 1 made them)"
-  for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
-    [ -f "$WORK/models/$m/model.safetensors" ] && rm -rf "models/$m" && cp -r "$WORK/models/$m" "models/$m"
-  done
-  run=(python3 cli.py run --device cuda --dtype float32 --no-report --quiet --keep-going -o "$WORK/results/gpu-grid")
-  pids=()
-  for m in tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq; do
-    ( timeout 330 "${run[@]}" -m "$m" -t s-niah --lengths 1k,2k,4k,8k --depths 0,25,50,75,100 --samples-per-cell 4 ;\
-      timeout 150 "${run[@]}" -m "$m" -t ppl --lengths 1k,2k,4k,8k,16k,20k ;\
-      timeout 150 "${run[@]}" -m "$m" -t longbench --longbench-dir tests/fixtures/longbench --max-length 8192 \
-    ) > "$WORK/logs/eval-$m.log" 2>&1 & pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || stage "an evaluation process failed (rc $?)"; done
-  stage "2: evaluation done"
-  fi
+  want eval && evaluate
+
   [ -n "$tests_pid" ] && { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; }
 
   if want bench; then
@@ -166,5 +170,9 @@ case "$cmd" in
     while [ $SECONDS -lt $deadline ] && ! grep -q 'PIPELINE FINISHED' "$WORK/status" 2>/dev/null; do sleep 10; done
     collect ;;
   collect) collect ;;
-  *) echo "usage: $0 start|wait SECONDS|collect"; exit 2 ;;
+  eval)  # after `wait` saw training finish: the grid from this call's (newer) tree, then collect
+    export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+      HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+    evaluate; collect ;;
+  *) echo "usage: $0 start|wait SECONDS|eval|collect"; exit 2 ;;
 esac

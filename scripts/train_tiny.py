@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""Train the embedded demonstration checkpoints tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq.
+"""Train the embedded demonstration checkpoints: tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq and
+the softmax-attention reference tiny-transformer.
 
 Within a family (GLA, Gated DeltaNet) the two models share everything but the CCQ flag: shape,
 initial backbone weights (same seed; CCQ's gate parameters consume no random numbers), data
-stream, token budget, context length and optimiser. Data: scripts/tiny_data.py (embedded corpora,
-train split only, plus about a third synthetic in-context recall documents in our own wording).
+stream, token budget, context length and optimiser; the Transformer gets the same data, seed, steps
+and optimiser. Data: scripts/tiny_data.py (embedded corpora, train split only, and synthetic
+in-context recall documents in our own wording, with several questions each and a distance
+curriculum).
 
-GPU (fla's triton kernels, bf16 autocast; the four models one after another; the defaults are the
-settings of the shipped models, which also had CCQ_EVAL_AUTOTUNE_CONFIGS=4):
-    python scripts/train_tiny.py --device cuda --out models
-One model per process (the shipped models: four processes sharing one H200, scripts/gpu_session.sh):
-    python scripts/train_tiny.py --models tiny-gla-ccq --device cuda --data-workers 1 --out models
+GPU (fla's triton kernels, bf16 autocast; the defaults are the settings of the shipped models),
+one model per process, all five sharing one GPU (scripts/gpu_session.sh does this):
+    python scripts/train_tiny.py --models tiny-gla-ccq --device cuda --data-workers 2 --out models
 CPU smoke run (tiny shape, a few steps on repeated data, writes to a temporary folder):
     python scripts/train_tiny.py --smoke
 Rewrite models/registry.json entries and model cards for folders already trained:
@@ -64,29 +65,44 @@ from ccq_eval.model.modeling_ccq import (
     CCQGLAForCausalLM,
 )
 
-MAX_CHECKPOINT_BYTES = 10 * 1000 * 1000  # the issue's limit: at most 10 MB per checkpoint
+MAX_CHECKPOINT_BYTES = 8 * 1000 * 1000  # at most 8 MB of safetensors per checkpoint (the tracked tree's budget)
 VOCAB_SIZE = 384  # ByT5: 3 specials + 256 bytes + 125 extra ids
 CONTEXT = 2048
+DEFAULT_STEPS = 3000
 
-# Family shapes: fla's defaults for everything not listed (GLA: expand_k 0.5, expand_v 1, no short
-# conv; Gated DeltaNet: expand_v 2, short conv; both: MLP ratio 4, untied embeddings).
-# Sized for the lent GPU (GLA: d_k 64, d_v 128 per head; GDN: d_k 64, d_v 128) and the 10 MB limit.
+# Family shapes: fla's defaults for everything not listed (GLA: expand_k 0.5, expand_v 1; Gated
+# DeltaNet: expand_v 2; both: short convolution of width 4, MLP ratio 4, untied embeddings). GLA's
+# short convolution (off by fla's default) lets a layer see the bytes just before a value, which
+# in-context recall needs. The Transformer is the softmax-attention reference: transformers' Llama
+# with the same width, depth and MLP, 4 heads of 64. All sized for the 8 MB limit in bf16.
 SHAPES = {
-    "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2},
+    "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "use_short_conv": True},
     "gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
+    "llama": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 768},
 }
 SMOKE_SHAPES = {
-    "gla": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2},
+    "gla": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "use_short_conv": True},
     "gdn": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16},
+    "llama": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 96},
 }
-FAMILY_NAMES = {"gla": "GLA (gated linear attention)", "gdn": "Gated DeltaNet"}
+FAMILY_NAMES = {"gla": "GLA (gated linear attention)", "gdn": "Gated DeltaNet",
+                "llama": "softmax-attention Transformer (Llama architecture)"}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # "gla" | "gdn"
+    family: str  # "gla" | "gdn" | "llama"
     ccq: bool
+
+    @property
+    def twin(self) -> str | None:
+        """The model that differs from this one only in the CCQ flag (None for the Transformer)."""
+        if self.family == "llama":
+            return None
+        return self.name.removesuffix("-ccq") if self.ccq else self.name + "-ccq"
 
 
 MODEL_SPECS = {
@@ -96,6 +112,7 @@ MODEL_SPECS = {
         ModelSpec("tiny-gla-ccq", "gla", True),
         ModelSpec("tiny-gdn", "gdn", False),
         ModelSpec("tiny-gdn-ccq", "gdn", True),
+        ModelSpec("tiny-transformer", "llama", False),
     )
 }
 
@@ -114,6 +131,7 @@ class TrainSettings:
     grad_clip: float
     seed: int
     synthetic_fraction: float
+    curriculum_share: float
     repeat: int
     log_every: int
     eval_windows: int
@@ -123,27 +141,38 @@ class TrainSettings:
     smoke: bool
     data_workers: int
     code_commit: str | None = None
+    max_questions: int = tiny_data.MAX_QUESTIONS
+    answer_weight: float = 1.0
+    init_from: str | None = None  # folder of trained checkpoints to continue from (see initial_model)
 
 
 # ---------------------------------------------------------------------------------------- models
 def model_config(spec: ModelSpec, context: int, smoke: bool):
-    """The CCQ-class config of a model (baselines: ccq=False, i.e. exactly fla's model)."""
+    """The config of a model: the CCQ class for the linear families (baselines: ccq=False, i.e.
+    exactly fla's model), transformers' LlamaConfig for the Transformer."""
     shape = (SMOKE_SHAPES if smoke else SHAPES)[spec.family]
     common = {
         "vocab_size": VOCAB_SIZE, "pad_token_id": tiny_data.PAD_ID, "eos_token_id": tiny_data.EOS_ID,
         "bos_token_id": None,
-        # Linear attention has no positional limit; this records the training context only.
+        # Records the training context (linear attention has no positional limit; RoPE has no hard one).
         "max_position_embeddings": context,
-        "ccq": spec.ccq,
     }
+    if spec.family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**shape, **common, tie_word_embeddings=False, rope_theta=10000.0)
     config_cls = CCQGLAConfig if spec.family == "gla" else CCQGatedDeltaNetConfig
-    return config_cls(**shape, **common)
+    return config_cls(**shape, **common, ccq=spec.ccq)
 
 
 def build_model(spec: ModelSpec, context: int, smoke: bool, seed: int):
     """Fresh model in fp32; the backbone's initial weights depend only on the seed and the shape."""
     config = model_config(spec, context, smoke)
     torch.manual_seed(seed)
+    if spec.family == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(config)
     model_cls = CCQGLAForCausalLM if spec.family == "gla" else CCQGatedDeltaNetForCausalLM
     return model_cls(config)
 
@@ -160,7 +189,7 @@ def trainable_groups(model, ccq: bool, weight_decay: float):
     for name, param in model.named_parameters():
         if "ccq_" in name and not ccq:
             continue
-        if param.ndim == 2 and "embeddings" not in name and "ccq_" not in name:
+        if param.ndim == 2 and "embed" not in name and "ccq_" not in name:
             decay.append(param)
         else:
             no_decay.append(param)
@@ -188,16 +217,23 @@ class BatchDataset(torch.utils.data.Dataset):
         return self.steps
 
     def __getitem__(self, step: int):
+        """(tokens, answer mask: True at the bytes of recall answers' values, synthetic token count)."""
         rows, synthetic = [], 0
+        answers = torch.zeros(self.batch_size, self.stream.ctx + 1, dtype=torch.bool)
         for i in range(self.batch_size):
             ids, segments = self.stream.sequence(step * self.batch_size + i)
             rows.append(ids)
             synthetic += sum(s.end - s.start for s in segments if s.kind == "synthetic")
-        return torch.tensor(rows, dtype=torch.long), synthetic
+            for segment in segments:
+                for begin, end in segment.answers:
+                    answers[i, begin:end] = True
+        return torch.tensor(rows, dtype=torch.long), answers, synthetic
 
 
 def batch_loader(settings: TrainSettings):
-    stream = tiny_data.TrainStream(settings.seed, settings.context, settings.synthetic_fraction, settings.repeat)
+    ramp = int(settings.curriculum_share * settings.steps * settings.batch_size)
+    stream = tiny_data.TrainStream(settings.seed, settings.context, settings.synthetic_fraction, settings.repeat,
+                                   ramp=ramp, max_questions=settings.max_questions)
     dataset = BatchDataset(stream, settings.steps, settings.batch_size)
     return torch.utils.data.DataLoader(
         dataset, batch_size=None, shuffle=False, num_workers=settings.data_workers,
@@ -213,10 +249,15 @@ def autocast_context(device: str):
     return contextlib.nullcontext()  # CPU: fp32
 
 
-def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte NLL (nats) of tokens[:, 1:] given tokens[:, :-1], computed in fp32."""
+def lm_loss(model, tokens: torch.Tensor, answers: torch.Tensor | None = None, answer_weight: float = 1.0):
+    """Next-byte NLL (nats) of tokens[:, 1:] given tokens[:, :-1], computed in fp32: the mean, or with
+    `answers` (a mask over tokens) the weighted mean in which answer bytes count `answer_weight` times."""
     logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    nll = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    if answers is None or answer_weight == 1.0:
+        return nll.mean()
+    weights = 1.0 + (answer_weight - 1.0) * answers[:, 1:].flatten().float()
+    return (nll * weights).sum() / weights.sum()
 
 
 def synchronize(device: str) -> None:
@@ -224,10 +265,32 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def init_folder(spec: ModelSpec, settings: TrainSettings) -> Path:
+    """The checkpoint a continued run starts from: the family's baseline for both twins (so they start
+    from identical backbone weights), the Transformer's own for the Transformer."""
+    name = spec.twin if spec.ccq else spec.name
+    folder = Path(settings.init_from) / name
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"--init-from {settings.init_from}: no checkpoint {folder} (config.json) to continue "
+                         f"{spec.name} from; train it first or point --init-from at a folder holding {name}/")
+    return folder
+
+
+def initial_model(spec: ModelSpec, settings: TrainSettings):
+    """A fresh model (seeded), or with --init-from the trained baseline's weights in fp32; the CCQ twin
+    gets CCQ attached with its gate at its initial values (no random numbers drawn)."""
+    torch.manual_seed(settings.seed)
+    if not settings.init_from:
+        return build_model(spec, settings.context, settings.smoke, settings.seed)
+    from ccq_eval.model.loading import load_model
+
+    model, _ = load_model(str(init_folder(spec, settings)), dtype="float32", ccq=True if spec.ccq else None)
+    return model
+
+
 def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, dict]:
     device = settings.device
-    torch.manual_seed(settings.seed)
-    model = build_model(spec, settings.context, settings.smoke, settings.seed).to(device)
+    model = initial_model(spec, settings).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
         trainable_groups(model, spec.ccq, settings.weight_decay), lr=settings.lr,
@@ -243,13 +306,14 @@ def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, di
     synchronize(device)
     start = interval_start = time.perf_counter()
     first_interval_end = None
-    for step, (batch, synthetic) in enumerate(batch_loader(settings)):
+    for step, (batch, answers, synthetic) in enumerate(batch_loader(settings)):
         lr = learning_rate(step, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = batch.to(device, non_blocking=True)
+        answers = answers.to(device, non_blocking=True)
         with autocast_context(device):
-            loss = lm_loss(model, batch)
+            loss = lm_loss(model, batch, answers, settings.answer_weight)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
@@ -324,7 +388,7 @@ def heldout_metrics(model, settings: TrainSettings) -> dict:
     nll_per_byte = nll_sum / count
 
     docs = tiny_data.heldout_recall_docs(settings.context, settings.recall_docs)
-    exact, value_nll, value_bytes = 0, 0.0, 0
+    exact, answers, value_nll, value_bytes = 0, 0, 0.0, 0
     for first in range(0, len(docs), 8):
         group = docs[first : first + 8]
         rows = [tiny_data.encode_bytes(d.text) for d in group]
@@ -333,22 +397,24 @@ def heldout_metrics(model, settings: TrainSettings) -> dict:
         batch = torch.tensor([r + [tiny_data.PAD_ID] * (width - len(r)) for r in rows], device=device)
         logits = model(input_ids=batch, use_cache=False).logits.float()
         for i, doc in enumerate(group):
-            begin = doc.prompt_len + 1  # every answer is " " + value (+ "." for some templates)
-            end = begin + len(doc.value.encode())
-            targets = batch[i, begin:end]
-            predicted = logits[i, begin - 1 : end - 1]
-            exact += bool((predicted.argmax(-1) == targets).all())
-            value_nll += float(F.cross_entropy(predicted, targets, reduction="sum"))
-            value_bytes += end - begin
+            for begin, value in doc.answers:  # byte offset of the value = its token position (no BOS)
+                end = begin + len(value.encode())
+                targets = batch[i, begin:end]
+                predicted = logits[i, begin - 1 : end - 1]
+                exact += bool((predicted.argmax(-1) == targets).all())
+                answers += 1
+                value_nll += float(F.cross_entropy(predicted, targets, reduction="sum"))
+                value_bytes += end - begin
     return {
         "heldout_nll_per_byte": nll_per_byte,
         "heldout_bits_per_byte": nll_per_byte / math.log(2),
         "heldout_perplexity": math.exp(nll_per_byte),
         "heldout_windows": where,
         "heldout_scored_bytes": count,
-        "recall_exact_match": exact / len(docs),
+        "recall_exact_match": exact / answers,
         "recall_value_nll_per_byte": value_nll / value_bytes,
         "recall_docs": len(docs),
+        "recall_answers": answers,
     }
 
 
@@ -385,10 +451,11 @@ def git_commit() -> str:
 
 def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
     """config.json + model.safetensors. Baselines are saved as plain fla models (model_type gla /
-    gated_deltanet, no CCQ parameters): fla alone loads them, and ccq_eval loads them with ccq off."""
+    gated_deltanet, no CCQ parameters): fla alone loads them, and ccq_eval loads them with ccq off.
+    The Transformer is a plain transformers Llama checkpoint."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
     model = copy.deepcopy(model).to("cpu", dtype)
-    if spec.ccq:
+    if spec.ccq or spec.family == "llama":
         model.config.architectures = [type(model).__name__]
         model.save_pretrained(folder)  # transformers 5 writes safetensors only
         return
@@ -406,7 +473,8 @@ def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
 
 
 def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dict | None = None) -> str:
-    kind = "with CCQ on the read" if spec.ccq else "baseline, no CCQ"
+    kind = ("with CCQ on the read" if spec.ccq else "baseline, no CCQ" if spec.twin
+            else "the softmax-attention reference")
     text = (f"{FAMILY_NAMES[spec.family]}, {kind}; {params / 1e6:.1f}M parameters, byte-level, trained at "
             f"{settings.context} tokens on the embedded corpora + synthetic recall (demonstration model)")
     if metrics:
@@ -414,60 +482,104 @@ def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dic
     return text
 
 
+def init_record(spec: ModelSpec, settings: TrainSettings) -> dict | None:
+    """What a continued run started from: the checkpoint's name and its own training record (settings,
+    summary without the loss curve, held-out numbers, command, commit), kept for the model card."""
+    if not settings.init_from:
+        return None
+    folder = init_folder(spec, settings)
+    log = json.loads((folder / "train_log.json").read_text(encoding="utf-8"))
+    train = {k: v for k, v in log["train"].items() if k not in ("step_losses", "log")}
+    return {"checkpoint": folder.name, "settings": log["settings"], "train": train, "heldout": log["heldout"],
+            "command": log["command"], "git_commit": log["git_commit"], "init": log.get("init")}
+
+
+def stage_line(record: dict) -> str:
+    """One model-card line on the first training stage of a continued model."""
+    st, tr = record["settings"], record["train"]
+    return (f"- Stage 1 (`{record['checkpoint']}`'s own run): {st['steps']} steps x {st['batch_size']} x "
+            f"{st['context']} tokens ({tr['tokens_seen']:,} tokens), synthetic fraction {st['synthetic_fraction']:g}, "
+            f"curriculum over {st.get('curriculum_share', 0):.0%} of the steps, {st.get('max_questions', 4)} "
+            f"questions at most per recall document, answer weight {st.get('answer_weight', 1.0):g}, lr {st['lr']:g}; "
+            f"{tr['train_seconds']:.0f} s; held-out perplexity {record['heldout']['heldout_perplexity']:.2f}. "
+            f"Command: `{record['command']}` (commit {record['git_commit']}).")
+
+
 def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
     tm, mm = info["train"], info["heldout"]
-    partner = spec.name[:-4] if spec.ccq else spec.name + "-ccq"
     fmt = info["config_summary"]
     steady = tm["tokens_per_s_steady"]
+    if spec.twin:
+        what = ("with the Curvature-Conditioned Query (CCQ) on the state read" if spec.ccq
+                else "without CCQ (baseline)")
+        fairness = (f"Its twin `{spec.twin}` shares the shape, initial backbone weights, data, seed, token budget, "
+                    "context and optimiser; only the CCQ flag differs.")
+    else:
+        what = "(softmax attention with a KV cache), the upper-bound reference row"
+        fairness = ("It is trained with the same data stream, seed, steps, batch, context and optimiser as the "
+                    "linear-attention models, at about the same size.")
+    if spec.family == "llama":
+        architecture = f"- Architecture: `{info['model_type']}` ({fmt}); rotary positions; plain transformers checkpoint"
+    else:
+        architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); CCQ: "
+                        + (f"on ({info['ccq_settings']})" if spec.ccq
+                           else "off; saved as a plain fla model (loads with fla alone; `ccq_eval` loads it with "
+                                "ccq off)"))
     lines = [
         f"# {spec.name}",
         "",
-        f"A small {FAMILY_NAMES[spec.family]} language model "
-        + ("with the Curvature-Conditioned Query (CCQ) on the state read" if spec.ccq else "without CCQ (baseline)")
-        + f", trained by this project as an embedded default for `ccq-eval`. Its twin `{partner}` shares "
-        "the shape, initial backbone weights, data, seed, token budget, context and optimiser; only the "
-        "CCQ flag differs.",
+        f"A small {FAMILY_NAMES[spec.family]} language model {what}, trained by this project as an embedded "
+        f"default for `ccq-eval`. {fairness}",
         "",
         f"**A demonstration model, not the paper's.** It has {info['parameters'] / 1e6:.1f}M parameters, reads "
-        "bytes, and was trained for minutes on a few megabytes of public-domain English. Numbers from it show how the harness "
-        "behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B models."
+        "bytes, and was trained for minutes on a few megabytes of public-domain English. Numbers from it show how the "
+        "harness behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B models."
         + (" Smoke-test run: tiny shape, a few steps on repeated data; not a usable model." if settings.smoke
            else ""),
         "",
         "## Model",
         "",
-        f"- Architecture: `{info['model_type']}` ({fmt}); CCQ: "
-        + (f"on ({info['ccq_settings']})" if spec.ccq
-           else "off; saved as a plain fla model (loads with fla alone; `ccq_eval` loads it with ccq off)"),
+        architecture,
         f"- Parameters: {info['parameters']:,}; weights stored in {settings.save_dtype} "
         f"(model.safetensors, {info['weights_bytes'] / 1e6:.2f} MB)"
-        + ("; trained in fp32 master weights, rounded to bf16 on saving to stay under 10 MB"
-           if settings.save_dtype == "bf16" else ""),
+        + ("; trained in fp32 master weights, rounded to bf16 on saving" if settings.save_dtype == "bf16" else ""),
         ("- Tokenizer: byte-level ByT5 (`transformers.ByT5Tokenizer`, vocab 384: pad 0, eos 1, unk 2, byte b -> "
-        "b + 3); no BOS."),
-        (f"- Training context: {settings.context} tokens (bytes). Linear attention has no positional limit; "
-        "`max_position_embeddings` records the training context only."),
+         "b + 3); no BOS."),
+        (f"- Training context: {settings.context} tokens (bytes); `max_position_embeddings` records it."),
         "",
         "## Training",
         "",
-        "- Data: a deterministic stream of sequences of "
-        f"{settings.context} + 1 byte tokens, each packed from whole documents (EOS after each, the last one cut): "
-        "spans of the train split of the embedded corpora sotu, kjv and austen (every train byte equally likely as "
-        "a start), and synthetic in-context recall documents: key-value records hidden in train-split filler "
-        "(or a repeated line of plain sentences), one key asked for at the end, then its value "
-        "(e.g. `Record: the code word for <key> equals <value>.` ... `Question: which value was given for <key>? "
-        "Answer: <value>`). Their wording differs from RULER's S-NIAH templates on purpose, so S-NIAH measures "
-        f"transfer. Synthetic share of the training tokens: {tm['synthetic_token_fraction']:.1%}. "
-        "Held-out (eval-split) documents are never trained on."
+        "- Data (scripts/tiny_data.py): a deterministic stream of sequences of "
+        f"{settings.context} + 1 byte tokens, each packed from whole documents (EOS after each, the last one cut). "
+        "Natural documents: spans of the train split of the embedded corpora sotu, kjv and austen. Synthetic "
+        f"in-context recall documents (drawn with probability {settings.synthetic_fraction:g}): 1-8 key-value "
+        "records hidden in train-split filler (or a repeated line of plain sentences), then up to "
+        f"{settings.max_questions} questions about distinct records, each followed by its answer "
+        "(e.g. `Record: the pass code for <key> equals <value>.` ... `What is the pass code for <key>? The pass "
+        "code for <key> is <value>.`). Values are mostly 7-digit numbers, also other numbers, UUIDs and words; "
+        "keys are word pairs from the train split. Distance curriculum: a synthetic document's size is "
+        f"log-uniform up to a cap that grows from {tiny_data.CURRICULUM_START} bytes to the full context over the "
+        f"first {settings.curriculum_share:.0%} of the steps. Held out: no RULER template, needle or "
+        "answer-prefix wording, none of S-NIAH's key words (tasks/s_niah/key_words.txt) in any training key, and "
+        "no eval-split text (S-NIAH's essay haystack) is ever trained on; tests check the stream for RULER's "
+        f"phrases. Synthetic share of the training tokens: {tm['synthetic_token_fraction']:.1%}."
         + (f" Smoke run: the first {settings.repeat} sequence(s) repeated every step." if settings.repeat else ""),
-        f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}.",
+        *([stage_line(info["init"]),
+           f"- Stage 2 (this run) continues from `{info['init']['checkpoint']}`"
+           + (" with CCQ attached (its gate at its initial values), exactly as its twin continues without it"
+              if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
+           f"{settings.max_questions} questions per recall document, the values' bytes weighted "
+           f"{settings.answer_weight:g}x in the loss."] if info.get("init") else []),
+        f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}"
+        + (f" (with stage 1: {tm['tokens_seen'] + info['init']['train']['tokens_seen']:,})." if info.get("init")
+           else "."),
         f"- Optimiser: AdamW (lr {settings.lr:g}, betas ({settings.beta1}, {settings.beta2}), eps 1e-8, weight decay "
         f"{settings.weight_decay} on linear-layer matrices), {settings.warmup_steps} warmup steps then cosine to "
         f"{settings.min_lr_ratio:g} x lr, gradient clipping at {settings.grad_clip}; "
-        + ("bf16 autocast with fp32 master weights (fla's triton kernels)" if settings.device.startswith("cuda")
-           else "fp32") + f"; seed {settings.seed}.",
+        + ("bf16 autocast with fp32 master weights" if settings.device.startswith("cuda") else "fp32")
+        + f"; seed {settings.seed}.",
         (f"- Final train loss: {tm['final_train_loss']:.4f} nats/byte (mean of the last {tm['final_train_loss_steps']} "
-        f"steps; first step {tm['first_train_loss']:.4f})."),
+         f"steps; first step {tm['first_train_loss']:.4f})."),
         f"- Wall time: {tm['train_seconds']:.1f} s training ({tm['tokens_per_s_overall']:,.0f} tokens/s overall"
         + (f", {steady:,.0f} tokens/s after the first {settings.log_every} steps" if steady else "")
         + f"), {info['total_seconds']:.1f} s in all with evaluation and saving.",
@@ -478,14 +590,15 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "## Held-out evaluation (the saved weights, fp32)",
         "",
         (f"- Held-out loss: {mm['heldout_nll_per_byte']:.4f} nats/byte ({mm['heldout_bits_per_byte']:.3f} bits/byte), "
-        f"perplexity {mm['heldout_perplexity']:.2f} per byte; a uniform byte model has 256. "
-        f"{settings.eval_windows} windows of {settings.context} + 1 bytes from the eval split of sotu, kjv and "
-        f"austen, spread evenly over each corpus, the same for all four models ({mm['heldout_scored_bytes']:,} "
-        "scored bytes; list in train_log.json)."),
-        (f"- In-distribution recall: {mm['recall_exact_match']:.1%} of {mm['recall_docs']} held-out synthetic "
-        "recall documents (our training wording, eval-split filler, about the training context long) have every "
-        "byte of the value predicted correctly (teacher-forced argmax); value NLL "
-        f"{mm['recall_value_nll_per_byte']:.3f} nats/byte. This is not S-NIAH; see the project's results."),
+         f"perplexity {mm['heldout_perplexity']:.2f} per byte; a uniform byte model has 256. "
+         f"{settings.eval_windows} windows of {settings.context} + 1 bytes from the eval split of sotu, kjv and "
+         f"austen, spread evenly over each corpus, the same for every model ({mm['heldout_scored_bytes']:,} "
+         "scored bytes; list in train_log.json)."),
+        (f"- In-distribution recall: {mm['recall_exact_match']:.1%} of the {mm.get('recall_answers', mm['recall_docs'])} "
+         f"answers in {mm['recall_docs']} held-out synthetic recall documents (our training wording, eval-split "
+         f"filler, {settings.context} bytes long) have every byte of the value predicted correctly (teacher-forced "
+         f"argmax); value NLL {mm['recall_value_nll_per_byte']:.3f} nats/byte. This is not S-NIAH; S-NIAH's "
+         "numbers are in the project's results."),
         "",
         "## Reproduce",
         "",
@@ -494,8 +607,8 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "```",
         "",
         ("Same seed on the same hardware and software: identical data and initial weights; on CPU the losses are "
-        "bit-identical, on GPU fla's triton kernels (autotuned) may change the last bits, well within 1% of the "
-        "held-out loss. Full loss curve: train_log.json."),
+         "bit-identical, on GPU fla's triton kernels (autotuned) may change the last bits. Full loss curve: "
+         "train_log.json."),
         "",
     ]
     return "\n".join(lines)
@@ -503,10 +616,15 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
 
 def config_summary(model) -> str:
     c = model.config
+    if c.model_type == "llama":
+        return (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads of "
+                f"{c.hidden_size // c.num_attention_heads}, MLP {c.intermediate_size}")
     parts = [f"hidden {c.hidden_size}", f"{c.num_hidden_layers} layers", f"{c.num_heads} heads"]
     layer = model.model.layers[0].attn
     parts.append(f"head_k {layer.head_k_dim}, head_v {layer.head_v_dim}")
     parts.append(f"MLP {model.model.layers[0].mlp.intermediate_size}")
+    if getattr(c, "use_short_conv", False):
+        parts.append(f"short conv {c.conv_size}")
     return ", ".join(parts)
 
 
@@ -558,6 +676,7 @@ def write_model(spec: ModelSpec, model, settings: TrainSettings, summary: dict, 
             "ccq_settings": ", ".join(f"{k} {v}" for k, v in config.items() if k.startswith("ccq_")),
             # Settings outside the command line that change the run (a capped autotune picks other kernels).
             "environment": {k: os.environ[k] for k in (autotune.ENV_VAR,) if os.environ.get(k)},
+            "init": init_record(spec, settings),
         }
         (tmp / "README.md").write_text(model_card(spec, settings, info), encoding="utf-8")
         (tmp / "train_log.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
@@ -616,12 +735,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODEL_SPECS),
-                        help=f"comma-separated subset of {', '.join(MODEL_SPECS)} (default: all four, in turn)")
+                        help=f"comma-separated subset of {', '.join(MODEL_SPECS)} (default: all five, in turn)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for <name>/ checkpoints and registry.json (default: models/ of the repo; "
                              "--smoke: a new temporary folder)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; --smoke: cpu)")
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default 1200; --smoke 8)")
+    parser.add_argument("--steps", type=int, default=None, help=f"optimiser steps (default {DEFAULT_STEPS}; --smoke 8)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32; --smoke 2)")
     parser.add_argument("--context", type=int, default=None,
                         help=f"training context in tokens (default {CONTEXT}; --smoke 320)")
@@ -635,7 +754,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--synthetic-fraction", type=float, default=tiny_data.SYNTHETIC_FRACTION,
                         help="probability that a drawn document is a synthetic recall document "
-                             f"(default {tiny_data.SYNTHETIC_FRACTION}: about a third of the tokens at ctx 2048)")
+                             f"(default {tiny_data.SYNTHETIC_FRACTION}: about half of the tokens at ctx 2048)")
+    parser.add_argument("--max-questions", type=int, default=tiny_data.MAX_QUESTIONS,
+                        help=f"questions at most per synthetic recall document (default {tiny_data.MAX_QUESTIONS})")
+    parser.add_argument("--answer-weight", type=float, default=1.0,
+                        help="loss weight of the answers' value bytes relative to every other byte (default 1)")
+    parser.add_argument("--init-from", default=None,
+                        help="continue from the trained checkpoints in this folder: each twin from its family's "
+                             "baseline (<folder>/tiny-gla, <folder>/tiny-gdn), the Transformer from its own")
+    parser.add_argument("--curriculum-share", type=float, default=0.4,
+                        help="share of the steps over which synthetic documents grow from short to the full "
+                             "context (default 0.4; 0 = no curriculum)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="cycle over the first N sequences only (default 0 = fresh data; --smoke: 2)")
     parser.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50; --smoke 1)")
@@ -669,7 +798,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         raise SystemExit("--device cuda was asked for, but CUDA is not available here; use --device cpu")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise SystemExit(f"unknown --device {device!r}: use cuda, cuda:N or cpu")
-    steps = pick(args.steps, 1200, 8)
+    steps = pick(args.steps, DEFAULT_STEPS, 8)
     settings = TrainSettings(
         steps=steps,
         batch_size=pick(args.batch_size, 32, 2),
@@ -683,6 +812,10 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         grad_clip=args.grad_clip,
         seed=args.seed,
         synthetic_fraction=args.synthetic_fraction,
+        curriculum_share=args.curriculum_share,
+        max_questions=args.max_questions,
+        answer_weight=args.answer_weight,
+        init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
         repeat=pick(args.repeat, 0, 2),
         log_every=pick(args.log_every, 50, 1),
         eval_windows=pick(args.eval_windows, 32, 3),
@@ -696,6 +829,12 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}"
                 for name in ("steps", "batch_size", "log_every", "eval_windows", "recall_docs")
                 if getattr(settings, name) < 1]
+    if settings.max_questions < 1:
+        problems.append(f"--max-questions must be >= 1, got {settings.max_questions}")
+    if settings.answer_weight <= 0:
+        problems.append(f"--answer-weight must be > 0, got {settings.answer_weight}")
+    if not 0.0 <= settings.curriculum_share <= 1.0:
+        problems.append(f"--curriculum-share must be in [0, 1], got {settings.curriculum_share}")
     if settings.context < 64:
         problems.append(f"--context must be >= 64, got {settings.context}")
     if settings.warmup_steps < 1 or settings.warmup_steps > settings.steps:

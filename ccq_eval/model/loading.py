@@ -4,7 +4,8 @@ Safe by default: weights from safetensors only (pickle files, which can run code
 `allow_pickle=True`), and no remote code unless `trust_remote_code=True`. fla GLA / Gated DeltaNet
 checkpoints load into the CCQ classes with `ccq=False` by default, so they compute exactly fla's model
 while getting the project's generation fix and CPU backend; `ccq=True` attaches CCQ to them with its
-parameters at their initial values (training-free).
+parameters at their initial values (training-free). transformers' Llama checkpoints (the
+softmax-attention reference) load as they are; they have no CCQ.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
@@ -26,12 +28,14 @@ from ccq_eval.model.modeling_ccq import (
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 REGISTRY_FILE = MODELS_DIR / "registry.json"
 
-# model_type in config.json -> (config class, model class, whether CCQ is on unless the user says).
+# model_type in config.json -> (config class, model class, whether CCQ is on unless the user says;
+# None: the model has no CCQ, e.g. the softmax-attention reference).
 SUPPORTED_MODEL_TYPES = {
     "gla": (CCQGLAConfig, CCQGLAForCausalLM, False),
     "ccq_gla": (CCQGLAConfig, CCQGLAForCausalLM, True),
     "gated_deltanet": (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, False),
     "ccq_gated_deltanet": (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, True),
+    "llama": (LlamaConfig, LlamaForCausalLM, None),
 }
 SAFE_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -112,9 +116,14 @@ def read_config(folder: Path, ccq: bool | None = None, **overrides):
     config_cls, _, ccq_default = SUPPORTED_MODEL_TYPES[model_type]
     for key in ("model_type", "architectures", "transformers_version", "auto_map"):
         fields.pop(key, None)
-    fields.setdefault("ccq", ccq_default)
-    if ccq is not None:
-        fields["ccq"] = ccq
+    if ccq_default is None:
+        if ccq:
+            raise ModelLoadError(f"{config_file}: model_type {model_type!r} has no CCQ (CCQ applies to GLA and "
+                                 "Gated DeltaNet); leave ccq unset for this model")
+    else:
+        fields.setdefault("ccq", ccq_default)
+        if ccq is not None:
+            fields["ccq"] = ccq
     fields.update(overrides)
     try:
         return config_cls(**fields)

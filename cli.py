@@ -313,10 +313,16 @@ def lm_eval_cli(ctx: typer.Context) -> None:
 
     import ccq_eval.harness.adapter  # noqa: F401  (registers the "ccq" model with lm-eval)
 
+    args = list(ctx.args)
     if _warnings_once is not None:
-        _warnings_once.drop_metadata_hint = any(arg.startswith("--metadata") for arg in ctx.args)
+        _warnings_once.drop_metadata_hint = any(arg.startswith("--metadata") for arg in args)
         logs.hand_over_to_lm_eval(_warnings_once)
-    sys.argv = ["lm-eval", *ctx.args]
+    if args[:1] == ["run"] and not any(arg.split("=")[0] == "--device" for arg in args):
+        import torch
+
+        if not torch.cuda.is_available():  # lm-eval's default device is CUDA, also without one
+            args += ["--device", "cpu"]
+    sys.argv = ["lm-eval", *args]
     cli_evaluate()
 
 

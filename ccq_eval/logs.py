@@ -83,8 +83,10 @@ def hand_over_to_lm_eval(once: OncePerRun) -> None:
     from lm_eval.utils import setup_logging
 
     lm_eval_logger = logging.getLogger("lm_eval")
-    level = lm_eval_logger.level
+    ours = list(lm_eval_logger.handlers)
     lm_eval_logger.handlers = []
-    setup_logging(level)
+    setup_logging(lm_eval_logger.level)
+    if not lm_eval_logger.handlers:  # lm-eval set up its logging earlier in this process: keep ours
+        lm_eval_logger.handlers = ours
     for handler in lm_eval_logger.handlers:
         handler.addFilter(once)

@@ -47,18 +47,21 @@ logger = logging.getLogger(__name__)
 
 # Linear attention has no positional limit; without a user/task value we allow this much.
 DEFAULT_MAX_LENGTH = 32768
+# batch_size="auto": rows per forward for a recurrent fla model on CUDA, where decoding several
+# prompts together is what makes generation fast (one row's decode step leaves the GPU idle);
+# 1 elsewhere (CPU, other models), which keeps CPU results as they were.
+CUDA_AUTO_BATCH_SIZE = 4
 
 __all__ = ["DEFAULT_MAX_LENGTH", "CCQEvalLM", "TokenNLL"]
 
 
-def _parse_batch_size(batch_size: Any) -> int:
+def _parse_batch_size(batch_size: Any) -> int | None:
+    """A positive integer, or None for "auto" (resolved once the model and device are known)."""
     if batch_size is None:
         return 1
     if isinstance(batch_size, str):
-        if batch_size.startswith("auto"):
-            # Probing (bs, max_length) forwards at 20K tokens costs more than it saves.
-            logger.warning("batch_size=%r: automatic batch size is not supported; using 1", batch_size)
-            return 1
+        if batch_size.startswith("auto"):  # lm-eval's "auto" and "auto:N"
+            return None
         if not batch_size.isdigit():
             raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
         batch_size = int(batch_size)
@@ -66,6 +69,25 @@ def _parse_batch_size(batch_size: Any) -> int:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return int(batch_size)
 
+
+def _parse_cuda_graphs(value: bool | str) -> bool | None:
+    """True / False, or None for "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return as_bool(value)
+
+
+def resolve_fast_path(device_type: str, recurrent: bool, batch_size: int | None, cuda_graphs: bool | None,
+                      *, model_name: str = "the model") -> tuple[int, bool]:
+    """(batch size, CUDA graphs on) from what was asked, None meaning "auto": the fast path (graph
+    replay, CUDA_AUTO_BATCH_SIZE rows) for a recurrent fla model on CUDA, eager batch 1 elsewhere.
+    cuda_graphs=True where graphs cannot apply is an error, not a silent fallback."""
+    fits = device_type == "cuda" and recurrent
+    if cuda_graphs and not fits:
+        raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
+                         f"device; got {model_name} on {device_type}")
+    return (batch_size or (CUDA_AUTO_BATCH_SIZE if fits else 1),
+            fits if cuda_graphs is None else cuda_graphs)
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -118,14 +140,16 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         batch_size: rows per forward; scoring batches only sequences of equal token length
             (no padding: a recurrent state has no attention mask to hide pad tokens); generation
             with a recurrent fla model prefills each prompt alone and decodes up to batch_size
-            prompts of any length together.
+            prompts of any length together. "auto" (the default): CUDA_AUTO_BATCH_SIZE for a
+            recurrent fla model on CUDA, else 1.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         cuda_graphs: replay each one-token decode step (ccq_eval.model.cuda_graphs.decode; one graph per
             batch size, reused by later batches) and each scoring forward that fits one slice
-            (ccq_eval.model.cuda_graphs.score) from CUDA graphs; recurrent fla models on CUDA. Off by
-            default: graphs hold GPU memory, and scores differ from eager ones by rounding (other
-            matrix shapes).
+            (ccq_eval.model.cuda_graphs.score) from CUDA graphs; recurrent fla models on CUDA. "auto"
+            (the default): on exactly there, eager elsewhere; True refuses other models and devices.
+            Graphs hold GPU memory, and scores differ from eager ones by rounding (other matrix
+            shapes); False gives the eager path.
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
@@ -139,10 +163,10 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         tokenizer: Any = None,
         pretrained: str | None = None,
         max_length: int | str | None = None,
-        batch_size: int | str | None = 1,
+        batch_size: int | str | None = "auto",
         chunk_size: int | str = DEFAULT_CHUNK_SIZE,
         logits_chunk: int | str = DEFAULT_LOGITS_CHUNK,
-        cuda_graphs: bool | str = False,
+        cuda_graphs: bool | str = "auto",
         default_truncation: str = "error",
         device: str | None = None,
         dtype: str | None = None,
@@ -163,8 +187,10 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
             # The evaluator hands each rank its share of the documents.
             from accelerate import Accelerator
 
-            # cpu=True is what makes accelerate use gloo across CPU processes (no CUDA, or device=cpu).
-            on_cpu = not torch.cuda.is_available() or str(device or "").startswith("cpu")
+            # cpu=True is what makes accelerate use gloo across CPU processes (no CUDA, or the model or
+            # device asked for is on the CPU).
+            where = device if model is None else next(model.parameters()).device
+            on_cpu = not torch.cuda.is_available() or str(where or "").startswith("cpu")
             self.accelerator = Accelerator(cpu=on_cpu)
             self._rank = self.accelerator.process_index
             self._world_size = self.accelerator.num_processes
@@ -201,7 +227,7 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
                         "positional limit; pass max_length=... to set the context budget)", DEFAULT_MAX_LENGTH)
             max_length = DEFAULT_MAX_LENGTH
         self._max_length = int(max_length)
-        self._batch_size = _parse_batch_size(batch_size)
+        requested_batch_size = _parse_batch_size(batch_size)
         self.chunk_size = int(chunk_size)
         self.logits_chunk = int(logits_chunk)
         if self._max_length < 2 or self.chunk_size < 1 or self.logits_chunk < 1:
@@ -223,10 +249,9 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         # state, so prompts of different lengths can decode in one batch.
         self._stackable = self._backbone is not None and not getattr(self.model.config, "attn", None)
         self.last_decode_steps = 0  # one-token model calls of the last generate batch (for benchmarks)
-        self.cuda_graphs = as_bool(cuda_graphs)
-        if self.cuda_graphs and (self._device.type != "cuda" or not self._stackable):
-            raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
-                             f"device; got {type(self.model).__name__} on {self._device}")
+        self._batch_size, self.cuda_graphs = resolve_fast_path(
+            self._device.type, self._stackable, requested_batch_size, _parse_cuda_graphs(cuda_graphs),
+            model_name=type(self.model).__name__)
         self._graphed_scoring = None
         self._decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see _decode_graph)
         if self.cuda_graphs:

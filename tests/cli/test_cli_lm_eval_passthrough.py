@@ -22,6 +22,8 @@ def test_lm_eval_cli_runs_our_model_on_our_task(tmp_path, monkeypatch):
         "--output_path", str(tmp_path / "out"),
     ])
     assert result.exit_code == 0, result.output
+    # no CUDA warning on a CPU machine (lm-eval's default device), no --metadata hint (it was given)
+    assert "CUDA is not available" not in result.output and "Custom kwargs" not in result.output
     (results_file,) = (tmp_path / "out").rglob("results_*.json")
     values = json.loads(results_file.read_text())["results"]["ccq_ppl_sweep"]
     assert values["tokens@256,none"] == 255  # 256 tokens in, 255 predictions

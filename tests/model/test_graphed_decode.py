@@ -37,6 +37,29 @@ def test_cuda_graphs_are_refused_without_cuda():
         CCQEvalLM(model=model, tokenizer=byte_tokenizer(), cuda_graphs=True)
 
 
+def test_fast_path_defaults_resolve_by_device_and_model():
+    """batch_size / cuda_graphs "auto" (None): graphs and CUDA_AUTO_BATCH_SIZE for a recurrent model on
+    CUDA, eager batch 1 on the CPU and for other models; explicit values win; True where graphs cannot
+    run is refused, while the default falls back."""
+    from ccq_eval.harness.adapter import CUDA_AUTO_BATCH_SIZE, resolve_fast_path
+
+    assert resolve_fast_path("cuda", True, None, None) == (CUDA_AUTO_BATCH_SIZE, True)
+    assert resolve_fast_path("cuda", False, None, None) == (1, False)  # e.g. the Llama reference
+    assert resolve_fast_path("cpu", True, None, None) == (1, False)
+    assert resolve_fast_path("cuda", True, 2, False) == (2, False)
+    assert resolve_fast_path("cuda", True, None, False) == (CUDA_AUTO_BATCH_SIZE, False)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        resolve_fast_path("cuda", False, None, True)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        resolve_fast_path("cpu", True, 1, True)
+    # On this CPU the adapter's defaults are the eager batch-1 path CPU runs always had.
+    lm = CCQEvalLM(model=MODELS["gla"](False).eval(), tokenizer=byte_tokenizer())
+    assert (lm.batch_size, lm.cuda_graphs) == (1, False)
+    auto = CCQEvalLM(model=MODELS["gla"](False).eval(), tokenizer=byte_tokenizer(), batch_size="auto:8",
+                     cuda_graphs="auto")
+    assert (auto.batch_size, auto.cuda_graphs) == (1, False)
+
+
 def test_padded_lengths_add_under_an_eighth_and_few_shapes():
     """Graph lengths: at least the text's, multiples of 64, padding under 1/8 of the positions or 64
     tokens, at most 16 shapes per octave."""
@@ -62,8 +85,8 @@ def test_graphed_scoring_equals_eager_scoring(kind, ccq):
     texts = ["The quick brown fox jumps over the lazy dog. " * 9, "Call me Ishmael. " * 13] * 3
     rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
     pairs = [Instance("loglikelihood", {}, (t, " and so on"), i) for i, t in enumerate(texts)]
-    eager = CCQEvalLM(model=model, tokenizer=tokenizer)
-    graphed = CCQEvalLM(model=model, tokenizer=tokenizer, cuda_graphs=True)
+    eager = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1, cuda_graphs=False)
+    graphed = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1, cuda_graphs=True)
     expected, got = eager.loglikelihood_rolling(rolling), graphed.loglikelihood_rolling(rolling)
     assert len(graphed._graphed_scoring._graphs) == 2  # both lengths captured (the second time each)
     for a, b in zip(got, expected):
@@ -85,7 +108,7 @@ def test_graphed_decoding_equals_eager_decoding(kind, ccq):
     prompts = ["Once upon a time", "It was the best of times, it was", "Call me"]
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)
                 for i, p in enumerate(prompts)]
-    eager_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3)
+    eager_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=False)
     graphed_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=True)
     assert graphed_lm.generate_until(requests) == eager_lm.generate_until(requests)
     # A second batch of the same size replays the first one's graph from its own prefill.
@@ -94,6 +117,30 @@ def test_graphed_decoding_equals_eager_decoding(kind, ccq):
              for i, p in enumerate(["A long way", "In the beginning was", "Happy families are all alike;"])]
     assert graphed_lm.generate_until(later) == eager_lm.generate_until(later)
     assert graphed_lm._decode_graphs[3] is graph
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_on_cuda_is_the_graphed_batched_path():
+    """With no flags, a recurrent fla model on CUDA gets graph replay and the auto batch size, and its
+    greedy texts equal the eager path's; a softmax-attention model falls back to eager batch 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ccq_eval.harness.adapter import CUDA_AUTO_BATCH_SIZE
+
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = MODELS["gla"](True).cuda().eval()
+    default_lm = CCQEvalLM(model=model, tokenizer=tokenizer)
+    assert default_lm.cuda_graphs and default_lm.batch_size == CUDA_AUTO_BATCH_SIZE
+    eager_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=CUDA_AUTO_BATCH_SIZE, cuda_graphs=False)
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 24}), i)
+                for i, p in enumerate(["Once upon a time", "Call me", "It was the best of times", "A"])]
+    assert default_lm.generate_until(requests) == eager_lm.generate_until(requests)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=384)).cuda().eval()
+    fallback = CCQEvalLM(model=llama, tokenizer=tokenizer)
+    assert (fallback.cuda_graphs, fallback.batch_size) == (False, 1)
 
 
 @pytest.mark.gpu

@@ -144,10 +144,13 @@ def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
 
 
 def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
+    """PNG, then PDF with the layout the PNG's draw computed (the same size in inches, so the same
+    positions: laying the figure out again would only cost time)."""
     paths = []
     for suffix in (".png", ".pdf"):
         path = out / f"{stem}{suffix}"
         fig.savefig(path, dpi=150 if suffix == ".png" else None)
+        fig.set_layout_engine("none")
         paths.append(path)
     plt.close(fig)
     return paths

@@ -21,7 +21,7 @@ SEGMENT_TOKENS = 2048
 # --------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float32 for half / bf16 / fp32 inputs, float64 if any input is float64."""
     dtype = torch.float32
     for tensor in tensors:
@@ -30,16 +30,16 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return dtype
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _chunk_size_for(seq_len: int) -> int:
+def chunk_size_for(seq_len: int) -> int:
     # fla's rule for chunk_gla: short inputs use a smaller power-of-two chunk (>= 16).
     return min(CHUNK_SIZE, max(16, 1 << max(0, seq_len - 1).bit_length()))
 
 
-def _pad_time(x: torch.Tensor | None, pad: int, dim: int = 2) -> torch.Tensor | None:
+def pad_time(x: torch.Tensor | None, pad: int, dim: int = 2) -> torch.Tensor | None:
     """Zero-pad the time axis `dim` at the end. Zero keys / betas / log decays add nothing."""
     if x is None or pad == 0:
         return x
@@ -48,25 +48,25 @@ def _pad_time(x: torch.Tensor | None, pad: int, dim: int = 2) -> torch.Tensor | 
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def _heads_first(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def heads_first(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """[B, T, H, ...] -> [B, H, T, ...] in the compute dtype."""
     if x is None:
         return None
     return x.transpose(1, 2).to(dtype)
 
 
-def _to_k_first(state: torch.Tensor | None, state_v_first: bool, dtype: torch.dtype) -> torch.Tensor | None:
+def to_k_first(state: torch.Tensor | None, state_v_first: bool, dtype: torch.dtype) -> torch.Tensor | None:
     if state is None:
         return None
     state = state.to(dtype)
     return state.transpose(-1, -2) if state_v_first else state
 
 
-def _from_k_first(state: torch.Tensor, state_v_first: bool) -> torch.Tensor:
+def from_k_first(state: torch.Tensor, state_v_first: bool) -> torch.Tensor:
     return state.transpose(-1, -2).contiguous() if state_v_first else state
 
 
-def _check_varlen(
+def check_varlen(
     q: torch.Tensor, cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None
 ) -> None:
     if cu_seqlens is None:
@@ -83,7 +83,7 @@ def _check_varlen(
         )
 
 
-def _run_varlen(
+def run_varlen(
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
     cu_seqlens: torch.Tensor,
     per_token: dict[str, torch.Tensor | None],
@@ -111,13 +111,13 @@ def _run_varlen(
     return o, (torch.cat(finals, dim=0) if output_final_state else None)
 
 
-def _segments(num_chunks: int, chunk: int) -> list[tuple[int, int]]:
+def segment_ranges(num_chunks: int, chunk: int) -> list[tuple[int, int]]:
     """Chunk-index ranges [a, b) of at most SEGMENT_TOKENS tokens each."""
     per_segment = max(1, SEGMENT_TOKENS // chunk)
     return [(a, min(a + per_segment, num_chunks)) for a in range(0, num_chunks, per_segment)]
 
 
-def _scan_chunk_states(
+def scan_chunk_states(
     state: torch.Tensor,
     chunk_decay: torch.Tensor,
     chunk_update: torch.Tensor,
@@ -134,21 +134,21 @@ def _scan_chunk_states(
     return torch.stack(starts, dim=2), state
 
 
-def _causal_mask(size: int, device: torch.device, strict: bool = False) -> torch.Tensor:
+def causal_mask(size: int, device: torch.device, strict: bool = False) -> torch.Tensor:
     return torch.ones(size, size, dtype=torch.bool, device=device).tril(-1 if strict else 0)
 
 
-def _relative_decay(cum: torch.Tensor, strict: bool = False) -> torch.Tensor:
+def relative_decay(cum: torch.Tensor, strict: bool = False) -> torch.Tensor:
     """exp(cum_t - cum_s) for s <= t (s < t if strict), else 0; cum [..., C] -> [..., C, C].
 
     The exponent is masked to -inf *before* exp so that masked entries can never overflow.
     """
     diff = cum[..., :, None] - cum[..., None, :]
-    mask = _causal_mask(cum.shape[-1], cum.device, strict)
+    mask = causal_mask(cum.shape[-1], cum.device, strict)
     return diff.masked_fill(~mask, float("-inf")).exp()
 
 
-def _maybe_checkpoint(fn: Callable, *args: torch.Tensor | None):
-    if _needs_grad(*args):
+def maybe_checkpoint(fn: Callable, *args: torch.Tensor | None):
+    if needs_grad(*args):
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)

@@ -11,22 +11,22 @@ import torch.nn.functional as F
 
 from ccq_eval.model.fla_cpu.common import (
     CHUNK_SIZE,
-    _causal_mask,
-    _check_varlen,
-    _compute_dtype,
-    _from_k_first,
-    _maybe_checkpoint,
-    _pad_time,
-    _relative_decay,
-    _run_varlen,
-    _segments,
-    _to_k_first,
+    causal_mask,
+    check_varlen,
+    compute_dtype,
+    from_k_first,
+    maybe_checkpoint,
+    pad_time,
+    relative_decay,
+    run_varlen,
+    segment_ranges,
+    to_k_first,
 )
 
 
 def torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last axis (fla's l2norm; eps inside the root)."""
-    xf = x.to(_compute_dtype(x))
+    xf = x.to(compute_dtype(x))
     y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
     return y.to(x.dtype if output_dtype is None else output_dtype)
 
@@ -85,8 +85,8 @@ def _gdn_segment(q, k, v, g, beta, state):
     """One segment of the chunkwise gated delta rule. q (normalised, scaled), k: [B, HV, N, C, K];
     v [B, HV, N, C, V]; g, beta [B, HV, N, C]; state [B, HV, K, V] (K-first)."""
     cum = g.cumsum(-1)
-    decay = _relative_decay(cum)  # exp(cum_t - cum_s), s <= t
-    strict = _causal_mask(cum.shape[-1], cum.device, strict=True)
+    decay = relative_decay(cum)  # exp(cum_t - cum_s), s <= t
+    strict = causal_mask(cum.shape[-1], cum.device, strict=True)
     # Within a chunk the delta corrections d_s = beta_s (v_s - S_s'^T k_s) satisfy
     # (I + N) D = beta V - (beta gamma K) S_0, N[t, s] = beta_t (k_t . k_s) exp(cum_t - cum_s) for s < t.
     lower = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
@@ -132,7 +132,7 @@ def torch_chunk_gated_delta_rule(
             "torch_chunk_gated_delta_rule supports a head-wise beta [B, T, HV] only; "
             "use torch_fused_recurrent_gated_delta_rule for a per-channel beta [B, T, HV, V]."
         )
-    _check_varlen(q, cu_seqlens, initial_state)
+    check_varlen(q, cu_seqlens, initial_state)
     flags = {
         "scale": scale,
         "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
@@ -144,7 +144,7 @@ def torch_chunk_gated_delta_rule(
         "dt_bias": dt_bias,
     }
     if cu_seqlens is not None:
-        return _run_varlen(
+        return run_varlen(
             torch_chunk_gated_delta_rule,
             cu_seqlens,
             {"q": q, "k": k, "v": v, "g": g, "beta": beta},
@@ -152,7 +152,7 @@ def torch_chunk_gated_delta_rule(
             output_final_state,
             **flags,
         )
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
     qs, ks, vs, gs, betas = _gdn_inputs(
         q,
         k,
@@ -172,28 +172,28 @@ def torch_chunk_gated_delta_rule(
     K = k.shape[-1]
     if gs is None:
         gs = betas.new_zeros(betas.shape)
-    state = _to_k_first(initial_state, state_v_first, dtype)
+    state = to_k_first(initial_state, state_v_first, dtype)
     if state is None:
         state = vs.new_zeros(B, HV, K, V)
     if T == 0:
         o = v.new_zeros(B, 0, HV, V, dtype=q.dtype)
-        return o, (_from_k_first(state, state_v_first) if output_final_state else None)
+        return o, (from_k_first(state, state_v_first) if output_final_state else None)
     # heads first, pad to whole chunks (zero key, beta and log decay leave the state untouched)
     qs, ks, vs, gs, betas = (x.transpose(1, 2) for x in (qs, ks, vs, gs, betas))
     C = CHUNK_SIZE
     num_chunks = -(-T // C)
     pad = num_chunks * C - T
-    qs, ks, vs, gs, betas = (_pad_time(x, pad) for x in (qs, ks, vs, gs, betas))
+    qs, ks, vs, gs, betas = (pad_time(x, pad) for x in (qs, ks, vs, gs, betas))
     qs, ks, vs = (x.reshape(B, HV, num_chunks, C, x.shape[-1]) for x in (qs, ks, vs))
     gs, betas = (x.reshape(B, HV, num_chunks, C) for x in (gs, betas))
     outputs = []
-    for a, b in _segments(num_chunks, C):
-        o_seg, state = _maybe_checkpoint(
+    for a, b in segment_ranges(num_chunks, C):
+        o_seg, state = maybe_checkpoint(
             _gdn_segment, qs[:, :, a:b], ks[:, :, a:b], vs[:, :, a:b], gs[:, :, a:b], betas[:, :, a:b], state
         )
         outputs.append(o_seg)
     o = torch.cat(outputs, dim=2).reshape(B, HV, num_chunks * C, V)[:, :, :T].transpose(1, 2)
-    return o.to(q.dtype), (_from_k_first(state, state_v_first) if output_final_state else None)
+    return o.to(q.dtype), (from_k_first(state, state_v_first) if output_final_state else None)
 
 
 def torch_fused_recurrent_gated_delta_rule(
@@ -220,7 +220,7 @@ def torch_fused_recurrent_gated_delta_rule(
     """Token-by-token gated delta rule (decay first, then the delta update, then the read).
     Optional per-channel decays gk [B, T, HV, K], gv [B, T, HV, V]; beta head-wise [B, T, HV] or
     per channel [B, T, HV, V]. Returns (o in v.dtype, final state)."""
-    _check_varlen(q, cu_seqlens, initial_state)
+    check_varlen(q, cu_seqlens, initial_state)
     flags = {
         "scale": scale,
         "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
@@ -232,7 +232,7 @@ def torch_fused_recurrent_gated_delta_rule(
         "state_v_first": state_v_first,
     }
     if cu_seqlens is not None:
-        return _run_varlen(
+        return run_varlen(
             torch_fused_recurrent_gated_delta_rule,
             cu_seqlens,
             {"q": q, "k": k, "v": v, "g": g, "gk": gk, "gv": gv, "beta": beta},
@@ -240,7 +240,7 @@ def torch_fused_recurrent_gated_delta_rule(
             output_final_state,
             **flags,
         )
-    dtype = _compute_dtype(q, k, v, g, gk, gv, beta, initial_state)
+    dtype = compute_dtype(q, k, v, g, gk, gv, beta, initial_state)
     qs, ks, vs, gs, betas = _gdn_inputs(
         q,
         k,
@@ -260,7 +260,7 @@ def torch_fused_recurrent_gated_delta_rule(
     K = k.shape[-1]
     if betas.dim() == 3:
         betas = betas[..., None]
-    state = _to_k_first(initial_state, state_v_first, dtype)
+    state = to_k_first(initial_state, state_v_first, dtype)
     if state is None:
         state = vs.new_zeros(B, HV, K, V)
     outputs = []
@@ -276,4 +276,4 @@ def torch_fused_recurrent_gated_delta_rule(
         state = state + k_t[..., :, None] * delta[..., None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", qs[:, t], state))
     o = torch.stack(outputs, dim=1) if T > 0 else vs.new_zeros(B, 0, HV, V)
-    return o.to(v.dtype), (_from_k_first(state, state_v_first) if output_final_state else None)
+    return o.to(v.dtype), (from_k_first(state, state_v_first) if output_final_state else None)

@@ -10,10 +10,10 @@ import torch
 
 from ccq_eval.model.fla_cpu.common import (
     CHUNK_SIZE,
-    _causal_mask,
-    _compute_dtype,
-    _heads_first,
-    _pad_time,
+    causal_mask,
+    compute_dtype,
+    heads_first,
+    pad_time,
 )
 
 
@@ -53,17 +53,17 @@ def torch_chunk_bwd_dqkwg(
     if w is not None and dv is None:
         raise ValueError("torch_chunk_bwd_dqkwg: w (delta rule) needs dv.")
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     C = chunk_size
     N = -(-T // C)
     pad = N * C - T
-    dtype = _compute_dtype(q, k, v, do, h, dh, w, dv, g, g_gamma)
+    dtype = compute_dtype(q, k, v, do, h, dh, w, dv, g, g_gamma)
     if scale is None:
         scale = K**-0.5
 
     def chunks(x: torch.Tensor) -> torch.Tensor:
         """[B, T, heads, D] -> [B, heads, N, C, D] in the compute dtype, zero-padded tail."""
-        x = _pad_time(_heads_first(x, dtype), pad)
+        x = pad_time(heads_first(x, dtype), pad)
         return x.reshape(B, x.shape[1], N, C, x.shape[-1])
 
     def unchunk(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def torch_chunk_bwd_dqkwg(
     # chunk-local log2 decay at every position [.., N, C] and at the last valid one [.., N]
     n_valid = (T - torch.arange(N, device=q.device) * C).clamp(max=C)
     if g is not None:
-        gc = _pad_time(g.to(dtype).transpose(1, 2), pad).reshape(B, HV, N, C)
+        gc = pad_time(g.to(dtype).transpose(1, 2), pad).reshape(B, HV, N, C)
         g_last = gc.gather(-1, (n_valid - 1).expand(B, HV, N)[..., None])[..., 0]
     elif g_gamma is not None:
         gamma = g_gamma.to(dtype)[:, None, None]  # [HV, 1, 1]
@@ -96,7 +96,7 @@ def torch_chunk_bwd_dqkwg(
     valid = torch.arange(N * C, device=q.device).reshape(N, C) < T
     # exponents masked to -inf before exp2, so padded / acausal entries are exact zeros (no inf * 0)
     decay_k = (g_last[..., None] - gc).masked_fill(~valid, float("-inf")).exp2()
-    causal = _causal_mask(C, q.device) & valid[:, :, None] & valid[:, None, :]
+    causal = causal_mask(C, q.device) & valid[:, :, None] & valid[:, None, :]
     rel = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp2()
 
     ds = (doc @ vc.transpose(-1, -2)) * rel * scale  # dL/d(intra-chunk scores) [.., C, C]

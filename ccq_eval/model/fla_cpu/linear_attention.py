@@ -12,19 +12,19 @@ import torch
 
 from ccq_eval.model.fla_cpu.common import (
     GLA_SUB_BLOCK,
-    _causal_mask,
-    _check_varlen,
-    _chunk_size_for,
-    _compute_dtype,
-    _from_k_first,
-    _heads_first,
-    _maybe_checkpoint,
-    _pad_time,
-    _relative_decay,
-    _run_varlen,
-    _scan_chunk_states,
-    _segments,
-    _to_k_first,
+    causal_mask,
+    check_varlen,
+    chunk_size_for,
+    compute_dtype,
+    from_k_first,
+    heads_first,
+    maybe_checkpoint,
+    pad_time,
+    relative_decay,
+    run_varlen,
+    scan_chunk_states,
+    segment_ranges,
+    to_k_first,
 )
 
 
@@ -42,7 +42,7 @@ def _gla_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         # same sub-block: exact elementwise relative decay [.., S, S, K]
         cum_b = cum[..., rows, :]
         diff = cum_b[..., :, None, :] - cum_b[..., None, :, :]
-        mask = _causal_mask(cum_b.shape[-2], q.device)[..., None]
+        mask = causal_mask(cum_b.shape[-2], q.device)[..., None]
         decay = diff.masked_fill(~mask, float("-inf")).exp()
         scores[..., rows, rows] = (q[..., rows, None, :] * k[..., None, rows, :] * decay).sum(-1)
         if start > 0:
@@ -57,7 +57,7 @@ def _gla_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     last = cum[..., -1:, :]  # [.., N, 1, K]
     chunk_update = (k * (last - cum).exp()).transpose(-1, -2) @ v
     chunk_decay = last.transpose(-1, -2).exp()  # [.., N, K, 1]
-    starts, state = _scan_chunk_states(state, chunk_decay, chunk_update)
+    starts, state = scan_chunk_states(state, chunk_decay, chunk_update)
     o = o + (q * cum.exp()) @ starts
     return o, state
 
@@ -68,11 +68,11 @@ def _scalar_decay_segment(
     """One segment of chunkwise linear attention with a scalar (per head) log decay.
     q (pre-scaled), k: [B, H, N, C, K]; v [B, H, N, C, V]; g [B, H, N, C]; state [B, H, K, V]."""
     cum = g.cumsum(-1)
-    o = ((q @ k.transpose(-1, -2)) * _relative_decay(cum)) @ v
+    o = ((q @ k.transpose(-1, -2)) * relative_decay(cum)) @ v
     last = cum[..., -1:]
     chunk_update = (k * (last - cum).exp()[..., None]).transpose(-1, -2) @ v
     chunk_decay = last.exp()[..., None]  # [.., N, 1, 1]
-    starts, state = _scan_chunk_states(state, chunk_decay, chunk_update)
+    starts, state = scan_chunk_states(state, chunk_decay, chunk_update)
     o = o + (q * cum.exp()[..., None]) @ starts
     return o, state
 
@@ -91,16 +91,16 @@ def _chunked_linear_attention(
     V = v.shape[-1]
     if T == 0:
         return v.new_zeros(B, H, 0, V), state
-    C = _chunk_size_for(T)
+    C = chunk_size_for(T)
     num_chunks = -(-T // C)
     pad = num_chunks * C - T
-    q, k, v, g = (_pad_time(x, pad) for x in (q, k, v, g))
+    q, k, v, g = (pad_time(x, pad) for x in (q, k, v, g))
     q, k, v = (x.reshape(B, H, num_chunks, C, x.shape[-1]) for x in (q, k, v))
     g = g.reshape(B, H, num_chunks, C, K) if per_channel else g.reshape(B, H, num_chunks, C)
     segment_fn = _gla_segment if per_channel else _scalar_decay_segment
     outputs = []
-    for a, b in _segments(num_chunks, C):
-        o_seg, state = _maybe_checkpoint(
+    for a, b in segment_ranges(num_chunks, C):
+        o_seg, state = maybe_checkpoint(
             segment_fn, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], g[:, :, a:b], state
         )
         outputs.append(o_seg)
@@ -112,14 +112,14 @@ def _chunk_op(q, k, v, g, scale, initial_state, output_final_state, state_v_firs
     """What chunk_gla and chunk_simple_gla share: [B, T, H, *] layout in and out, the initial and
     final state in fla's layout, o in v.dtype."""
     B, _, H, K = q.shape
-    state = _to_k_first(initial_state, state_v_first, dtype)
+    state = to_k_first(initial_state, state_v_first, dtype)
     if state is None:
         state = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype)
     o, state = _chunked_linear_attention(
-        _heads_first(q, dtype) * scale, _heads_first(k, dtype), _heads_first(v, dtype), _heads_first(g, dtype),
+        heads_first(q, dtype) * scale, heads_first(k, dtype), heads_first(v, dtype), heads_first(g, dtype),
         state, per_channel=per_channel,
     )
-    return o.transpose(1, 2).to(v.dtype), (_from_k_first(state, state_v_first) if output_final_state else None)
+    return o.transpose(1, 2).to(v.dtype), (from_k_first(state, state_v_first) if output_final_state else None)
 
 
 def torch_chunk_gla(
@@ -142,9 +142,9 @@ def torch_chunk_gla(
         raise ValueError(
             f"chunk_gla: v must be [B, T, H, V] matching q's {tuple(q.shape[:3])}, got {tuple(v.shape)}"
         )
-    _check_varlen(q, cu_seqlens, initial_state)
+    check_varlen(q, cu_seqlens, initial_state)
     if cu_seqlens is not None:
-        return _run_varlen(
+        return run_varlen(
             torch_chunk_gla,
             cu_seqlens,
             {"q": q, "k": k, "v": v, "g": g},
@@ -154,7 +154,7 @@ def torch_chunk_gla(
             state_v_first=state_v_first,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, initial_state)
+    dtype = compute_dtype(q, k, v, g, initial_state)
     return _chunk_op(q, k, v, g, scale, initial_state, output_final_state, state_v_first, dtype, per_channel=True)
 
 
@@ -175,9 +175,9 @@ def torch_chunk_simple_gla(
     constant g_gamma [H], or neither (no decay). Returns (o in v.dtype, final state)."""
     if g is not None and g_gamma is not None:
         raise ValueError("chunk_simple_gla: pass either g [B, T, H] or g_gamma [H], not both.")
-    _check_varlen(q, cu_seqlens, initial_state)
+    check_varlen(q, cu_seqlens, initial_state)
     if cu_seqlens is not None:
-        return _run_varlen(
+        return run_varlen(
             torch_chunk_simple_gla,
             cu_seqlens,
             {"q": q, "k": k, "v": v, "g": g},
@@ -188,7 +188,7 @@ def torch_chunk_simple_gla(
             state_v_first=state_v_first,
         )
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, g, g_gamma, initial_state)
+    dtype = compute_dtype(q, k, v, g, g_gamma, initial_state)
     B, T, H, K = q.shape
     if g is None:
         g = q.new_zeros(B, T, H, dtype=dtype) if g_gamma is None else g_gamma.to(dtype).expand(B, T, H)
@@ -213,9 +213,9 @@ def torch_fused_recurrent_gla(
     """Token-by-token GLA: S_t = exp(g_t) exp(gk_t) S_{t-1} exp(gv_t) + k_t v_t^T, o_t = S_t^T q_t.
     g [B, T, H] (scalar), gk [B, T, H, K], gv [B, T, H, V] are optional log decays.
     Returns (o in q.dtype, final state)."""
-    _check_varlen(q, cu_seqlens, initial_state)
+    check_varlen(q, cu_seqlens, initial_state)
     if cu_seqlens is not None:
-        return _run_varlen(
+        return run_varlen(
             torch_fused_recurrent_gla,
             cu_seqlens,
             {"q": q, "k": k, "v": v, "gk": gk, "gv": gv, "g": g},
@@ -226,10 +226,10 @@ def torch_fused_recurrent_gla(
             state_v_first=state_v_first,
         )
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q, k, v, gk, gv, g, initial_state)
+    dtype = compute_dtype(q, k, v, gk, gv, g, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    state = _to_k_first(initial_state, state_v_first, dtype)
+    state = to_k_first(initial_state, state_v_first, dtype)
     if state is None:
         state = q.new_zeros(B, H, K, V, dtype=dtype)
     qs, ks, vs = (x.to(dtype) for x in (q, k, v))
@@ -245,7 +245,7 @@ def torch_fused_recurrent_gla(
         state = state + ks[:, t, :, :, None] * vs[:, t, :, None, :]
         outputs[t] = torch.einsum("bhk,bhkv->bhv", qs[:, t] * scale, state)
     o = torch.stack(outputs, dim=1) if T > 0 else v.new_zeros(B, 0, H, V, dtype=dtype)
-    return o.to(q.dtype), (_from_k_first(state, state_v_first) if output_final_state else None)
+    return o.to(q.dtype), (from_k_first(state, state_v_first) if output_final_state else None)
 
 
 def torch_fused_recurrent_simple_gla(

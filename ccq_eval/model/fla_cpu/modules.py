@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from ccq_eval.model.fla_cpu.common import (
-    _check_varlen,
-    _compute_dtype,
-    _run_varlen,
+    check_varlen,
+    compute_dtype,
+    run_varlen,
 )
 
 
 def _rms_normalise(x, weight, bias, residual, eps):
     """(x + residual) / rms * weight + bias in the compute dtype; also returns x + residual."""
-    dtype = _compute_dtype(x, residual)
+    dtype = compute_dtype(x, residual)
     summed = x.to(dtype)
     if residual is not None:
         summed = summed + residual.to(dtype)
@@ -69,26 +69,26 @@ def torch_rms_norm_gated(
             f"rms_norm_gated: unsupported activation {activation!r}; use 'swish', 'silu' or 'sigmoid'."
         )
     y, summed = _rms_normalise(x, weight, bias, residual, eps)
-    gf = g.to(_compute_dtype(g, y))
+    gf = g.to(compute_dtype(g, y))
     y = (y * (gf.sigmoid() if activation == "sigmoid" else F.silu(gf))).to(x.dtype)
     return (y, _prenorm_residual(x, residual, summed, residual_in_fp32)) if prenorm else y
 
 
 def torch_swish(x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x.to(_compute_dtype(x))).to(x.dtype)
+    return F.silu(x.to(compute_dtype(x))).to(x.dtype)
 
 
 def torch_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return x.to(_compute_dtype(x)).sigmoid().to(x.dtype)
+    return x.to(compute_dtype(x)).sigmoid().to(x.dtype)
 
 
 def torch_logsigmoid(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    return (F.logsigmoid(x.to(_compute_dtype(x))) / temperature).to(x.dtype)
+    return (F.logsigmoid(x.to(compute_dtype(x))) / temperature).to(x.dtype)
 
 
 def torch_swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """swish(x) * y, computed in fp32 (or wider), returned in x.dtype."""
-    dtype = _compute_dtype(x, y)
+    dtype = compute_dtype(x, y)
     return (F.silu(x.to(dtype)) * y.to(dtype)).to(x.dtype)
 
 
@@ -125,7 +125,7 @@ def torch_causal_conv1d(
     shape = x.shape
     if x.shape[-1] != weight.shape[0]:
         x = x.reshape(*x.shape[:2], -1)
-    _check_varlen(x, cu_seqlens, initial_state)
+    check_varlen(x, cu_seqlens, initial_state)
     if cu_seqlens is not None:
 
         def one_sequence(x, residual, initial_state, output_final_state, cu_seqlens):
@@ -133,13 +133,13 @@ def torch_causal_conv1d(
                 x, weight, bias, residual, initial_state, output_final_state, activation
             )
 
-        y, final = _run_varlen(
+        y, final = run_varlen(
             one_sequence, cu_seqlens, {"x": x, "residual": residual}, initial_state, output_final_state
         )
         return y.view(shape), final
     B, T, D = x.shape
     W = weight.shape[1]
-    dtype = _compute_dtype(x, weight)
+    dtype = compute_dtype(x, weight)
     history = initial_state.to(dtype) if initial_state is not None else x.new_zeros(B, D, W, dtype=dtype)
     full = torch.cat([history, x.to(dtype).transpose(1, 2)], dim=-1)  # [B, D, W + T]
     # y_t = sum_i w_i * input_{t-W+1+i}; input_t sits at column W + t of `full`. W shifted
@@ -169,7 +169,7 @@ def torch_causal_conv1d_update(
         raise ValueError("torch_causal_conv1d_update needs a weight of shape [D, W].")
     shape = x.shape
     D, _W = weight.shape
-    dtype = _compute_dtype(x, weight)
+    dtype = compute_dtype(x, weight)
     x_new = x.reshape(-1, D).to(dtype)
     window = torch.cat([cache[..., 1:].to(dtype), x_new[..., None]], dim=-1)  # [N, D, W]
     y = (window * weight.to(dtype)).sum(-1)
@@ -199,7 +199,7 @@ def torch_cross_entropy(
     non-ignored targets ('mean' / 'sum') or per row ('none'), in fp32 (fp64 for fp64 logits)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    x = logits.to(_compute_dtype(logits)) * logit_scale
+    x = logits.to(compute_dtype(logits)) * logit_scale
     if logit_softcapping is not None:
         x = logit_softcapping * torch.tanh(x / logit_softcapping)
     lse = torch.logsumexp(x, dim=-1)

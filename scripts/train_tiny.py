@@ -474,7 +474,7 @@ def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
 
 def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dict | None = None) -> str:
     kind = ("with CCQ on the read" if spec.ccq else "baseline, no CCQ" if spec.twin
-            else "the softmax-attention reference")
+            else "the upper-bound reference for the linear models")
     text = (f"{FAMILY_NAMES[spec.family]}, {kind}; {params / 1e6:.1f}M parameters, byte-level, trained at "
             f"{settings.context} tokens on the embedded corpora + synthetic recall (demonstration model)")
     if metrics:
@@ -602,7 +602,10 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "",
         "## Reproduce",
         "",
+        *(["Stage 1, then stage 2 with `--init-from` naming the folder stage 1 wrote (here `models`):", ""]
+          if info.get("init") else []),
         "```",
+        *([info["init"]["command"]] if info.get("init") else []),
         "".join(f"{k}={v} " for k, v in info.get("environment", {}).items()) + info["command"],
         "```",
         "",

@@ -28,11 +28,13 @@ SMOKE_ARGS = ["--smoke", "--steps", "6", "--batch-size", "1", "--context", "320"
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke_a")
-    results = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-gla,tiny-gla-ccq", "--out", str(out), "--register"])
+    results = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-gla,tiny-gla-ccq,tiny-transformer", "--out", str(out),
+                               "--register"])
     return out, results
 
 
-@pytest.mark.parametrize("name, model_type, ccq", [("tiny-gla", "gla", False), ("tiny-gla-ccq", "ccq_gla", True)])
+@pytest.mark.parametrize("name, model_type, ccq", [("tiny-gla", "gla", False), ("tiny-gla-ccq", "ccq_gla", True),
+                                                   ("tiny-transformer", "llama", False)])
 def test_smoke_folder_is_a_complete_loadable_checkpoint(smoke_run, name, model_type, ccq):
     out, _ = smoke_run
     folder = out / name
@@ -49,7 +51,7 @@ def test_smoke_folder_is_a_complete_loadable_checkpoint(smoke_run, name, model_t
     assert (folder / "model.safetensors").stat().st_size <= train_tiny.MAX_CHECKPOINT_BYTES
 
     model, tokenizer = load_model(str(folder))
-    assert model.config.ccq is ccq
+    assert getattr(model.config, "ccq", False) is ccq
     assert next(model.parameters()).dtype == torch.float32
     text = "Record: the code word for quiet-harbor equals 1234567."
     assert tokenizer(text, add_special_tokens=False).input_ids == tiny_data.encode_bytes(text)
@@ -132,47 +134,142 @@ def test_full_shapes_fit_the_checkpoint_limit():
     assert sizes["tiny-gdn-ccq"] - sizes["tiny-gdn"] == 4 * 2 * (64 + 1)  # GDN head_dim 64
 
 
+def ruler_phrases() -> list[str]:
+    """RULER's S-NIAH wording as the task builds it: the fixed pieces (three words or more) of its
+    template, answer prefix and needle, and the sentences of its noise haystack."""
+    import re
+
+    from tasks.s_niah import utils as s_niah
+
+    pieces = []
+    for template in (s_niah.TEMPLATE, s_niah.ANSWER_PREFIX, s_niah.NEEDLE, s_niah.NOISE_LINE):
+        for part in re.split(r"\{[a-z]+\}|\n|(?<=[.?])\s", template):
+            if len(part.split()) >= 3:
+                pieces.append(part.strip())
+    return pieces
+
+
+def test_forbidden_phrases_cover_ruler_wording():
+    pieces = ruler_phrases()
+    assert len(pieces) >= 8 and any("special magic" in p for p in pieces)
+    for piece in pieces:
+        assert any(phrase.lower() in piece.lower() or piece.lower() in phrase.lower()
+                   for phrase in tiny_data.FORBIDDEN_PHRASES), piece
+
+
 def test_training_stream_is_deterministic_mixed_and_train_only():
     stream = tiny_data.TrainStream(seed=0, ctx=2048)
     train_ids = {f"{name}/{doc.id}" for name in tiny_data.CORPUS_NAMES for doc in load_corpus(name, "train")}
     eval_ids = {f"{name}/{doc.id}" for name in tiny_data.CORPUS_NAMES for doc in load_corpus(name, "eval")}
-    synthetic = total = 0
+    forbidden = [p.lower() for p in (*tiny_data.FORBIDDEN_PHRASES, *ruler_phrases())]
+    synthetic = total = answers = 0
     for index in range(48):
         ids, segments = stream.sequence(index)
         assert len(ids) == 2049
         assert (ids, segments) == tiny_data.TrainStream(seed=0, ctx=2048).sequence(index)
-        text = tiny_data.decode_bytes(ids)
-        for phrase in tiny_data.FORBIDDEN_PHRASES:
-            assert phrase.lower() not in text.lower(), f"RULER wording {phrase!r} in training sequence {index}"
+        text = tiny_data.decode_bytes(ids).lower()
+        for phrase in forbidden:
+            assert phrase not in text, f"RULER wording {phrase!r} in training sequence {index}"
         for seg in segments:
             sources = [] if seg.source in ("noise", "none") else seg.source.split("+")
             assert all(s in train_ids and s not in eval_ids for s in sources), seg
             if seg.kind == "synthetic":
                 synthetic += seg.end - seg.start
-                assert ids[seg.end - 1] == tiny_data.EOS_ID  # a recall doc is never cut before its answer
+                assert ids[seg.end - 1] == tiny_data.EOS_ID  # a recall doc is never cut before its answers
+                assert seg.answers and all(seg.start < a < b < seg.end for a, b in seg.answers)
+                for begin, end in seg.answers:  # each answer is a value written in a record before it
+                    value = tiny_data.decode_bytes(ids[begin:end])
+                    assert value in tiny_data.decode_bytes(ids[seg.start:begin]), (index, value)
+                    answers += 1
+            else:
+                assert not seg.answers
         total += len(ids)
-    assert 0.25 <= synthetic / total <= 0.40, synthetic / total
+    assert 0.35 <= synthetic / total <= 0.65, synthetic / total
+    assert answers >= 48  # several questions per sequence
     assert stream.sequence(0) != tiny_data.TrainStream(seed=1, ctx=2048).sequence(0)
 
 
-def test_recall_documents_hide_the_asked_value_and_use_our_wording():
+def test_curriculum_grows_synthetic_documents_to_the_context():
+    stream = tiny_data.TrainStream(seed=0, ctx=2048, synthetic_fraction=1.0, ramp=1000)
+    assert stream.synthetic_cap(0) == tiny_data.CURRICULUM_START
+    assert stream.synthetic_cap(500) < stream.synthetic_cap(999) < stream.synthetic_cap(1000) == 2049
+    for index in (0, 1, 2, 3):  # early: every synthetic document within the cap
+        _, segments = stream.sequence(index)
+        assert all(s.end - s.start <= stream.synthetic_cap(index) for s in segments if s.kind == "synthetic")
+    late = [s.end - s.start for i in range(2000, 2040) for s in stream.sequence(i)[1] if s.kind == "synthetic"]
+    assert max(late) > 1024  # past the ramp, long distances are trained
+
+
+def test_recall_documents_answer_every_question_from_its_record():
     import random
 
     pool, vocab = tiny_data.text_pool("train"), tiny_data.key_vocabulary("train")
+    held_out = tiny_data.s_niah_key_words()
     rng = random.Random(0)
-    for _ in range(50):
+    questions = 0
+    for _ in range(80):
         target = rng.randint(256, 2048)
-        doc = tiny_data.make_recall_doc(rng, pool, vocab, target)
+        doc = tiny_data.make_recall_doc(rng, pool, vocab, target, max_questions=6)
         assert doc is not None and len(doc.text.encode()) <= target
         raw = doc.text.encode()
-        prompt, answer = raw[: doc.prompt_len].decode(), raw[doc.prompt_len :].decode()
-        assert answer.startswith(" " + doc.value)
-        assert doc.key in prompt.rsplit("\n", 1)[1]  # the question names the key
-        body = prompt.rsplit("\n", 1)[0]
-        assert doc.value in body and doc.key in body  # its record is in the text before the question
-    for template in tiny_data.RECALL_NEEDLES + tuple(q + a for q, a in tiny_data.RECALL_QUESTIONS):
-        for phrase in tiny_data.FORBIDDEN_PHRASES:
-            assert phrase.lower() not in template.lower()
+        first_question = raw.rfind(b"\n", 0, doc.prompt_len)
+        body = raw[:first_question].decode()
+        assert doc.prompt_len == doc.answers[0][0] - 1
+        for begin, value in doc.answers:
+            assert raw[begin : begin + len(value.encode())].decode() == value and raw[begin - 1 : begin] == b" "
+            line = raw[raw.rfind(b"\n", 0, begin) + 1 : begin].decode()
+            asked = [k for k in doc.keys if k in line]
+            assert len(asked) == 1, line  # the question names one key ...
+            # ... whose record, earlier in the text, gives the value within a few words of the key
+            starts = [i for i in range(len(body)) if body.startswith(value, i)]
+            assert any(0 <= i - body.rfind(asked[0], 0, i) <= 80 for i in starts), (asked[0], value)
+            questions += 1
+        for key in doc.keys:  # no key is built from S-NIAH's key words
+            assert not set(key.split("-")) & held_out, key
+    assert questions > 80  # several questions per document on average
+
+
+def test_templates_use_our_own_wording():
+    texts = (*tiny_data.RECALL_NEEDLES, *(q + p for q, p in tiny_data.RECALL_QUESTIONS), *tiny_data.VALUE_NAMES,
+             *tiny_data.RECALL_HEADERS, *tiny_data.NOISE_SENTENCES)
+    for text in texts:
+        for phrase in (*tiny_data.FORBIDDEN_PHRASES, *ruler_phrases()):
+            assert phrase.lower() not in text.lower(), (phrase, text)
+    assert tiny_data.s_niah_key_words() and not set(tiny_data.key_vocabulary("train")) & tiny_data.s_niah_key_words()
+
+
+def test_answer_mask_marks_the_values_and_weighs_the_loss():
+    stream = tiny_data.TrainStream(seed=0, ctx=512, synthetic_fraction=1.0)
+    tokens, answers, synthetic = train_tiny.BatchDataset(stream, steps=1, batch_size=2)[0]
+    assert tokens.shape == answers.shape == (2, 513) and answers.any() and synthetic > 0
+    for row in range(2):
+        ids, segments = stream.sequence(row)
+        expected = torch.zeros(513, dtype=torch.bool)
+        for seg in segments:
+            for begin, end in seg.answers:
+                expected[begin:end] = True
+        assert torch.equal(answers[row], expected)
+    model = train_tiny.build_model(train_tiny.MODEL_SPECS["tiny-gla"], 512, smoke=True, seed=0)
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits.float()
+        nll = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        weights = 1 + 7 * answers[:, 1:].flatten().float()
+        expected = (nll * weights).sum() / weights.sum()
+        assert train_tiny.lm_loss(model, tokens, answers, 8.0).item() == pytest.approx(expected.item(), rel=1e-5)
+        assert train_tiny.lm_loss(model, tokens, answers, 1.0).item() == pytest.approx(nll.mean().item(), rel=1e-5)
+
+
+def test_continued_twins_start_from_the_baseline_weights(smoke_run):
+    out, results = smoke_run
+    settings = train_tiny.TrainSettings(**{**results["tiny-gla"]["settings"], "init_from": str(out)})
+    plain = dict(train_tiny.initial_model(train_tiny.MODEL_SPECS["tiny-gla"], settings).named_parameters())
+    with_ccq = dict(train_tiny.initial_model(train_tiny.MODEL_SPECS["tiny-gla-ccq"], settings).named_parameters())
+    saved, _ = load_model(str(out / "tiny-gla"))
+    assert set(with_ccq) - set(plain) == {n for n in with_ccq if ".ccq_gate_" in n} != set()
+    for name, param in saved.named_parameters():
+        assert torch.equal(plain[name], param) and torch.equal(with_ccq[name], param), name
+    with pytest.raises(SystemExit, match="tiny-gdn"):
+        train_tiny.initial_model(train_tiny.MODEL_SPECS["tiny-gdn"], settings)
 
 
 def test_heldout_data_comes_from_the_eval_split():
@@ -237,3 +334,29 @@ def test_register_only_rewrites_entries_and_refuses_untrained(smoke_run):
     assert entries["someone-else"]["description"] == "kept"
     with pytest.raises(FileNotFoundError, match="tiny-gdn"):
         train_tiny.main(["--register-only", "--models", "tiny-gdn", "--out", str(out)])
+
+
+def test_transformer_reference_generates_through_the_adapter(smoke_run):
+    # The softmax-attention reference is a plain transformers Llama: it loads through the project's
+    # loader (no CCQ: asking for it is an error) and the lm-eval adapter's KV-cache generation gives
+    # greedy full recomputation's text.
+    from adapter_support import greedy_full_recompute
+    from lm_eval.api.instance import Instance
+
+    from ccq_eval.harness.adapter import CCQEvalLM
+    from ccq_eval.model.loading import ModelLoadError
+
+    out, _ = smoke_run
+    model, tokenizer = load_model(str(out / "tiny-transformer"), dtype="float64")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with pytest.raises(ModelLoadError, match="has no CCQ"):
+        load_model(str(out / "tiny-transformer"), ccq=True)
+    lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=2)
+    prompts = ["Record: the pass code for north-star is 1234567. What is the pass code for north-star?",
+               "The lamp is lit. On we walk.", "Home before dark", "Home before dusk"]
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 10, "do_sample": False}), 0,
+                         metadata=("t", i, 1)) for i, p in enumerate(prompts)]
+    for prompt, output in zip(prompts, lm.generate_until(requests), strict=True):
+        expected = greedy_full_recompute(model, tokenizer.encode(prompt, add_special_tokens=False), 10,
+                                         stop_ids={tokenizer.eos_token_id})
+        assert output == tokenizer.decode(expected, skip_special_tokens=True)

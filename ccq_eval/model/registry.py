@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REGISTRY_PATH = REPO_ROOT / "models" / "registry.json"
-FALLBACK_DEFAULT_MODELS = ["tiny-gla", "tiny-gla-ccq", "tiny-gdn", "tiny-gdn-ccq"]
+FALLBACK_DEFAULT_MODELS = ["tiny-gla", "tiny-gla-ccq", "tiny-gdn", "tiny-gdn-ccq", "tiny-transformer"]
 
 
 class RegistryError(Exception):

@@ -26,8 +26,10 @@ no resume cache), which is how results are committed to the repository.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import lzma
 import os
 import re
@@ -45,6 +47,8 @@ META_FILE = "meta.json"
 UNIT_SPEC_FILE = "unit.json"
 RESPONSES_DB = "responses.sqlite"
 TRACKER_DIR = "lm_eval"
+
+logger = logging.getLogger(__name__)
 
 
 class ResultsError(Exception):
@@ -90,11 +94,25 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+_UMASK: int | None = None
+
+
+def _file_mode() -> int:
+    """0666 less the process umask: the mode open() would give a new file (mkstemp gives 0600, which
+    would make a shared results folder unreadable to colleagues)."""
+    global _UMASK
+    if _UMASK is None:
+        _UMASK = os.umask(0o022)
+        os.umask(_UMASK)
+    return 0o666 & ~_UMASK
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -257,15 +275,36 @@ class ResponseCache:
     """Model responses of one unit, committed as they arrive, so a killed run can resume.
 
     Values are JSON (never pickle). Keys hash the request type and arguments, computed
-    before the model sees the request.
+    before the model sees the request. `identity` (a digest of the unit's spec) is stored with the
+    answers: a cache holding answers of another model or other settings is refused, never read.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, identity: str | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(self.path))
-        self._conn.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        self._conn.commit()
+        try:
+            self._conn.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            self._conn.execute("CREATE TABLE IF NOT EXISTS identity (value TEXT NOT NULL)")
+            self._conn.commit()
+            if identity is not None:
+                self._claim(identity)
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise ResultsError(unreadable_cache_message(self.path, exc)) from None
+        except ResultsError:
+            self._conn.close()
+            raise
+
+    def _claim(self, identity: str) -> None:
+        row = self._conn.execute("SELECT value FROM identity").fetchone()
+        if row is not None and row[0] != identity and len(self):
+            raise ResultsError(
+                f"{self.path} holds answers of another model or other settings; delete it to recompute "
+                "this unit (other units are unaffected)")
+        with self._conn:
+            self._conn.execute("DELETE FROM identity")
+            self._conn.execute("INSERT INTO identity (value) VALUES (?)", (identity,))
 
     @staticmethod
     def key(request_type: str, args: tuple[Any, ...]) -> str:
@@ -295,6 +334,78 @@ class ResponseCache:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def unreadable_cache_message(path: Path, exc: Exception) -> str:
+    return (f"{path} is not a readable SQLite database ({exc}: truncated or corrupt); delete it to "
+            "recompute this unit's answers (finished units are unaffected)")
+
+
+def answered_count(path: Path) -> int:
+    """How many answers a unit's resume cache holds (0 when there is none); ResultsError when it is
+    corrupt. Checks the whole file (sqlite's quick_check), so a truncated cache is found before a run."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(str(path))) as conn:
+            check = conn.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if "responses" not in tables:
+                return 0
+            return int(conn.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+    except sqlite3.DatabaseError as exc:
+        raise ResultsError(unreadable_cache_message(path, exc)) from None
+
+
+def spec_identity(spec: dict[str, Any]) -> str:
+    """A digest of what a unit computes (its unit.json), stored with its resume cache."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=_json_default).encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Per-unit locks: several processes (or machines sharing the folder) can run into one output folder;
+# whoever holds a unit's lock computes it, the others skip it or wait for it.
+
+LOCK_FILE = ".lock"
+
+
+class UnitLock:
+    """An exclusive lock on one unit folder (filelock: flock, released when the process dies, so a
+    killed worker never leaves a stale lock). On a filesystem without locks it warns once and lets
+    the caller go on unlocked (a single process is then still safe)."""
+
+    _warned = False
+
+    def __init__(self, unit: UnitDir):
+        import filelock
+
+        unit.path.mkdir(parents=True, exist_ok=True)
+        self._timeout = filelock.Timeout
+        self._lock = filelock.FileLock(str(unit.path / LOCK_FILE))
+        self.held = False
+
+    def acquire(self, blocking: bool) -> bool:
+        """Take the lock; False when another process holds it and `blocking` is False."""
+        try:
+            self._lock.acquire(timeout=-1 if blocking else 0)
+        except self._timeout:
+            return False
+        except (NotImplementedError, OSError) as exc:
+            if not UnitLock._warned:
+                logger.warning("cannot lock %s (%s): running without per-unit locks; do not run two "
+                               "workers into this folder (use --shard K/N instead)", self._lock.lock_file, exc)
+                UnitLock._warned = True
+            return True
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self._lock.release()
+            self.held = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +458,25 @@ class StoredUnit:
         path = self.samples_paths.get(task)
         if path is None:
             return []
-        return list(iter_jsonl(path))
+        records = list(iter_jsonl(path))
+        self._check_samples(task, path, records)
+        return records
+
+    def _check_samples(self, task: str, path: Path, records: list[dict[str, Any]]) -> None:
+        """The log must be the one the results were computed from: as many samples as lm-eval's
+        n-samples records, and (for units this package wrote) the same task hash."""
+        redo = (f"restore it, or delete {self.results_path} to redo the unit" if self.results_path.name == RESULTS_FILE
+                else "restore it from the run's output")
+        counts = (self.results.get("n-samples") or {}).get(task)
+        expected = counts.get("effective") if isinstance(counts, dict) else None
+        if isinstance(expected, int) and len(records) != expected:
+            raise ResultsError(f"{path} holds {len(records)} samples but {self.results_path.name} records {expected} "
+                               f"(truncated, or from another run): {redo}")
+        stored_hash = (self.results.get("task_hashes") or {}).get(task)
+        if (self.results_path.name == RESULTS_FILE and stored_hash and records and "doc_hash" in records[0]
+                and task_hash(records) != stored_hash):
+            raise ResultsError(f"{path} does not hold the samples {self.results_path.name} was computed from "
+                               f"(task hash differs): {redo}")
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -415,11 +544,12 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     length and sha256 (metrics, responses, short targets and cells are kept). Unfinished units and
     resume caches are left out. Returns the unit folders."""
     source, destination = Path(source), Path(destination)
+    units = [path.parent for path in find_results_files(source) if path.name == RESULTS_FILE]
+    for unit in units:  # every check before anything is written
+        _check_archive_target(destination / unit.relative_to(source))
     written = []
-    for results_path in find_results_files(source):
-        if results_path.name != RESULTS_FILE:
-            continue
-        unit = results_path.parent
+    for unit in units:
+        results_path = unit / RESULTS_FILE
         target = destination / unit.relative_to(source)
         target.mkdir(parents=True, exist_ok=True)
         for name in (UNIT_SPEC_FILE, META_FILE):
@@ -437,6 +567,19 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
         shutil.copyfile(results_path, target / RESULTS_FILE)  # last: marks the archived unit finished
         written.append(target)
     return written
+
+
+def _check_archive_target(target: Path) -> None:
+    """An archive may replace an earlier archive of a unit, never a live run's folder (its uncompressed
+    samples would stay and be read instead of the archived ones)."""
+    if not target.is_dir():
+        return
+    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE}
+    live = sorted(p.name for p in target.iterdir()
+                  if p.name not in archived and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
+    if live:
+        raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
+                           "written: archive into a new folder, or delete that unit folder first")
 
 
 def _is_tracker_copy(path: Path, root: Path) -> bool:

@@ -67,6 +67,20 @@ def decode_response(request_type: str, stored: Any) -> Any:
     raise ValueError(f"unknown lm-eval request type {request_type!r}")
 
 
+def request_keys(request_type: str, requests: list[Any]) -> list[str]:
+    """Cache keys of a call's requests, computed before the model sees them (an adapter may pop keys
+    from gen_kwargs). The n-th repeat of identical arguments (lm-eval's `repeats`, or a sampled
+    prompt asked again) gets its own key, so a resumed sampled task keeps every repeat's answer."""
+    seen: dict[str, int] = {}
+    keys = []
+    for request in requests:
+        key = ResponseCache.key(request_type, tuple(request.args))
+        occurrence = seen.get(key, 0)
+        seen[key] = occurrence + 1
+        keys.append(key if occurrence == 0 else ResponseCache.key(request_type, (*request.args, occurrence)))
+    return keys
+
+
 def _lm_base() -> type:
     from lm_eval.api.model import LM
 
@@ -115,6 +129,18 @@ class ResumableLM(_lm_base()):  # type: ignore[misc]
     def device(self) -> Any:
         return getattr(self.inner, "device", None)
 
+    # lm-eval's collectives for data-parallel runs (torchrun / accelerate launch): LM defines them
+    # as single-process no-ops, so __getattr__ would never reach the adapter's.
+    def all_gather(self, tensor: Any) -> Any:
+        return self.inner.all_gather(tensor) if hasattr(self.inner, "all_gather") else tensor
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Any:
+        return self.inner.gather_object(obj, dst=dst) if hasattr(self.inner, "gather_object") else [obj]
+
+    def barrier(self) -> None:
+        if hasattr(self.inner, "barrier"):
+            self.inner.barrier()
+
     def loglikelihood(self, requests: list[Any], **kwargs: Any) -> list[Any]:
         return self._answer("loglikelihood", requests)
 
@@ -125,8 +151,7 @@ class ResumableLM(_lm_base()):  # type: ignore[misc]
         return self._answer("generate_until", requests)
 
     def _answer(self, request_type: str, requests: list[Any]) -> list[Any]:
-        # Keys before the model sees the requests: an adapter may pop keys from gen_kwargs.
-        keys = [ResponseCache.key(request_type, tuple(req.args)) for req in requests]
+        keys = request_keys(request_type, requests)
         stored = self.cache.get_many(keys)
         answers: list[Any] = [None] * len(requests)
         pending = []

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ccq_eval.model import checkpoint
 from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
@@ -134,13 +135,15 @@ def read_config(folder: Path, ccq: bool | None = None, **overrides):
 def _check_weights(folder: Path, allow_pickle: bool) -> bool:
     """True for safetensors weights; pickle weights only with the explicit opt-in."""
     if any((folder / name).exists() for name in SAFE_WEIGHT_FILES):
+        for path in sorted(folder.glob("*.safetensors")):
+            try:
+                checkpoint.check_safetensors(path)
+            except checkpoint.CheckpointError as error:
+                raise ModelLoadError(str(error)) from None
         return True
     if any((folder / name).exists() for name in PICKLE_WEIGHT_FILES):
         if not allow_pickle:
-            raise ModelLoadError(
-                f"{folder} has only pickle weights (pytorch_model.bin), which can run arbitrary code when "
-                "loaded. Convert them to safetensors, or pass allow_pickle=True (CLI: --allow-pickle) if you "
-                "trust their source.")
+            raise ModelLoadError(checkpoint.pickle_only_message(folder))
         return False
     raise ModelLoadError(f"{folder} has no weights: expected one of {SAFE_WEIGHT_FILES}")
 
@@ -161,10 +164,20 @@ def load_model(
     config = read_config(folder, ccq=ccq)
     use_safetensors = _check_weights(folder, allow_pickle)
     _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]  # the CCQ class of either family
-    model = model_cls.from_pretrained(
-        folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
-        trust_remote_code=trust_remote_code, local_files_only=True,
-    )
+    try:
+        model, loading_info = model_cls.from_pretrained(
+            folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
+            trust_remote_code=trust_remote_code, local_files_only=True, output_loading_info=True,
+        )
+    except RuntimeError as error:  # transformers: tensor shapes of the weights differ from the config's
+        raise ModelLoadError(
+            f"{folder}: config.json does not match the tensor shapes of its weights (the report above lists "
+            "them); use the config.json saved with these weights") from None
+    missing = list(loading_info.get("missing_keys") or [])
+    if missing:  # transformers would leave them at random initial values
+        raise ModelLoadError(
+            f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. {sorted(missing)[0]}); "
+            "use the config.json saved with these weights, or re-save the checkpoint")
     from transformers import AutoTokenizer
 
     try:

@@ -78,6 +78,8 @@ def truncate_tokens(token_ids: Sequence[int], budget: int, policy: str) -> tuple
 
 
 TRUNCATION_POLICIES = VALID_POLICIES
+# A UTF-8 character is at most 4 bytes: a byte-level tokenizer's cut is at most 3 tokens from a boundary.
+_CHARACTER_TOKENS = 4
 
 
 class TruncationMixin:
@@ -111,6 +113,23 @@ class TruncationMixin:
         merged["policy_counts"] = dict(merged["policy_counts"])
         return merged
 
+    def _whole_characters(self, ids: list[int]) -> bool:
+        """Whether `ids` decode to text that encodes back to them: no partial character at an edge."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.tok_encode(text) == list(ids)
+
+    def _middle_at_characters(self, content: list[int], half: int) -> list[int]:
+        """`content[:half] + content[-half:]` with the head ending and the tail starting on a character
+        boundary (up to 3 tokens fewer each): with a byte-level tokenizer the halves' partial bytes would
+        otherwise join into a character that is not in the source. The official script decodes each
+        half, which drops the same partial bytes. Cuts that round-trip nowhere nearby stay as they are."""
+        n_tokens = len(content)
+        head = next((end for end in range(half, max(half - _CHARACTER_TOKENS, 0), -1)
+                     if self._whole_characters(content[:end])), half)
+        tail = next((start for start in range(n_tokens - half, min(n_tokens - half + _CHARACTER_TOKENS, n_tokens))
+                     if self._whole_characters(content[start:])), n_tokens - half)
+        return content[:head] + content[tail:]
+
     def _fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
              what: str, count: bool = True) -> list[int]:
         """Apply `policy` so that `content` fits `budget` tokens; count what was done (`count`
@@ -123,8 +142,10 @@ class TruncationMixin:
             self.truncation_policy_counts[policy] += 1
             stats["n_requests"] += 1
         if budget < 1:
-            raise ValueError(f"task {task_name}: {what} leaves no room for the prompt; raise max_length "
-                             f"(now {self.max_length})")
+            needed = self.max_length - budget  # the task's new tokens (and BOS)
+            raise ValueError(f"task {task_name}: {what} leaves no room for the prompt; this task needs a max "
+                             f"length above {needed} (e.g. --max-length {needed + 2048}, or model_args "
+                             f"max_length=...), now {self.max_length}")
         if len(content) <= budget:
             return content
         if policy == "error":
@@ -133,6 +154,8 @@ class TruncationMixin:
                 f"Raise max_length (model_args max_length=...) or set ccq_truncation: middle|left in the "
                 f"task's generation_kwargs.")
         cut, truncated = truncate_tokens(content, budget, policy)
+        if truncated and policy == "middle":
+            cut = self._middle_at_characters(content, len(cut) // 2)
         if len(cut) > budget:
             raise RuntimeError(f"truncate_tokens returned {len(cut)} tokens for a budget of {budget}")
         if truncated and count:

@@ -194,11 +194,32 @@ def _content_length(tokenizer, length: int) -> int:
     return length - 1 if getattr(tokenizer, "bos_token_id", None) is not None else length
 
 
+def _round_trips(tokenizer, ids: list[int]) -> bool:
+    return _encode(tokenizer, _decode(tokenizer, ids)) == ids
+
+
+def _character_cut(tokenizer, ids: list[int], n_tokens: int) -> int:
+    """Where to end a piece of at most `n_tokens` of `ids`: the longest of the last four candidates
+    whose text round-trips exactly, so that a byte-level tokenizer never cuts inside a UTF-8
+    character (its partial bytes would be lost in the text the adapter receives); `n_tokens` when
+    none does (SentencePiece edges that merge differently keep their text)."""
+    n_tokens = min(n_tokens, len(ids))
+    for cut in range(n_tokens, max(n_tokens - 4, 0), -1):
+        if _round_trips(tokenizer, ids[:cut]):
+            return cut
+    return n_tokens
+
+
 def _doc(tokenizer, ids: list[int], **fields: Any) -> dict[str, Any]:
     text = _decode(tokenizer, ids)
     # Decoding then re-encoding may merge tokens differently at the edges; record it, the
-    # scorer uses the number of tokens it actually scored.
+    # scorer uses the number of tokens it actually scored. Lost text is an error, not a record.
     exact = _encode(tokenizer, text) == ids
+    if not exact and ("\ufffd" in text or type(tokenizer).__name__.startswith("ByT5")):
+        raise ValueError(
+            f"ppl: a piece of {fields.get('source')} (document {fields.get('document', fields.get('block_index'))}) "
+            "loses bytes when its tokens become text (a cut inside a character); its score would cover "
+            "other tokens than counted: use another tokenizer or corpus, or report this with the document")
     return {"text": text, "n_text_tokens": len(ids), "roundtrip_exact": exact, **fields}
 
 
@@ -218,8 +239,9 @@ def bucket_documents(**metadata: Any) -> dict[str, datasets.Dataset]:
         ids = _encode(tokenizer, text)
         stream.extend(([bos] if bos is not None else []) + ids + ([eos] if bos is None and eos is not None else []))
         while len(stream) >= n_text and (max_blocks is None or len(blocks) < max_blocks):
-            blocks.append(stream[:n_text])
-            stream = stream[n_text:]
+            cut = _character_cut(tokenizer, stream, n_text)  # the rest of a character opens the next block
+            blocks.append(stream[:cut])
+            stream = stream[cut:]
         if max_blocks is not None and len(blocks) >= max_blocks:
             break
     if not blocks:
@@ -247,8 +269,8 @@ def sweep_documents(**metadata: Any) -> dict[str, datasets.Dataset]:
             kept = kept[:max_docs]
         if not kept:
             logger.warning("ppl sweep: no document has %d tokens; length %d has no samples", n_text, length)
-        rows.extend(_doc(tokenizer, ids[:n_text], length=length, document=doc_id, source=source)
-                    for doc_id, ids in kept)
+        rows.extend(_doc(tokenizer, ids[:_character_cut(tokenizer, ids, n_text)], length=length, document=doc_id,
+                         source=source) for doc_id, ids in kept)
     if not rows:
         raise ValueError(f"ppl sweep: no document reaches the shortest length {lengths[0]} tokens")
     return {"test": datasets.Dataset.from_list(rows)}

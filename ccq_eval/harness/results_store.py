@@ -467,8 +467,13 @@ class StoredUnit:
         n-samples records, and (for units this package wrote) the same task hash."""
         redo = (f"restore it, or delete {self.results_path} to redo the unit" if self.results_path.name == RESULTS_FILE
                 else "restore it from the run's output")
+        # One logged sample per evaluated document: "original" documents, cut by the run's limit.
+        # (lm-eval's "effective" is the smallest per-metric count, which per-length metrics make smaller.)
         counts = (self.results.get("n-samples") or {}).get(task)
-        expected = counts.get("effective") if isinstance(counts, dict) else None
+        expected = counts.get("original") if isinstance(counts, dict) else None
+        limit = (self.results.get("config") or {}).get("limit")
+        if isinstance(expected, int) and isinstance(limit, (int, float)) and limit > 0:
+            expected = min(expected, int(limit) if limit >= 1 else int(limit * expected))
         if isinstance(expected, int) and len(records) != expected:
             raise ResultsError(f"{path} holds {len(records)} samples but {self.results_path.name} records {expected} "
                                f"(truncated, or from another run): {redo}")

@@ -203,8 +203,9 @@ def table(
 @app.command()
 def compare(
     results: ResultsArg,
-    baseline: Annotated[str, typer.Option(help="Model name of the baseline (as in the results).")],
-    variant: Annotated[str, typer.Option(help="Model name of the variant.")],
+    baseline: Annotated[str | None, typer.Option(
+        help="Model name of the baseline (as in the results); default: every CCQ pair NAME / NAME-ccq.")] = None,
+    variant: Annotated[str | None, typer.Option(help="Model name of the variant.")] = None,
     metric: Annotated[str | None, typer.Option(help="Metric to compare (default: each task's first).")] = None,
     format: FormatOpt = TableFormat.markdown,
     n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
@@ -220,13 +221,24 @@ def compare(
         _fail("--n-boot must be at least 100")
     if not 0 < alpha < 1:
         _fail("--alpha must lie in (0, 1)")
+    if (baseline is None) != (variant is None):
+        _fail("give both --baseline and --variant, or neither (then every CCQ pair NAME / NAME-ccq is compared)")
     try:
         units = results_store.load_results(results)
-        frame = stats.compare_models(units, baseline, variant, metric=metric, n_boot=n_boot, seed=seed,
-                                     alpha=alpha)
+        if baseline is None:
+            names = {unit.model for unit in units}
+            pairs = [(name, name + "-ccq") for name in sorted(names) if name + "-ccq" in names]
+            if not pairs:
+                _fail(f"{results} holds no CCQ pair NAME / NAME-ccq (models: {', '.join(sorted(names))}); "
+                      "name the two models with --baseline and --variant")
+        else:
+            pairs = [(baseline, variant)]
+        rendered = [stats.render_comparison(stats.compare_models(units, base, var, metric=metric, n_boot=n_boot,
+                                                                 seed=seed, alpha=alpha),
+                                            base, var, format.value, alpha=alpha) for base, var in pairs]
     except results_store.ResultsError as exc:
         _fail(str(exc))
-    _emit(stats.render_comparison(frame, baseline, variant, format.value, alpha=alpha), output)
+    _emit("\n".join(rendered), output)
 
 
 @app.command()

@@ -173,8 +173,10 @@ def load_model(
         raise ModelLoadError(
             f"{folder}: config.json does not match the tensor shapes of its weights (the report above lists "
             "them); use the config.json saved with these weights") from None
-    missing = list(loading_info.get("missing_keys") or [])
-    if missing:  # transformers would leave them at random initial values
+    # CCQ's gate, absent from a baseline checkpoint loaded with ccq=True, starts at its fixed initial
+    # values (no random numbers); any other missing tensor would be left random by transformers.
+    missing = [key for key in loading_info.get("missing_keys") or [] if ".ccq_gate_" not in key]
+    if missing:
         raise ModelLoadError(
             f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. {sorted(missing)[0]}); "
             "use the config.json saved with these weights, or re-save the checkpoint")

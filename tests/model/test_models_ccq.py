@@ -202,11 +202,11 @@ def test_bad_checkpoints_give_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(str(empty))
 
-    folder = _save(_fla_model("gla"), tmp_path / "llama")
+    folder = _save(_fla_model("gla"), tmp_path / "mamba")
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "llama"
+    config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'llama'.*gated_deltanet"):
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'mamba'.*gated_deltanet"):
         load_model(str(folder))
 
     # A pickle-only checkpoint: refused without the opt-in, before anything is unpickled.

@@ -8,11 +8,13 @@ targets). Each sequence starts at a document start and is filled by drawing docu
 full (the last one is cut at the sequence end, documents end with EOS):
 - natural English: a contiguous span of a train-split document of the embedded corpora
   (sotu, kjv, austen; every train byte equally likely as a start, snapped to a word start);
-- synthetic in-context recall: key-value records hidden in filler, one of the keys asked for at
-  the end, then its value. The wording is our own and deliberately differs from the RULER
-  S-NIAH templates (no "special magic", no "mentioned in the provided text"), so S-NIAH measures
-  transfer of the recall skill, not memorised phrasing. Filler is train-split text (most docs) or
-  a repeated line of plain sentences written for this script.
+- synthetic in-context recall: 1-8 key-value records hidden in filler, then questions about some
+  of them, each followed by its answer; their token spans are returned, so training can weigh
+  them. The wording is our own: none of RULER's S-NIAH template, needle, answer prefix or noise
+  sentences, and no key built from S-NIAH's key words, so S-NIAH measures transfer of the recall
+  skill, not memorised phrasing. Filler is train-split text or a repeated line of plain sentences
+  written for this script. A distance curriculum (`TrainStream(ramp=...)`) caps the size of
+  synthetic documents early in training.
 
 Held-out data comes from the eval split only, is independent of the training seed, and is the
 same for every model: ctx + 1 byte windows spread evenly over each corpus, and recall documents

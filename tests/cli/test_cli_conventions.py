@@ -29,14 +29,19 @@ def test_version_comes_from_the_package_metadata():
     assert result.output.strip() == f"ccq-eval {importlib.metadata.version('ccq-eval')}"
 
 
+def _help(*command) -> str:
+    """--help of a command, wide enough that no choice list wraps, without whitespace, lower-case."""
+    output = CliRunner().invoke(cli.app, [*command, "--help"], env={"COLUMNS": "240"}).output
+    return "".join(output.split()).lower()
+
+
 def test_help_lists_the_choices_of_choice_options():
-    flat = " ".join(invoke("table", "--help").output.split())
-    assert "markdown|csv|latex" in flat and "paper|tidy" in flat
-    assert "-o" in flat and "--output" in flat
-    flat = " ".join(invoke("--help").output.split())
-    assert "--verbosity" in flat and "DEBUG|INFO|WARNING|" in flat
-    flat = " ".join(invoke("figures", "--help").output.split())
-    assert "--output" in flat and "--out " not in flat
+    table_help = _help("table")
+    assert "markdown|csv|latex" in table_help and "paper|tidy" in table_help
+    assert "-o" in table_help and "--output" in table_help
+    assert "--verbosity" in _help() and "debug|info|warning|error|critical" in _help()
+    assert "--output" in _help("figures") and "--out<" not in _help("figures")
+    assert "float32|fp32|bfloat16" in _help("run")
 
 
 def test_verbosity_sets_the_level_of_ccq_eval_and_lm_eval_loggers(tmp_path):
@@ -117,7 +122,7 @@ def test_run_drops_lm_eval_metadata_hint_and_repeats(tmp_path, monkeypatch):
         return runner.UnitOutcome(results=results, samples={unit.task: []})
 
     monkeypatch.setattr(run_plan, "load_model_registry",
-                        lambda *a, **k: {"m": ModelEntry(name="m", source=str(tmp_path))})
+                        lambda *a, **k: {"m": ModelEntry(name="m", source=str(tmp_path / "never-loaded"))})
     monkeypatch.setattr(run_plan, "default_task_catalog", Catalog)
     monkeypatch.setattr(runner, "default_evaluator", lambda: evaluate)
     args = ["run", "-m", "m", "-t", "fake", "-o", str(tmp_path / "out"), "--quiet", "--no-report",

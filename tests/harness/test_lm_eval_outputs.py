@@ -48,7 +48,7 @@ def evaluate(unit, context):
 @pytest.fixture
 def fake_run(tmp_path, monkeypatch):
     monkeypatch.setattr(run_plan, "load_model_registry",
-                        lambda *a, **k: {"m": ModelEntry(name="m", source=str(tmp_path))})
+                        lambda *a, **k: {"m": ModelEntry(name="m", source=str(tmp_path / "never-loaded"))})
     monkeypatch.setattr(run_plan, "default_task_catalog", Catalog)
     monkeypatch.setattr(runner, "default_evaluator", lambda: evaluate)
     output = tmp_path / "out"

@@ -16,7 +16,55 @@ import typer
 
 from ccq_eval import logs
 
-app = typer.Typer(
+def _debugging() -> bool:
+    """CCQ_EVAL_DEBUG=1 or --verbosity DEBUG: unexpected errors show their traceback."""
+    import logging
+    import os
+
+    return os.environ.get("CCQ_EVAL_DEBUG", "") not in ("", "0") or logging.getLogger("ccq_eval").isEnabledFor(
+        logging.DEBUG)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: our own errors by their message, others with their type."""
+    known = {"PlanError", "ResultsError", "CheckpointError", "ModelLoadError", "RegistryError"}
+    text = " ".join(str(exc).split())
+    return text if type(exc).__name__ in known else f"{type(exc).__name__}: {text}"
+
+
+def _one_line_errors(command):
+    """Wraps a command so that an exception it does not handle becomes one line on stderr (exit 1),
+    not a traceback; with CCQ_EVAL_DEBUG=1 or --verbosity DEBUG the traceback is shown."""
+    import functools
+
+    import click
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            _fail("interrupted; rerun the command to finish (a run resumes where it stopped)", code=130)
+        except Exception as exc:  # noqa: BLE001  (the point: no traceback for the user)
+            if _debugging():
+                raise
+            _fail(f"{one_line(exc)} (CCQ_EVAL_DEBUG=1 shows the traceback; report it if the cause is unclear)",
+                  code=1)
+
+    return wrapper
+
+
+class _App(typer.Typer):
+    """typer.Typer whose commands report unexpected errors in one line (_one_line_errors)."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+        return lambda function: register(_one_line_errors(function))
+
+
+app = _App(
     name="ccq-eval",
     help="Long-context evaluation of linear-attention LMs (GLA, Gated DeltaNet) with and without CCQ.",
     no_args_is_help=True,
@@ -61,7 +109,8 @@ def _version(show: bool) -> None:
 @app.callback()
 def main(
     verbosity: Annotated[Verbosity, typer.Option(
-        "--verbosity", help="Log level of ccq-eval and lm-eval messages.")] = Verbosity.WARNING,
+        "--verbosity", case_sensitive=False, help="Log level of ccq-eval and lm-eval messages (DEBUG also "
+        "shows tracebacks).")] = Verbosity.WARNING,
     version: Annotated[bool, typer.Option(
         "--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
 ) -> None:
@@ -117,6 +166,9 @@ def run(
         help="Replay decode steps and scoring forwards from CUDA graphs (recurrent fla models on CUDA): "
         "removes the host-side cost that bounds mid-size models on a fast GPU; scores then differ from "
         "eager ones by rounding.")] = False,
+    shard: Annotated[str | None, typer.Option(
+        help="K/N: run only the K-th of N deterministic parts of the units (a Slurm array task); workers "
+        "into one --output also share units through per-unit locks without it.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     report: Annotated[bool, typer.Option(
         help="After the run, write the paper-style table (table.md) and figures (figures/) into the "
@@ -133,7 +185,7 @@ def run(
         samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype.value if dtype else None,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, keep_going=keep_going,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, shard=shard,
     )
     try:
         plan = run_plan.plan_run(options)
@@ -142,7 +194,8 @@ def run(
     done = len(plan.units) - len(plan.pending)
     typer.echo(
         f"{len(plan.units)} units ({len({u.model for u in plan.units})} models x "
-        f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}", err=True
+        f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}"
+        + (f"; shard {shard}: {len(plan.pending)} to run here" if shard else ""), err=True
     )
     from ccq_eval.harness import reporting, runner
 
@@ -155,27 +208,43 @@ def run(
         _fail("interrupted. Finished units and every answered request are saved; rerun the same command "
               "to resume.", code=130)
     except Exception as exc:  # noqa: BLE001  (any failure of a unit: say which, and that nothing is lost)
-        _fail(f"{type(exc).__name__}: {exc}\nFinished units are saved; fix the cause and rerun the same "
-              "command to resume.", code=1)
+        if _debugging():
+            raise
+        _fail(f"{one_line(exc)}; finished units are saved: fix the cause and rerun the same command to resume",
+              code=1)
     for unit, detail in summary.failed:
         typer.echo(f"failed: {unit.model} / {unit.task}: {detail}", err=True)
-    typer.echo(f"done: {len(summary.done)} evaluated, {len(summary.skipped)} skipped (already finished), "
-               f"{len(summary.failed)} failed. Results in {output}", err=True)
+    elsewhere = f", {len(summary.elsewhere)} finished by another worker" if summary.elsewhere else ""
+    typer.echo(f"done: {len(summary.done)} evaluated, {len(summary.skipped)} skipped (already finished)"
+               f"{elsewhere}, {len(summary.failed)} failed. Results in {output}", err=True)
     if summary.failed:
         raise typer.Exit(1)
     if report:
-        _write_report(output)
+        unfinished = [unit for unit in plan.units if not unit.dir.is_finished()]
+        if unfinished:
+            typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished yet (other "
+                       f"shards); the worker that finishes last writes it, or run `ccq-eval table {output}`",
+                       err=True)
+        else:
+            _write_report(output)
 
 
 def _write_report(results: Path) -> None:
     """The table and figures of everything in `results`, as `table` and `figures` would write them."""
+    import filelock
+
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
-    from ccq_eval.harness.results_store import atomic_write_text
+    from ccq_eval.harness.results_store import ResultsError, atomic_write_text
 
-    tidy = tables.load_tidy(results)
-    atomic_write_text(results / "table.md", tables.render_tables(tidy, "markdown", "paper", 2))
-    paths = figure_module.draw_all(tidy, results / "figures")
+    try:
+        with filelock.FileLock(str(results / ".report.lock")):  # workers sharing the folder write it in turn
+            tidy = tables.load_tidy(results)
+            atomic_write_text(results / "table.md", tables.render_tables(tidy, "markdown", "paper", 2))
+            paths = figure_module.draw_all(tidy, results / "figures")
+    except (ResultsError, OSError) as exc:
+        _fail(f"the units are stored, but the report was not written: {one_line(exc)}; fix that, then run "
+              f"`ccq-eval table {results}` (or rerun this command)", code=1)
     typer.echo(f"table: {results / 'table.md'}; figures: {results / 'figures'} ({len(paths)} files)", err=True)
 
 
@@ -266,13 +335,13 @@ def archive(
     destination: Annotated[Path, typer.Argument(help="Folder for the compact copy (e.g. results/<name>).")],
 ) -> None:
     """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
-    from ccq_eval.harness import archive, results_store
+    from ccq_eval.harness import results_store
 
     source, destination = results.resolve(), destination.resolve()
     if source == destination or source in destination.parents:
         _fail(f"{destination} lies inside {results}: choose a folder outside the results being archived")
     try:
-        written = archive.archive_results(source, destination)
+        written = results_store.archive_results(source, destination)
     except results_store.ResultsError as exc:
         _fail(str(exc))
     if not written:

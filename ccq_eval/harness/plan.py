@@ -7,7 +7,6 @@ nor lm-eval.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -21,6 +20,7 @@ from typing import Any, Protocol
 
 from ccq_eval.harness import results_store
 from ccq_eval.harness.results_store import UnitDir
+from ccq_eval.model import checkpoint
 from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, RegistryError, default_model_names
 
@@ -216,6 +216,7 @@ class RunOptions:
     longbench_dir: Path | None = None
     keep_going: bool = False
     cuda_graphs: bool = False  # the adapter's CUDA-graph decode steps and scoring forwards
+    shard: str | None = None  # "K/N": this worker runs the K-th of N deterministic parts of the units
 
 
 def options_command_line(options: RunOptions) -> list[str]:
@@ -235,6 +236,8 @@ def options_command_line(options: RunOptions) -> list[str]:
              "--output", str(options.output)]
     for pair in options.lm_eval_args:
         argv += ["--lm-eval-arg", pair]
+    if options.shard is not None:
+        argv += ["--shard", options.shard]
     if options.keep_going:
         argv.append("--keep-going")
     if options.cuda_graphs:
@@ -253,6 +256,7 @@ class Unit:
     dir: UnitDir
     spec: dict[str, Any]
     finished: bool = False
+    in_shard: bool = True  # False: another worker's part of the units (--shard)
 
 
 @dataclass
@@ -267,7 +271,7 @@ class RunPlan:
 
     @property
     def pending(self) -> list[Unit]:
-        return [unit for unit in self.units if not unit.finished]
+        return [unit for unit in self.units if not unit.finished and unit.in_shard]
 
 
 def _is_sniah(task: str) -> bool:
@@ -290,33 +294,13 @@ def metadata_for_task(task: str, metadata: dict[str, Any]) -> dict[str, Any]:
     return relevant
 
 
-_FINGERPRINT_BYTES = 1 << 20
-
-
-def _weights_fingerprint(path: Path) -> str:
-    """sha256 of a weight file's size, first MiB and last MiB: changes when a checkpoint is
-    retrained (the embeddings come first), costs milliseconds even for multi-GB files."""
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    digest.update(str(size).encode())
-    with open(path, "rb") as handle:
-        digest.update(handle.read(_FINGERPRINT_BYTES))
-        if size > 2 * _FINGERPRINT_BYTES:
-            handle.seek(size - _FINGERPRINT_BYTES)
-            digest.update(handle.read())
-    return digest.hexdigest()
-
-
 def _checkpoint_fingerprint(source: str) -> dict[str, Any] | None:
-    """Identity of a local checkpoint folder, so a resumed unit never mixes two checkpoints."""
+    """Identity of a local checkpoint folder (every file that decides what it computes, hashed whole),
+    so that a resumed or skipped unit never mixes two checkpoints."""
     folder = Path(source)
     if not folder.is_dir():
         return None
-    config = folder / "config.json"
-    return {
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
-        "weights_head_tail_sha256": {p.name: _weights_fingerprint(p) for p in sorted(folder.glob("*.safetensors"))},
-    }
+    return checkpoint.fingerprint(folder)
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -356,9 +340,19 @@ def plan_run(
     evaluate_pairs, lm_eval_loggers = split_logger_args(options.lm_eval_args)
     lm_eval_args = parse_lm_eval_args(evaluate_pairs)
 
+    for flag, text in (("--lengths", options.lengths), ("--depths", options.depths)):
+        if text is not None and not text.strip(" ,"):
+            raise PlanError(f"{flag} is empty; give comma-separated values (e.g. --lengths 1k,2k --depths 0,50,100) "
+                            "or leave the option out for the defaults")
+    shard = parse_shard(options.shard) if options.shard is not None else None
+    output = Path(options.output)
+    for folder in (output, *output.parents):
+        if folder.exists() and not folder.is_dir():
+            raise PlanError(f"--output {options.output}: {folder} is a file, not a folder; give a folder path")
+
     using_defaults = not options.tasks  # the default tasks come with the default small grid
-    lengths_text = options.lengths or (DEFAULT_LENGTHS if using_defaults else None)
-    depths_text = options.depths or (DEFAULT_DEPTHS if using_defaults else None)
+    lengths_text = options.lengths if options.lengths is not None else (DEFAULT_LENGTHS if using_defaults else None)
+    depths_text = options.depths if options.depths is not None else (DEFAULT_DEPTHS if using_defaults else None)
     samples_per_cell = options.samples_per_cell
     if using_defaults and samples_per_cell is None and options.limit is None:
         samples_per_cell = DEFAULT_SAMPLES_PER_CELL
@@ -384,6 +378,9 @@ def plan_run(
             models.append(registry[name])
         elif Path(name).expanduser().is_dir():
             folder = Path(name).expanduser().resolve()
+            if folder.parent == folder:
+                raise PlanError(f"--model {name!r}: the filesystem root is not a checkpoint folder; pass the "
+                                "folder that holds config.json and model.safetensors")
             models.append(ModelEntry(name=folder.name, source=str(folder)))
         elif _looks_like_hub_id(name) and not _hub_offline():
             models.append(ModelEntry(name=name.replace("/", "__"), source=name))
@@ -397,6 +394,24 @@ def plan_run(
     labels = [m.name for m in models]
     if len(set(labels)) != len(labels):
         raise PlanError(f"--model names the same model twice: {', '.join(labels)}")
+    by_folder: dict[str, str] = {}
+    for model in models:
+        try:
+            folder_name = results_store.slugify(model.name)
+        except ValueError:
+            raise PlanError(f"--model {model.name!r}: no results folder can be named after it; rename the "
+                            "checkpoint folder (letters, digits, . _ -)") from None
+        if folder_name in by_folder:
+            raise PlanError(f"--model {by_folder[folder_name]!r} and {model.name!r} would share the results folder "
+                            f"{folder_name!r}; rename one of the checkpoint folders, or run them into different "
+                            "--output folders")
+        by_folder[folder_name] = model.name
+        if Path(model.source).is_dir():
+            try:
+                checkpoint.check_checkpoint_folder(Path(model.source))
+            except checkpoint.CheckpointError as exc:
+                raise PlanError(f"--model {model.name}: {exc}") from None
+
 
     catalog = default_task_catalog() if task_catalog is None else task_catalog
     task_names = list(options.tasks) or list(DEFAULT_TASKS)
@@ -428,6 +443,8 @@ def plan_run(
             "--samples-per-cell does not apply to LongBench (fixed datasets); run LongBench separately "
             "and use --limit N to evaluate its first N records per dataset"
         )
+
+    _check_longbench_data(longbench_tasks, options.longbench_dir)
 
     task_metadata: dict[str, Any] = {"seed": options.seed}
     if lengths is not None:
@@ -462,8 +479,12 @@ def plan_run(
                 dir=results_store.unit_dir(options.output, model.name, task),
                 spec=spec,
             )
-            _check_against_disk(unit)
+            check_against_disk(unit)
             units.append(unit)
+    if shard is not None:
+        index, count = shard
+        for position, unit in enumerate(units):
+            unit.in_shard = position % count == index - 1
     return RunPlan(
         options=options,
         units=units,
@@ -475,30 +496,73 @@ def plan_run(
     )
 
 
-def _check_against_disk(unit: Unit) -> None:
-    """A unit folder from an earlier run must have been asked the same question."""
-    if unit.dir.spec.is_file():
-        try:
-            stored = results_store.read_json(unit.dir.spec)
-        except results_store.ResultsError as exc:
-            raise PlanError(str(exc)) from None
+def longbench_data_present(task: str, data_dir: Path) -> bool:
+    """Whether data_dir holds the jsonl file of a LongBench leaf task (ccq_longbench_<dataset> reads
+    <dataset>.jsonl, ccq_longbench_e_<dataset> <dataset>_e.jsonl; also under data/, as tasks/longbench)."""
+    for prefix, suffix in (("ccq_longbench_e_", "_e.jsonl"), ("ccq_longbench_", ".jsonl")):
+        if task.startswith(prefix):
+            name = task[len(prefix):] + suffix
+            return (data_dir / name).is_file() or (data_dir / "data" / name).is_file()
+    return False
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'2/3' -> (2, 3): the second of three parts (K counts from 1, as a Slurm array 1-N)."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise PlanError(f"--shard {text!r}: give K/N with 1 <= K <= N, e.g. --shard 2/3 for the second of three "
+                        "workers (Slurm: --shard $SLURM_ARRAY_TASK_ID/N with --array=1-N)")
+    return int(match[1]), int(match[2])
+
+
+def _check_longbench_data(tasks: list[str], data_dir: Path | None) -> None:
+    """LongBench reads the official jsonl files: their folder must be given and hold every file asked for."""
+    if not tasks:
+        return
+    if data_dir is None:
+        raise PlanError(f"{tasks[0]} needs the LongBench data: pass --longbench-dir FOLDER holding the official "
+                        "jsonl files (the unzipped data.zip of the hub dataset THUDM/LongBench)")
+    folder = Path(data_dir).expanduser()
+    missing = [task for task in tasks if task.startswith("ccq_longbench_") and not longbench_data_present(task, folder)]
+    if missing:
+        raise PlanError(f"--longbench-dir {data_dir} lacks the jsonl file of {', '.join(missing[:3])}"
+                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (looked in it and its "
+                        "data/ subfolder): unzip THUDM/LongBench's data.zip there, or choose fewer tasks")
+
+
+def check_against_disk(unit: Unit) -> None:
+    """A unit folder from an earlier run must have been asked the same question (a folder whose run
+    failed before answering anything is free to take), and its files must be readable."""
+    finished = unit.dir.results.is_file()
+    try:
+        if finished:
+            results_store.read_json(unit.dir.results)
+            if unit.dir.meta.is_file() and not isinstance(results_store.read_json(unit.dir.meta), dict):
+                raise PlanError(f"{unit.dir.meta} should hold a JSON object; fix or delete it")
+            answered = None
+        else:
+            answered = results_store.answered_count(unit.dir.responses_db)
+        stored = results_store.read_json(unit.dir.spec) if unit.dir.spec.is_file() else None
+    except results_store.ResultsError as exc:
+        raise PlanError(str(exc)) from None
+    if stored is not None:
         differences = sorted(
             key for key in set(stored) | set(unit.spec) if stored.get(key) != unit.spec.get(key)
         )
-        if differences:
+        if differences and (finished or answered):
             detail = "; ".join(
-                f"{key}: stored {stored.get(key)!r}, asked {unit.spec.get(key)!r}" for key in differences
+                f"{key}: stored {_short(stored.get(key))}, asked {_short(unit.spec.get(key))}" for key in differences
             )
             raise PlanError(
                 f"{unit.dir.path} holds a run with different settings ({detail}). Nothing was changed: "
                 "use another --output, or delete that folder to redo it"
             )
-    if unit.dir.results.is_file():
-        try:
-            results_store.read_json(unit.dir.results)
-        except results_store.ResultsError as exc:
-            raise PlanError(str(exc)) from None
-        unit.finished = True
+    unit.finished = finished
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:

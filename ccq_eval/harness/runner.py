@@ -25,7 +25,7 @@ from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store
 from ccq_eval.harness.plan import RunPlan, TaskCatalog, Unit, options_command_line
 from ccq_eval.harness.reporting import Reporter, SilentReporter
-from ccq_eval.harness.results_store import ResponseCache
+from ccq_eval.harness.results_store import ResponseCache, ResultsError
 from ccq_eval.harness.resume import ResumableLM
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class RunSummary:
     done: list[Unit] = field(default_factory=list)
     skipped: list[Unit] = field(default_factory=list)
     failed: list[tuple[Unit, str]] = field(default_factory=list)
+    elsewhere: list[Unit] = field(default_factory=list)  # finished by another worker on this folder
 
 
 def default_evaluator() -> EvaluateUnit:
@@ -228,55 +229,100 @@ def execute_plan(
     report.run_start(plan)
     try:
         pending = plan.pending
+        # Units another worker holds are left for later; by then that worker has usually finished them.
+        held_elsewhere: list[Unit] = []
         for index, unit in enumerate(pending):
-            report.unit_start(unit, index, len(pending))
-            results_store.atomic_write_json(unit.dir.spec, unit.spec)
-            cache = ResponseCache(unit.dir.responses_db)
-            started = time.time()
-            try:
-                context = UnitContext(
-                    plan=plan,
-                    cache=cache,
-                    on_progress=lambda done, total, cell, unit=unit: report.requests(unit, done, total, cell),
-                )
-                outcome = evaluate(unit, context)
-            except Exception as exc:
-                detail = f"{type(exc).__name__}: {exc}"
-                report.unit_end(unit, "failed", detail)
-                summary.failed.append((unit, detail))
-                if not plan.options.keep_going:
-                    raise
-                continue
-            finally:
-                cache.close()
-            wall_time = time.time() - started
-            meta = {
-                "model": unit.model,
-                "model_source": unit.model_source,
-                "task": unit.task,
-                "requested_as": unit.requested_as,
-                "spec": unit.spec,
-                "seed": plan.options.seed,
-                "device": plan.options.device,
-                "dtype": plan.options.dtype,
-                "batch_size": plan.options.batch_size,
-                "wall_time_s": round(wall_time, 3),
-                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "command_line": shlex.join(argv),
-                "argv": list(sys.argv),
-                "cwd": os.getcwd(),
-                "versions": package_versions(),
-                "gpu_kernels": kernels if str(plan.options.device).startswith("cuda") else None,
-                "cuda_graphs": plan.options.cuda_graphs,
-                "platform": platform.platform(),
-            } | outcome.meta
-            results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)
-            if plan.lm_eval_loggers:
-                log_to_wandb(plan.lm_eval_loggers, unit, outcome)
-            unit.finished = True
-            summary.done.append(unit)
-            report.unit_end(unit, "done", f"{wall_time:.1f} s")
+            if not _run_locked(plan, unit, index, len(pending), evaluate, report, argv, kernels, summary,
+                               blocking=False):
+                held_elsewhere.append(unit)
+        for unit in held_elsewhere:
+            logger.info("waiting for another worker on %s / %s", unit.model, unit.task)
+            _run_locked(plan, unit, pending.index(unit), len(pending), evaluate, report, argv, kernels, summary,
+                        blocking=True)
     finally:
         report.run_end()
     return summary
+
+
+def _run_locked(plan: RunPlan, unit: Unit, index: int, total: int, evaluate: EvaluateUnit, report: Reporter,
+                argv: list[str], kernels: dict[str, str | None], summary: RunSummary, *, blocking: bool) -> bool:
+    """Evaluate `unit` under its lock; False when another worker holds the lock (and not `blocking`).
+    A unit that another worker finished meanwhile is counted, not computed again."""
+    lock = results_store.UnitLock(unit.dir)
+    if not lock.acquire(blocking=blocking):
+        return False
+    try:
+        if unit.dir.is_finished():
+            unit.finished = True
+            summary.elsewhere.append(unit)
+            report.unit_end(unit, "done by another worker")
+            return True
+        try:
+            run_plan.check_against_disk(unit)  # another worker may have started it with other settings
+        except run_plan.PlanError as exc:
+            return _failed(plan, unit, exc, report, summary)
+        report.unit_start(unit, index, total)
+        _evaluate_and_store(plan, unit, evaluate, report, argv, kernels, summary)
+    finally:
+        lock.release()
+    return True
+
+
+def _failed(plan: RunPlan, unit: Unit, exc: Exception, report: Reporter, summary: RunSummary) -> bool:
+    detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (run_plan.PlanError, ResultsError)) else str(exc)
+    report.unit_end(unit, "failed", detail)
+    summary.failed.append((unit, detail))
+    if not plan.options.keep_going:
+        raise exc
+    return True
+
+
+def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, report: Reporter, argv: list[str],
+                        kernels: dict[str, str | None], summary: RunSummary) -> None:
+    results_store.atomic_write_json(unit.dir.spec, unit.spec)
+    started = time.time()
+    try:
+        cache = ResponseCache(unit.dir.responses_db, identity=results_store.spec_identity(unit.spec))
+    except ResultsError as exc:
+        _failed(plan, unit, exc, report, summary)
+        return
+    try:
+        context = UnitContext(
+            plan=plan,
+            cache=cache,
+            on_progress=lambda done, total, cell, unit=unit: report.requests(unit, done, total, cell),
+        )
+        outcome = evaluate(unit, context)
+    except Exception as exc:
+        _failed(plan, unit, exc, report, summary)
+        return
+    finally:
+        cache.close()
+    wall_time = time.time() - started
+    meta = {
+        "model": unit.model,
+        "model_source": unit.model_source,
+        "task": unit.task,
+        "requested_as": unit.requested_as,
+        "spec": unit.spec,
+        "seed": plan.options.seed,
+        "device": plan.options.device,
+        "dtype": plan.options.dtype,
+        "batch_size": plan.options.batch_size,
+        "wall_time_s": round(wall_time, 3),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command_line": shlex.join(argv),
+        "argv": list(sys.argv),
+        "cwd": os.getcwd(),
+        "versions": package_versions(),
+        "gpu_kernels": kernels if str(plan.options.device).startswith("cuda") else None,
+        "cuda_graphs": plan.options.cuda_graphs,
+        "platform": platform.platform(),
+    } | outcome.meta
+    results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)
+    if plan.lm_eval_loggers:
+        log_to_wandb(plan.lm_eval_loggers, unit, outcome)
+    unit.finished = True
+    summary.done.append(unit)
+    report.unit_end(unit, "done", f"{wall_time:.1f} s")

@@ -11,7 +11,9 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 import cli
@@ -395,11 +397,11 @@ def test_retrained_checkpoint_is_not_mixed_with_cached_answers(fake_world, monke
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "gla"}')
-    (folder / "model.safetensors").write_bytes(b"weights-v1" * 1000)
+    save_file({"w": np.full(1000, 1.0, dtype=np.float32)}, str(folder / "model.safetensors"))
     registry = dict(REGISTRY, **{"tiny-strong": model_registry.ModelEntry("tiny-strong", str(folder), "", True)})
     monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: registry)
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
-    (folder / "model.safetensors").write_bytes(b"weights-v2" * 1000)  # same size, new values
+    save_file({"w": np.full(1000, 2.0, dtype=np.float32)}, str(folder / "model.safetensors"))  # same size
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert result.exit_code == 2 and "different settings (checkpoint:" in result.output
 

@@ -335,13 +335,13 @@ def archive(
     destination: Annotated[Path, typer.Argument(help="Folder for the compact copy (e.g. results/<name>).")],
 ) -> None:
     """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
-    from ccq_eval.harness import results_store
+    from ccq_eval.harness import archive, results_store
 
     source, destination = results.resolve(), destination.resolve()
     if source == destination or source in destination.parents:
         _fail(f"{destination} lies inside {results}: choose a folder outside the results being archived")
     try:
-        written = results_store.archive_results(source, destination)
+        written = archive.archive_results(source, destination)
     except results_store.ResultsError as exc:
         _fail(str(exc))
     if not written:

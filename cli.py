@@ -337,6 +337,8 @@ def archive(
     """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
     from ccq_eval.harness import archive, results_store
 
+    if not results.is_dir():
+        _fail(f"results folder {results} does not exist; give the folder `ccq-eval run --output` wrote")
     source, destination = results.resolve(), destination.resolve()
     if source == destination or source in destination.parents:
         _fail(f"{destination} lies inside {results}: choose a folder outside the results being archived")
@@ -345,7 +347,7 @@ def archive(
     except results_store.ResultsError as exc:
         _fail(str(exc))
     if not written:
-        _fail(f"{results} holds no finished unit (results.json) to archive")
+        _fail(f"{results} holds no finished unit (results.json) to archive; give the folder of a finished run")
     typer.echo(f"archived {len(written)} units into {destination}")
 
 

@@ -89,6 +89,8 @@ class TableView(str, Enum):
 Dtype = Enum("Dtype", {name: name for name in (
     "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")}, type=str)
 Verbosity = Enum("Verbosity", {name: name for name in logs.VERBOSITY_LEVELS}, type=str)
+# Values of --suite (ccq_eval.harness.plan.SUITES, listed here so that --help needs no import).
+SuiteName = Enum("SuiteName", {"paper": "paper"}, type=str)
 
 ResultsArg = Annotated[Path, typer.Argument(help="Results folder written by `ccq-eval run` (or lm-eval).")]
 FormatOpt = Annotated[TableFormat, typer.Option("--format", "-f", help="Output format.")]
@@ -142,15 +144,23 @@ def run(
     task: Annotated[list[str], typer.Option(
         "--task", "-t", help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e) or lm-eval task "
         "name; repeat for several. Default: s-niah and ppl.")] = [],  # noqa: B006
+    suite: Annotated[SuiteName | None, typer.Option(
+        help="A fixed grid instead of --task / --lengths (`ccq-eval tasks` lists it): paper = S-NIAH-1/2/3 at "
+        "1K-8K (and past the training context), perplexity (both protocols) at 4K-20K, LongBench / "
+        "LongBench-E where --longbench-dir holds their data.")] = None,
     lengths: Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")] = None,
     depths: Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")] = None,
     samples_per_cell: Annotated[int | None, typer.Option(help="Samples per (length, depth) cell.")] = None,
     limit: Annotated[float | None, typer.Option(
         help="lm-eval limit: first N documents of each task (a fraction if < 1). Not with --samples-per-cell.")]
     = None,
-    device: Annotated[str, typer.Option(help="Torch device, e.g. cpu or cuda:0.")] = "cpu",
-    dtype: Annotated[Dtype | None, typer.Option(help="Weights and compute dtype (default: float32).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Requests per forward: scoring batches equal-length texts; generation with recurrent fla models decodes prompts of any length together.")] = 1,
+    device: Annotated[str, typer.Option(
+        help="Torch device: auto (CUDA when present, else CPU), cpu, cuda, cuda:1.")] = "auto",
+    dtype: Annotated[Dtype, typer.Option(
+        help="Weights and compute dtype; auto: bfloat16 on CUDA, float32 on CPU.")] = Dtype.auto,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Requests per forward: scoring batches equal-length texts; generation with recurrent fla models "
+        "decodes prompts of any length together. Default: 4 for those on CUDA, else 1.")] = None,
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,
@@ -162,10 +172,11 @@ def run(
         help="Folder with LongBench jsonl files (<dataset>.jsonl, the original format).")] = None,
     keep_going: Annotated[bool, typer.Option(
         help="Continue with the next unit when one fails (default: stop).")] = False,
-    cuda_graphs: Annotated[bool, typer.Option(
-        help="Replay decode steps and scoring forwards from CUDA graphs (recurrent fla models on CUDA): "
-        "removes the host-side cost that bounds mid-size models on a fast GPU; scores then differ from "
-        "eager ones by rounding.")] = False,
+    cuda_graphs: Annotated[bool | None, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Replay decode steps and scoring forwards from CUDA graphs: removes the host-side cost that "
+        "bounds mid-size models on a fast GPU; scores differ from eager ones by rounding. Default: on for "
+        "recurrent fla models on CUDA, off elsewhere; --no-cuda-graphs runs eagerly.")] = None,
     shard: Annotated[str | None, typer.Option(
         help="K/N: run only the K-th of N deterministic parts of the units (a Slurm array task); workers "
         "into one --output also share units through per-unit locks without it.")] = None,
@@ -181,8 +192,8 @@ def run(
     from ccq_eval.harness import plan as run_plan
 
     options = run_plan.RunOptions(
-        models=list(model), tasks=list(task), lengths=lengths, depths=depths,
-        samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype.value if dtype else None,
+        models=list(model), tasks=list(task), suite=suite.value if suite else None, lengths=lengths, depths=depths,
+        samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype.value,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, keep_going=keep_going,
         cuda_graphs=cuda_graphs, shard=shard,
@@ -197,11 +208,14 @@ def run(
         f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}"
         + (f"; shard {shard}: {len(plan.pending)} to run here" if shard else ""), err=True
     )
+    for note in plan.notes:
+        typer.echo(note, err=True)
     from ccq_eval.harness import reporting, runner
 
     if _warnings_once is not None:
         _warnings_once.drop_metadata_hint = True  # the runner passes every task its metadata
-    reporter = reporting.SilentReporter() if quiet else reporting.RichReporter()
+    leader = runner.process_rank() == 0  # data-parallel (torchrun): rank 0 reports and writes
+    reporter = reporting.SilentReporter() if quiet or not leader else reporting.RichReporter()
     try:
         summary = runner.execute_plan(plan, reporter=reporter)
     except KeyboardInterrupt:
@@ -219,7 +233,7 @@ def run(
                f"{elsewhere}, {len(summary.failed)} failed. Results in {output}", err=True)
     if summary.failed:
         raise typer.Exit(1)
-    if report:
+    if report and leader:
         unfinished = [unit for unit in plan.units if not unit.dir.is_finished()]
         if unfinished:
             typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished yet (other "
@@ -353,7 +367,7 @@ def archive(
 
 @app.command()
 def tasks() -> None:
-    """List the tasks `run --task` accepts."""
+    """List the tasks `run --task` accepts, and the suites `run --suite` runs."""
     from ccq_eval.harness import plan as run_plan
 
     try:
@@ -363,6 +377,9 @@ def tasks() -> None:
     width = max((len(name) for name in listing), default=0)
     for name, description in listing.items():
         typer.echo(f"{name:<{width}}  {description}")
+    typer.echo("\nSuites (run --suite NAME):")
+    for name, suite in run_plan.SUITES.items():
+        typer.echo(f"{name:<{width}}  {suite.description}")
     typer.echo("\nAny lm-eval task name is accepted as well.", err=True)
 
 

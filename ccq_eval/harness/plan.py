@@ -30,6 +30,7 @@ DEFAULT_LENGTHS = "1k,2k"
 DEFAULT_DEPTHS = "0,50,100"
 DEFAULT_SAMPLES_PER_CELL = 2
 DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 
 # simple_evaluate arguments the runner sets itself; --lm-eval-arg may not override them.
 MANAGED_LMEVAL_ARGS = {
@@ -160,6 +161,99 @@ def _simple_evaluate_parameters() -> set[str] | None:
     return set(inspect.signature(evaluator.simple_evaluate).parameters)
 
 
+# --------------------------------------------------------------------------------------------
+# Defaults that fit the machine
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (imports torch; a function, so tests can fake a GPU)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(requested: str) -> str:
+    """--device auto -> "cuda" when CUDA is present (under torchrun / accelerate launch with several
+    processes, this process's GPU, cuda:LOCAL_RANK), else "cpu"; any other value as given."""
+    if requested != "auto":
+        return requested
+    if not cuda_available():
+        return "cpu"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cuda"
+
+
+def resolve_dtype(requested: str | None, device: str) -> str:
+    """--dtype auto (or none) -> bfloat16 on CUDA, float32 elsewhere; aliases (bf16, fp32, ...) -> the
+    torch name, so a unit's spec names one dtype one way."""
+    if requested in (None, "auto"):
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return _DTYPE_NAMES.get(requested, requested)
+
+
+# --------------------------------------------------------------------------------------------
+# Suites: a fixed grid of tasks and lengths under one name (`run --suite NAME`)
+
+
+@dataclass(frozen=True)
+class SuitePart:
+    """Task aliases of a suite with their length grid (empty: the tasks have none, LongBench)."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...] = ()
+    past_training_context: bool = False  # add 2x the model's training context if the grid stays within it
+    needs_longbench_data: bool = False  # only the datasets whose files --longbench-dir holds
+
+
+@dataclass(frozen=True)
+class Suite:
+    description: str
+    parts: tuple[SuitePart, ...]
+
+
+SUITES: dict[str, Suite] = {
+    "paper": Suite(
+        "the papers' grid: S-NIAH-1/2/3 at 1K-8K (and past the model's training context), perplexity "
+        "(both protocols) at 4K/8K/14K/20K, LongBench / LongBench-E datasets found in --longbench-dir",
+        (SuitePart(("s-niah-1", "s-niah-2", "s-niah-3"), (1024, 2048, 4096, 8192), past_training_context=True),
+         SuitePart(("ppl",), (4096, 8192, 14336, 20480)),
+         SuitePart(("longbench", "longbench-e"), needs_longbench_data=True)),
+    ),
+}
+
+
+def training_context(model: ModelEntry) -> int | None:
+    """The context a local checkpoint was trained at, as its config.json records it
+    (max_position_embeddings); None when there is no local config or no such field."""
+    config = Path(model.source) / "config.json"
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def suite_lengths(part: SuitePart, model: ModelEntry) -> list[int]:
+    """A part's lengths for one model: its grid, plus twice the training context when the grid
+    never goes past it (so every model is also evaluated beyond what it was trained on)."""
+    lengths = list(part.lengths)
+    trained = training_context(model) if part.past_training_context else None
+    if lengths and trained is not None and max(lengths) <= trained:
+        lengths.append(2 * trained)
+    return lengths
+
+
+def longbench_data_present(task: str, data_dir: Path) -> bool:
+    """Whether data_dir holds the jsonl file of a LongBench leaf task (ccq_longbench_<dataset> reads
+    <dataset>.jsonl, ccq_longbench_e_<dataset> <dataset>_e.jsonl; also under data/, as tasks/longbench)."""
+    for prefix, suffix in (("ccq_longbench_e_", "_e.jsonl"), ("ccq_longbench_", ".jsonl")):
+        if task.startswith(prefix):
+            name = task[len(prefix):] + suffix
+            return (data_dir / name).is_file() or (data_dir / "data" / name).is_file()
+    return False
+
+
 class TaskCatalog(Protocol):
     """What the runner needs from the task registry."""
 
@@ -206,16 +300,17 @@ class RunOptions:
     depths: str | None = None
     samples_per_cell: int | None = None
     limit: float | None = None
-    device: str = "cpu"
-    dtype: str | None = None
-    batch_size: int = 1
+    device: str = "auto"  # resolve_device
+    dtype: str | None = "auto"  # resolve_dtype
+    batch_size: int | None = None  # None: the adapter's auto (CUDA_AUTO_BATCH_SIZE on the fast path, else 1)
     max_length: int | None = None
     seed: int = 0
     output: Path = Path("results/latest")
     lm_eval_args: list[str] = field(default_factory=list)
     longbench_dir: Path | None = None
     keep_going: bool = False
-    cuda_graphs: bool = False  # the adapter's CUDA-graph decode steps and scoring forwards
+    cuda_graphs: bool | None = None  # CUDA-graph decode and scoring; None: where they apply (adapter)
+    suite: str | None = None  # a name in SUITES: its tasks and lengths instead of --task / --lengths
     shard: str | None = None  # "K/N": this worker runs the K-th of N deterministic parts of the units
 
 
@@ -226,22 +321,26 @@ def options_command_line(options: RunOptions) -> list[str]:
         argv += ["--model", model]
     for task in options.tasks:
         argv += ["--task", task]
+    if options.suite is not None:
+        argv += ["--suite", options.suite]
     for flag, value in (("--lengths", options.lengths), ("--depths", options.depths),
                         ("--samples-per-cell", options.samples_per_cell), ("--limit", options.limit),
                         ("--dtype", options.dtype), ("--max-length", options.max_length),
                         ("--longbench-dir", options.longbench_dir)):
         if value is not None:
             argv += [flag, str(value)]
-    argv += ["--device", options.device, "--batch-size", str(options.batch_size), "--seed", str(options.seed),
-             "--output", str(options.output)]
+    argv += ["--device", options.device]
+    if options.batch_size is not None:
+        argv += ["--batch-size", str(options.batch_size)]
+    argv += ["--seed", str(options.seed), "--output", str(options.output)]
     for pair in options.lm_eval_args:
         argv += ["--lm-eval-arg", pair]
     if options.shard is not None:
         argv += ["--shard", options.shard]
     if options.keep_going:
         argv.append("--keep-going")
-    if options.cuda_graphs:
-        argv.append("--cuda-graphs")
+    if options.cuda_graphs is not None:
+        argv.append("--cuda-graphs" if options.cuda_graphs else "--no-cuda-graphs")
     return argv
 
 
@@ -268,6 +367,9 @@ class RunPlan:
     lm_eval_args: dict[str, Any]
     task_metadata: dict[str, Any]
     lm_eval_loggers: dict[str, dict[str, Any]] = field(default_factory=dict)  # split_logger_args
+    device: str = "cpu"  # options.device resolved (resolve_device)
+    dtype: str = "float32"  # options.dtype resolved (resolve_dtype)
+    notes: list[str] = field(default_factory=list)  # what a suite left out, and why (shown to the user)
 
     @property
     def pending(self) -> list[Unit]:
@@ -327,14 +429,22 @@ def plan_run(
         raise PlanError("--limit must be positive (a count, or a fraction below 1)")
     if options.samples_per_cell is not None and options.samples_per_cell <= 0:
         raise PlanError("--samples-per-cell must be a positive whole number")
-    if options.batch_size <= 0:
+    if options.batch_size is not None and options.batch_size <= 0:
         raise PlanError("--batch-size must be a positive whole number")
     if options.max_length is not None and options.max_length <= 0:
         raise PlanError("--max-length must be a positive number of tokens")
     if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
         raise PlanError(f"--dtype {options.dtype!r}: valid choices are {', '.join(DTYPE_CHOICES)}")
-    if options.cuda_graphs and not str(options.device).startswith("cuda"):
+    if options.cuda_graphs and options.device != "auto" and not str(options.device).startswith("cuda"):
         raise PlanError(f"--cuda-graphs needs a CUDA device (--device cuda); got --device {options.device}")
+    if options.suite is not None:
+        if options.suite not in SUITES:
+            raise PlanError(f"--suite {options.suite!r}: valid suites are {', '.join(SUITES)}")
+        given = [flag for flag, value in (("--task", options.tasks), ("--lengths", options.lengths),
+                                          ("--limit", options.limit)) if value]
+        if given:
+            raise PlanError(f"--suite {options.suite} sets the tasks and lengths itself; drop {', '.join(given)} "
+                            "(or run without --suite)")
     if options.longbench_dir is not None and not Path(options.longbench_dir).is_dir():
         raise PlanError(f"--longbench-dir {options.longbench_dir}: no such folder")
     evaluate_pairs, lm_eval_loggers = split_logger_args(options.lm_eval_args)
@@ -350,7 +460,7 @@ def plan_run(
         if folder.exists() and not folder.is_dir():
             raise PlanError(f"--output {options.output}: {folder} is a file, not a folder; give a folder path")
 
-    using_defaults = not options.tasks  # the default tasks come with the default small grid
+    using_defaults = not options.tasks and options.suite is None  # the default tasks' small grid
     lengths_text = options.lengths if options.lengths is not None else (DEFAULT_LENGTHS if using_defaults else None)
     depths_text = options.depths if options.depths is not None else (DEFAULT_DEPTHS if using_defaults else None)
     samples_per_cell = options.samples_per_cell
@@ -414,7 +524,8 @@ def plan_run(
 
 
     catalog = default_task_catalog() if task_catalog is None else task_catalog
-    task_names = list(options.tasks) or list(DEFAULT_TASKS)
+    suite = SUITES[options.suite] if options.suite is not None else None
+    task_names = [a for part in suite.parts for a in part.tasks] if suite else list(options.tasks or DEFAULT_TASKS)
     resolved: list[tuple[str, str]] = []  # (lm-eval task, as the user wrote it)
     for name in task_names:
         try:
@@ -429,6 +540,14 @@ def plan_run(
         for task in expanded:
             if task not in [t for t, _ in resolved]:
                 resolved.append((task, name))
+    notes: list[str] = []
+    part_of: dict[str, SuitePart] = {}  # lm-eval task -> its suite part
+    if suite is not None:
+        for part in suite.parts:
+            for task, alias in resolved:
+                if alias in part.tasks:
+                    part_of[task] = part
+        resolved, notes = _suite_tasks_with_data(resolved, part_of, options)
     if depths is not None and not any(_is_sniah(task) for task, _ in resolved):
         raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
     grid_tasks = [task for task, _ in resolved if _is_sniah(task) or task.startswith("ccq_ppl")]
@@ -438,7 +557,7 @@ def plan_run(
             "use --samples-per-cell for S-NIAH and perplexity tasks (and --limit in a separate LongBench run)"
         )
     longbench_tasks = [task for task, _ in resolved if "longbench" in task]
-    if options.samples_per_cell is not None and longbench_tasks:
+    if options.samples_per_cell is not None and longbench_tasks and options.suite is None:
         raise PlanError(
             "--samples-per-cell does not apply to LongBench (fixed datasets); run LongBench separately "
             "and use --limit N to evaluate its first N records per dataset"
@@ -456,18 +575,32 @@ def plan_run(
     if options.longbench_dir is not None:
         task_metadata["data_dir"] = str(Path(options.longbench_dir).resolve())  # tasks/longbench's key
 
+    device = resolve_device(options.device)  # after every check above: this one may import torch
+    if options.cuda_graphs and not device.startswith("cuda"):
+        raise PlanError(f"--cuda-graphs needs a CUDA device; --device {options.device} gave {device} "
+                        "(no CUDA device is visible); drop --cuda-graphs or run on a GPU")
+    dtype = resolve_dtype(options.dtype, device)
+
     units = []
     for model in models:
         fingerprint = _checkpoint_fingerprint(model.source)
         for task, requested_as in resolved:
+            unit_metadata, unit_max_length = task_metadata, max_length
+            if task in part_of and part_of[task].lengths:
+                unit_lengths = suite_lengths(part_of[task], model)
+                if options.max_length and options.max_length < max(unit_lengths):
+                    raise PlanError(f"--max-length {options.max_length} is shorter than {task}'s longest length "
+                                    f"in --suite {options.suite} ({max(unit_lengths)}); raise or drop --max-length")
+                unit_metadata = dict(task_metadata, lengths=unit_lengths)
+                unit_max_length = options.max_length or max(unit_lengths)
             spec = {  # what the unit computes; a folder's location is not part of it (meta.json has it)
                 "model": model.name,
                 "checkpoint": fingerprint,
                 "task": task,
-                "task_metadata": metadata_for_task(task, task_metadata),
+                "task_metadata": metadata_for_task(task, unit_metadata),
                 "limit": options.limit,
-                "dtype": options.dtype,
-                "max_length": max_length,
+                "dtype": dtype,
+                "max_length": unit_max_length,
                 "lm_eval_args": lm_eval_args,
             }
             spec = json.loads(results_store.dumps(spec))  # the form it has once stored
@@ -493,7 +626,27 @@ def plan_run(
         lm_eval_args=lm_eval_args,
         lm_eval_loggers=lm_eval_loggers,
         task_metadata=task_metadata,
+        device=device,
+        dtype=dtype,
+        notes=notes,
     )
+
+
+def _suite_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, SuitePart],
+                           options: RunOptions) -> tuple[list[tuple[str, str]], list[str]]:
+    """A suite's tasks without the LongBench datasets whose data is absent, and notes saying so."""
+    data_dir = Path(options.longbench_dir) if options.longbench_dir is not None else None
+    kept = [(task, alias) for task, alias in resolved
+            if not part_of[task].needs_longbench_data or (data_dir and longbench_data_present(task, data_dir))]
+    dropped = sorted({alias for task, alias in resolved if (task, alias) not in kept})
+    notes = []
+    if dropped and data_dir is None:
+        notes.append(f"--suite {options.suite}: {', '.join(dropped)} skipped (no --longbench-dir)")
+    elif dropped:
+        missing = len(resolved) - len(kept)
+        notes.append(f"--suite {options.suite}: {missing} {'/'.join(dropped)} datasets skipped "
+                     f"(no jsonl file in {data_dir})")
+    return kept, notes
 
 
 def longbench_data_present(task: str, data_dir: Path) -> bool:
@@ -546,6 +699,8 @@ def check_against_disk(unit: Unit) -> None:
     except results_store.ResultsError as exc:
         raise PlanError(str(exc)) from None
     if stored is not None:
+        if "dtype" in stored:  # stored before dtypes were resolved: None was float32, aliases their name
+            stored = dict(stored, dtype=resolve_dtype(stored["dtype"] or "float32", "cpu"))
         differences = sorted(
             key for key in set(stored) | set(unit.spec) if stored.get(key) != unit.spec.get(key)
         )

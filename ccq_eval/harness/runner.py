@@ -54,12 +54,15 @@ def _load_model_default(source: str, device: str, dtype: str | None) -> tuple[An
     return load_model(source, device=device, dtype=dtype)
 
 
-def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int, seed: int,
-                          cuda_graphs: bool) -> Any:
+def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int | None, seed: int,
+                          cuda_graphs: bool | None) -> Any:
+    """The adapter; batch_size / cuda_graphs None leave them to the adapter's "auto" (the fast path where
+    it applies: a recurrent fla model on CUDA)."""
     from ccq_eval.harness.adapter import CCQEvalLM
 
-    kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "batch_size": batch_size, "seed": seed,
-                              "cuda_graphs": cuda_graphs}
+    kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "seed": seed,
+                              "batch_size": "auto" if batch_size is None else batch_size,
+                              "cuda_graphs": "auto" if cuda_graphs is None else cuda_graphs}
     if max_length is not None:
         kwargs["max_length"] = max_length
     return CCQEvalLM(**kwargs)
@@ -91,7 +94,7 @@ class LmEvalUnitEvaluator:
         self,
         *,
         load_model: Callable[[str, str, str | None], tuple[Any, Any]] = _load_model_default,
-        make_adapter: Callable[[Any, Any, int | None, int, int, bool], Any] = _make_adapter_default,
+        make_adapter: Callable[[Any, Any, int | None, int | None, int, bool | None], Any] = _make_adapter_default,
         task_catalog: TaskCatalog | None = None,
     ) -> None:
         self._load_model = load_model
@@ -113,11 +116,11 @@ class LmEvalUnitEvaluator:
         from lm_eval import evaluator
 
         options = context.plan.options
-        model, tokenizer = self._model(unit.model_source, options.device, options.dtype)
+        model, tokenizer = self._model(unit.model_source, context.plan.device, context.plan.dtype)
         adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
                                      options.cuda_graphs)
-        wrapped = ResumableLM(adapter, context.cache, chunk_size=options.batch_size,
-                              on_progress=context.on_progress)
+        batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)  # what the adapter chose
+        wrapped = ResumableLM(adapter, context.cache, chunk_size=batch_size, on_progress=context.on_progress)
         catalog = self._task_catalog or run_plan.default_task_catalog()
         metadata = dict(unit.spec["task_metadata"])
         metadata.setdefault("tokenizer", unit.model_source)
@@ -130,14 +133,17 @@ class LmEvalUnitEvaluator:
             task_manager=task_manager,
             limit=options.limit,
             log_samples=True,
-            batch_size=options.batch_size,
-            device=options.device,
+            batch_size=batch_size,
+            device=context.plan.device,
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,
             fewshot_random_seed=seed,
             **kwargs,
         )
+        truncation = truncation_info(adapter)  # collective in a data-parallel run: every rank asks
+        if results is None and wrapped.rank != 0:  # data-parallel: rank 0 gathers and stores the results
+            return UnitOutcome(results={}, samples={})
         if results is None:
             raise RuntimeError(f"lm-eval returned no results for {unit.task}")
         samples = results.pop("samples", {}) or {}
@@ -145,9 +151,12 @@ class LmEvalUnitEvaluator:
             results["config"]["model"] = unit.model
         meta = {
             "model_config_sha256": model_config_sha256(model),
-            "truncation": truncation_info(adapter),
+            "truncation": truncation,
             "requests_from_cache": wrapped.cached_count,
             "requests_computed": wrapped.computed_count,
+            "batch_size": batch_size,  # as run (--batch-size, or the adapter's auto choice)
+            "cuda_graphs": bool(getattr(adapter, "cuda_graphs", False)),  # as run
+            "world_size": wrapped.world_size,  # processes sharing the unit (torchrun / accelerate launch)
         }
         return UnitOutcome(results=results, samples=samples, meta=meta)
 
@@ -204,6 +213,12 @@ class RunSummary:
     elsewhere: list[Unit] = field(default_factory=list)  # finished by another worker on this folder
 
 
+def process_rank() -> int:
+    """This process's rank under torchrun / accelerate launch (both set RANK), else 0. Only rank 0
+    writes to the results folder; the others take their share of each unit's requests."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def default_evaluator() -> EvaluateUnit:
     """The unit evaluator `ccq-eval run` uses (a function, so tests can substitute one)."""
     return LmEvalUnitEvaluator()
@@ -229,6 +244,9 @@ def execute_plan(
     report.run_start(plan)
     try:
         pending = plan.pending
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _execute_data_parallel(plan, pending, evaluate, report, argv, kernels, summary)
+            pending = []
         # Units another worker holds are left for later; by then that worker has usually finished them.
         held_elsewhere: list[Unit] = []
         for index, unit in enumerate(pending):
@@ -242,6 +260,32 @@ def execute_plan(
     finally:
         report.run_end()
     return summary
+
+
+def _execute_data_parallel(plan: RunPlan, pending: list[Unit], evaluate: EvaluateUnit, report: Reporter,
+                           argv: list[str], kernels: dict[str, str | None], summary: RunSummary) -> None:
+    """The processes of one data-parallel run (torchrun / accelerate launch) take every unit together,
+    in plan order, each answering its share of the unit's requests (lm-eval splits them by rank): rank 0
+    holds the unit's lock and stores it, the others write nothing. Such a run should be the only worker
+    on its results folder: a unit another worker finished meanwhile would be skipped by rank 0 alone."""
+    for index, unit in enumerate(pending):
+        if process_rank() == 0:
+            _run_locked(plan, unit, index, len(pending), evaluate, report, argv, kernels, summary, blocking=True)
+        else:
+            _evaluate_and_store(plan, unit, evaluate, report, argv, kernels, summary, writes=False)
+    _end_data_parallel()
+
+
+def _end_data_parallel() -> None:
+    """In a data-parallel run, wait until rank 0 has stored every unit, then tear the process group
+    down here rather than at interpreter exit, where gloo's threads can abort the process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import torch.distributed
+
+    if torch.distributed.is_initialized():  # set up by the adapter (accelerate) for the first unit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _run_locked(plan: RunPlan, unit: Unit, index: int, total: int, evaluate: EvaluateUnit, report: Reporter,
@@ -278,8 +322,10 @@ def _failed(plan: RunPlan, unit: Unit, exc: Exception, report: Reporter, summary
 
 
 def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, report: Reporter, argv: list[str],
-                        kernels: dict[str, str | None], summary: RunSummary) -> None:
-    results_store.atomic_write_json(unit.dir.spec, unit.spec)
+                        kernels: dict[str, str | None], summary: RunSummary, *, writes: bool = True) -> None:
+    """Evaluate and store `unit`; with writes=False (a data-parallel rank other than 0) only evaluate."""
+    if writes:
+        results_store.atomic_write_json(unit.dir.spec, unit.spec)
     started = time.time()
     try:
         cache = ResponseCache(unit.dir.responses_db, identity=results_store.spec_identity(unit.spec))
@@ -299,6 +345,9 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
     finally:
         cache.close()
     wall_time = time.time() - started
+    if not writes:
+        summary.done.append(unit)
+        return
     meta = {
         "model": unit.model,
         "model_source": unit.model_source,
@@ -306,9 +355,12 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
         "requested_as": unit.requested_as,
         "spec": unit.spec,
         "seed": plan.options.seed,
-        "device": plan.options.device,
-        "dtype": plan.options.dtype,
-        "batch_size": plan.options.batch_size,
+        "device": plan.device,  # as run; "_requested": as asked (auto: plan.resolve_device / resolve_dtype)
+        "device_requested": plan.options.device,
+        "dtype": plan.dtype,
+        "dtype_requested": plan.options.dtype,
+        "batch_size": plan.options.batch_size,  # the evaluator's meta says what ran
+        "batch_size_requested": plan.options.batch_size or "auto",
         "wall_time_s": round(wall_time, 3),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -316,8 +368,9 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
         "argv": list(sys.argv),
         "cwd": os.getcwd(),
         "versions": package_versions(),
-        "gpu_kernels": kernels if str(plan.options.device).startswith("cuda") else None,
-        "cuda_graphs": plan.options.cuda_graphs,
+        "gpu_kernels": kernels if plan.device.startswith("cuda") else None,
+        "cuda_graphs": plan.options.cuda_graphs,  # the evaluator's meta says what ran
+        "cuda_graphs_requested": "auto" if plan.options.cuda_graphs is None else plan.options.cuda_graphs,
         "platform": platform.platform(),
     } | outcome.meta
     results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)

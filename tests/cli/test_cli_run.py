@@ -154,6 +154,7 @@ def fake_world(tmp_path, monkeypatch):
     monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: dict(REGISTRY))
     monkeypatch.setattr(run_plan, "default_task_catalog", lambda: catalog)
     monkeypatch.setattr(runner, "default_evaluator", make_evaluator)
+    monkeypatch.setattr(run_plan, "cuda_available", lambda: False)  # --device auto: the CPU, as in CI
     monkeypatch.chdir(tmp_path)
     return World
 
@@ -283,7 +284,8 @@ def test_default_run_uses_registry_defaults(fake_world, monkeypatch):
         (["--dtype", "int3"], "'int3' is not one of 'float32', 'fp32', 'bfloat16'"),
         (["--max-length", "1000"], "shorter than the longest of --lengths"),
         (["--longbench-dir", "missing-folder"], "no such folder"),
-        (["--cuda-graphs"], "--cuda-graphs needs a CUDA device (--device cuda); got --device cpu"),
+        (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device (--device cuda); got --device cpu"),
+        (["--suite", "paper"], "--suite paper sets the tasks and lengths itself; drop --task, --lengths"),
     ],
 )
 def test_bad_options_fail_before_any_model_loads(fake_world, args, expected):

@@ -522,7 +522,6 @@ def plan_run(
             except checkpoint.CheckpointError as exc:
                 raise PlanError(f"--model {model.name}: {exc}") from None
 
-
     catalog = default_task_catalog() if task_catalog is None else task_catalog
     suite = SUITES[options.suite] if options.suite is not None else None
     task_names = [a for part in suite.parts for a in part.tasks] if suite else list(options.tasks or DEFAULT_TASKS)
@@ -647,16 +646,6 @@ def _suite_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, S
         notes.append(f"--suite {options.suite}: {missing} {'/'.join(dropped)} datasets skipped "
                      f"(no jsonl file in {data_dir})")
     return kept, notes
-
-
-def longbench_data_present(task: str, data_dir: Path) -> bool:
-    """Whether data_dir holds the jsonl file of a LongBench leaf task (ccq_longbench_<dataset> reads
-    <dataset>.jsonl, ccq_longbench_e_<dataset> <dataset>_e.jsonl; also under data/, as tasks/longbench)."""
-    for prefix, suffix in (("ccq_longbench_e_", "_e.jsonl"), ("ccq_longbench_", ".jsonl")):
-        if task.startswith(prefix):
-            name = task[len(prefix):] + suffix
-            return (data_dir / name).is_file() or (data_dir / "data" / name).is_file()
-    return False
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from ccq_eval.model.registry import ModelEntry, RegistryError, default_model_nam
 DEFAULT_TASKS = ["s-niah", "ppl"]
 DEFAULT_LENGTHS = "1k,2k"
 DEFAULT_DEPTHS = "0,50,100"
-DEFAULT_SAMPLES_PER_CELL = 2
+DEFAULT_SAMPLES_PER_CELL = 4
 DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 

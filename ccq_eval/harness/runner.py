@@ -48,9 +48,24 @@ class UnitContext:
 EvaluateUnit = Callable[[Unit, UnitContext], UnitOutcome]
 
 
+def cpu_threads() -> int:
+    """torch's intra-op threads for a CPU evaluation: OMP_NUM_THREADS when the user set it, else half
+    the usable cores (at least one). All cores oversubscribe the machine as soon as anything else runs
+    beside the evaluation (lm-eval's own Python work, another run, a test job), which slows the small
+    models evaluated on CPUs severalfold (benchmarks/README.md, "CPU threads")."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable // 2)
+
+
 def _load_model_default(source: str, device: str, dtype: str | None) -> tuple[Any, Any]:
     from ccq_eval.model.loading import load_model
 
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(cpu_threads())
     return load_model(source, device=device, dtype=dtype)
 
 
@@ -369,6 +384,7 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
         "cwd": os.getcwd(),
         "versions": package_versions(),
         "gpu_kernels": kernels if plan.device.startswith("cuda") else None,
+        "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
         "cuda_graphs": plan.options.cuda_graphs,  # the evaluator's meta says what ran
         "cuda_graphs_requested": "auto" if plan.options.cuda_graphs is None else plan.options.cuda_graphs,
         "platform": platform.platform(),

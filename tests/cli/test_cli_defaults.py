@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from test_cli_run import RUN_ARGS, TASK_NAME, FakeLM, fake_world, invoke  # noqa: F401  (fake_world: a fixture)
+import test_cli_run
+from test_cli_run import RUN_ARGS, TASK_NAME, FakeLM, invoke
 
 import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store, runner
 from ccq_eval.model import registry as model_registry
+
+fake_world = test_cli_run.fake_world  # the fixture: registry, task catalog and evaluator replaced by fakes
 
 
 def _plan(**options):

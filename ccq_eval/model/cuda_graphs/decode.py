@@ -1,4 +1,4 @@
-"""One-token decode steps of an fla causal LM replayed from a CUDA graph (opt-in, CUDA only).
+"""One-token decode steps of an fla causal LM replayed from a CUDA graph (CUDA only).
 
 Why: an eager one-token step of a many-layer fla model is host-bound (Python, per-layer bookkeeping,
 some hundred kernel launches) while its GPU work is tiny. A captured graph replays the same kernels
@@ -15,7 +15,7 @@ the same graph: `load` copies its states into those buffers (CCQEvalLM keeps a g
 The state buffers the graph reads are held by this object for its lifetime: once CCQ's new P, m, n
 replace them in the cache, nothing else keeps them alive, and their memory must not be reused between
 replays. tests/model/test_graphed_decode.py (marked gpu) ties graphed to eager decoding, text and
-logits. Off by default (CCQEvalLM's cuda_graphs).
+logits. CCQEvalLM uses it by default for recurrent fla models on CUDA (cuda_graphs="auto").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Scoring forwards of a recurrent fla model replayed from CUDA graphs (opt-in, CUDA only).
+"""Scoring forwards of a recurrent fla model replayed from CUDA graphs (CUDA only; the adapter default).
 
 Why: on a fast GPU the eager forward of a mid-size model is bound by host-side work (Python and some
 thousand kernel launches per long text), not by the GPU. A captured graph replays the same kernels
@@ -94,6 +94,6 @@ class GraphedScoring:
                 logprob, greedy = self._run(ids)
         except RuntimeError as error:  # e.g. a host synchronisation inside the model's forward
             raise RuntimeError(f"capturing the scoring forward ({rows} x {length} tokens) in a CUDA graph "
-                               f"failed: {error}. Score without CUDA graphs (cuda_graphs=False, no "
-                               "--cuda-graphs)") from error
+                               f"failed: {error}. Score without CUDA graphs (cuda_graphs=False; "
+                               "ccq-eval run --no-cuda-graphs)") from error
         return _Captured(graph, ids, logprob, greedy)

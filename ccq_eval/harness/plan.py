@@ -173,15 +173,15 @@ def cuda_available() -> bool:
 
 
 def resolve_device(requested: str) -> str:
-    """--device auto -> "cuda" when CUDA is present (under torchrun / accelerate launch with several
-    processes, this process's GPU, cuda:LOCAL_RANK), else "cpu"; any other value as given."""
-    if requested != "auto":
-        return requested
-    if not cuda_available():
-        return "cpu"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    """--device auto -> "cuda" when CUDA is present, else "cpu"; other values as given, except that
+    under torchrun / accelerate launch with several processes "cuda" is this process's GPU
+    (cuda:LOCAL_RANK), so the processes do not all load their model onto the first GPU."""
+    device = requested
+    if requested == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return "cuda"
+    return device
 
 
 def resolve_dtype(requested: str | None, device: str) -> str:

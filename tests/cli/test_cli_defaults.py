@@ -34,7 +34,8 @@ def test_auto_device_and_dtype_follow_cuda(fake_world, monkeypatch):
     # Under torchrun / accelerate launch, each process takes its own GPU.
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert run_plan.resolve_device("auto") == "cuda:1" and run_plan.resolve_device("cpu") == "cpu"
+    assert run_plan.resolve_device("auto") == run_plan.resolve_device("cuda") == "cuda:1"
+    assert run_plan.resolve_device("cpu") == "cpu" and run_plan.resolve_device("cuda:0") == "cuda:0"
     # --cuda-graphs where auto found no GPU: refused at planning, naming what was resolved.
     monkeypatch.setattr(run_plan, "cuda_available", lambda: False)
     with pytest.raises(run_plan.PlanError, match="--device auto gave cpu"):

@@ -47,9 +47,9 @@ logger = logging.getLogger(__name__)
 
 # Linear attention has no positional limit; without a user/task value we allow this much.
 DEFAULT_MAX_LENGTH = 32768
-# batch_size="auto": rows per forward for a recurrent fla model on CUDA, where decoding several
-# prompts together is what makes generation fast (one row's decode step leaves the GPU idle);
-# 1 elsewhere (CPU, other models), which keeps CPU results as they were.
+# batch_size="auto": rows per forward on the fast path (a recurrent fla model on CUDA with graphs),
+# where decoding several prompts together is what makes generation fast (one row's decode step
+# leaves the GPU idle); 1 elsewhere (CPU, other models, cuda_graphs=False), the eager path as it was.
 CUDA_AUTO_BATCH_SIZE = 4
 
 __all__ = ["DEFAULT_MAX_LENGTH", "CCQEvalLM", "TokenNLL"]
@@ -80,14 +80,15 @@ def _parse_cuda_graphs(value: bool | str) -> bool | None:
 def resolve_fast_path(device_type: str, recurrent: bool, batch_size: int | None, cuda_graphs: bool | None,
                       *, model_name: str = "the model") -> tuple[int, bool]:
     """(batch size, CUDA graphs on) from what was asked, None meaning "auto": the fast path (graph
-    replay, CUDA_AUTO_BATCH_SIZE rows) for a recurrent fla model on CUDA, eager batch 1 elsewhere.
-    cuda_graphs=True where graphs cannot apply is an error, not a silent fallback."""
+    replay, CUDA_AUTO_BATCH_SIZE rows) for a recurrent fla model on CUDA, eager batch 1 elsewhere and
+    when graphs are turned off. cuda_graphs=True where graphs cannot apply is an error, not a silent
+    fallback."""
     fits = device_type == "cuda" and recurrent
     if cuda_graphs and not fits:
         raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
                          f"device; got {model_name} on {device_type}")
-    return (batch_size or (CUDA_AUTO_BATCH_SIZE if fits else 1),
-            fits if cuda_graphs is None else cuda_graphs)
+    graphs = fits if cuda_graphs is None else cuda_graphs
+    return batch_size or (CUDA_AUTO_BATCH_SIZE if graphs else 1), graphs
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -140,8 +141,8 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         batch_size: rows per forward; scoring batches only sequences of equal token length
             (no padding: a recurrent state has no attention mask to hide pad tokens); generation
             with a recurrent fla model prefills each prompt alone and decodes up to batch_size
-            prompts of any length together. "auto" (the default): CUDA_AUTO_BATCH_SIZE for a
-            recurrent fla model on CUDA, else 1.
+            prompts of any length together. "auto" (the default): CUDA_AUTO_BATCH_SIZE with CUDA
+            graphs (see resolve_fast_path), else 1.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         cuda_graphs: replay each one-token decode step (ccq_eval.model.cuda_graphs.decode; one graph per

@@ -39,15 +39,16 @@ def test_cuda_graphs_are_refused_without_cuda():
 
 def test_fast_path_defaults_resolve_by_device_and_model():
     """batch_size / cuda_graphs "auto" (None): graphs and CUDA_AUTO_BATCH_SIZE for a recurrent model on
-    CUDA, eager batch 1 on the CPU and for other models; explicit values win; True where graphs cannot
-    run is refused, while the default falls back."""
+    CUDA, eager batch 1 on the CPU, for other models and with graphs off (today's eager path); explicit
+    values win; True where graphs cannot run is refused, while the default falls back."""
     from ccq_eval.harness.adapter import CUDA_AUTO_BATCH_SIZE, resolve_fast_path
 
     assert resolve_fast_path("cuda", True, None, None) == (CUDA_AUTO_BATCH_SIZE, True)
     assert resolve_fast_path("cuda", False, None, None) == (1, False)  # e.g. the Llama reference
     assert resolve_fast_path("cpu", True, None, None) == (1, False)
     assert resolve_fast_path("cuda", True, 2, False) == (2, False)
-    assert resolve_fast_path("cuda", True, None, False) == (CUDA_AUTO_BATCH_SIZE, False)
+    assert resolve_fast_path("cuda", True, None, False) == (1, False)  # --no-cuda-graphs: the eager path
+    assert resolve_fast_path("cuda", True, None, True) == (CUDA_AUTO_BATCH_SIZE, True)
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
         resolve_fast_path("cuda", False, None, True)
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):

@@ -145,9 +145,9 @@ def run(
         "--task", "-t", help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e) or lm-eval task "
         "name; repeat for several. Default: s-niah and ppl.")] = [],  # noqa: B006
     suite: Annotated[SuiteName | None, typer.Option(
-        help="A fixed grid instead of --task / --lengths (`ccq-eval tasks` lists it): paper = S-NIAH-1/2/3 at "
-        "1K-8K (and past the training context), perplexity (both protocols) at 4K-20K, LongBench / "
-        "LongBench-E where --longbench-dir holds their data.")] = None,
+        help="A fixed grid instead of --task / --lengths (`ccq-eval tasks` lists it): paper = "
+        "S-NIAH-1/2/3 at 1K-8K (and past the training context), perplexity (both protocols) at 4K-20K, "
+        "LongBench / LongBench-E where --longbench-dir holds their data.")] = None,
     lengths: Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")] = None,
     depths: Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")] = None,
     samples_per_cell: Annotated[int | None, typer.Option(help="Samples per (length, depth) cell.")] = None,
@@ -160,7 +160,7 @@ def run(
         help="Weights and compute dtype; auto: bfloat16 on CUDA, float32 on CPU.")] = Dtype.auto,
     batch_size: Annotated[int | None, typer.Option(
         help="Requests per forward: scoring batches equal-length texts; generation with recurrent fla models "
-        "decodes prompts of any length together. Default: 4 for those on CUDA, else 1.")] = None,
+        "decodes prompts of any length together. Default: 4 for those on CUDA with CUDA graphs, else 1.")] = None,
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,

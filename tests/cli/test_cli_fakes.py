@@ -247,7 +247,7 @@ def test_store_reads_lm_eval_cli_layout(tmp_path):
     """results_<stamp>.json next to samples_<task>_<stamp>.jsonl (lm-eval's CLI) is read too."""
     folder = tmp_path / "lm" / "some__model"
     folder.mkdir(parents=True)
-    results = results_dict("ccq_s_niah_1", {"acc": 50.0}, [("acc", "mean", True)], 2)
+    results = results_dict("ccq_s_niah_1", {"acc": 100.0}, [("acc", "mean", True)], 1)  # one logged sample
     results["config"] = {"model": "some/model"}
     (folder / "results_2025-01-01T00-00-00.json").write_text(json.dumps(results))
     sample = make_sample(0, {"length": 1024, "depth": 0}, "1", "p", "1", {"acc": 100.0})

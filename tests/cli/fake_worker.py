@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from test_cli_run import REGISTRY, TASK_NAME, TASK_UTILS, TASK_YAML, FakeCatalog, FakeLM  # noqa: E402
 
-# Three S-NIAH-like tasks (the test task and two copies under other names): a grid of models x tasks.
-TASKS = (TASK_NAME, f"{TASK_NAME}_b", f"{TASK_NAME}_c")
+# Two S-NIAH-like tasks (the test task and a copy under another name): a grid of models x tasks.
+TASKS = (TASK_NAME, f"{TASK_NAME}_b")
 
 
 def write_tasks(folder: Path) -> None:
@@ -32,7 +32,7 @@ def write_tasks(folder: Path) -> None:
 
 class GridCatalog(FakeCatalog):
     def aliases(self):
-        return {"grid": "three fake tasks"} | {name: "a fake task" for name in TASKS}
+        return {"grid": "two fake tasks"} | {name: "a fake task" for name in TASKS}
 
     def resolve(self, name):
         if name == "grid":

@@ -528,12 +528,13 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
     lines = [
         f"# {spec.name}",
         "",
-        f"A small {FAMILY_NAMES[spec.family]} language model {what}, trained by this project as an embedded "
-        f"default for `ccq-eval`. {fairness}",
+        (f"A small {FAMILY_NAMES[spec.family]} language model {what}, trained by this project as an embedded "
+         f"default for `ccq-eval`. {fairness}"),
         "",
-        f"**A demonstration model, not the paper's.** It has {info['parameters'] / 1e6:.1f}M parameters, reads "
-        "bytes, and was trained for minutes on a few megabytes of public-domain English. Numbers from it show how the "
-        "harness behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B models."
+        (f"**A demonstration model, not the paper's.** It has {info['parameters'] / 1e6:.1f}M parameters, reads "
+         "bytes, and was trained for minutes on a few megabytes of public-domain English. Numbers from it show how "
+         "the harness behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B "
+         "models.")
         + (" Smoke-test run: tiny shape, a few steps on repeated data; not a usable model." if settings.smoke
            else ""),
         "",

@@ -243,7 +243,7 @@ def test_answer_mask_marks_the_values_and_weighs_the_loss():
     tokens, answers, synthetic = train_tiny.BatchDataset(stream, steps=1, batch_size=2)[0]
     assert tokens.shape == answers.shape == (2, 513) and answers.any() and synthetic > 0
     for row in range(2):
-        ids, segments = stream.sequence(row)
+        _, segments = stream.sequence(row)
         expected = torch.zeros(513, dtype=torch.bool)
         for seg in segments:
             for begin, end in seg.answers:

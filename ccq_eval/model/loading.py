@@ -169,7 +169,7 @@ def load_model(
             folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
             trust_remote_code=trust_remote_code, local_files_only=True, output_loading_info=True,
         )
-    except RuntimeError as error:  # transformers: tensor shapes of the weights differ from the config's
+    except RuntimeError:  # transformers: tensor shapes of the weights differ from the config's
         raise ModelLoadError(
             f"{folder}: config.json does not match the tensor shapes of its weights (the report above lists "
             "them); use the config.json saved with these weights") from None
@@ -178,7 +178,7 @@ def load_model(
     missing = [key for key in loading_info.get("missing_keys") or [] if ".ccq_gate_" not in key]
     if missing:
         raise ModelLoadError(
-            f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. {sorted(missing)[0]}); "
+            f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. {min(missing)}); "
             "use the config.json saved with these weights, or re-save the checkpoint")
     from transformers import AutoTokenizer
 

@@ -9,8 +9,9 @@ and optimiser. Data: scripts/tiny_data.py (embedded corpora, train split only, a
 in-context recall documents in our own wording, with several questions each and a distance
 curriculum).
 
-GPU (fla's triton kernels, bf16 autocast; the defaults are the settings of the shipped models),
-one model per process, all five sharing one GPU (scripts/gpu_session.sh does this):
+GPU (fla's triton kernels, bf16 autocast; the defaults are stage 1 of the shipped models, whose
+stage 2 continues with --init-from: scripts/README.md), one model per process, all five sharing
+one GPU (scripts/gpu_session.sh does this):
     python scripts/train_tiny.py --models tiny-gla-ccq --device cuda --data-workers 2 --out models
 CPU smoke run (tiny shape, a few steps on repeated data, writes to a temporary folder):
     python scripts/train_tiny.py --smoke

@@ -12,7 +12,8 @@
 #      (pytest -m gpu; STAGES without "tests" skips them);
 #   2. the default suite at the larger grid on the freshly trained models (one process per model);
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
-# Environment knobs: STAGES (comma-separated subset of tests,train,eval,bench; default all four), BENCH (subset of model,train4,harness,ops,
+# Environment knobs: STAGES (comma-separated subset of tests,train,eval,bench; default all four),
+# BENCH (subset of model,train4,harness,ops,
 # sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
 # STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT

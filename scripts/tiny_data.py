@@ -33,13 +33,11 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from ccq_eval.harness.corpora import load_corpus
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_NAMES = ("sotu", "kjv", "austen")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 BYTE_OFFSET = 3  # ByT5: token id = byte value + 3
@@ -115,7 +113,6 @@ FORBIDDEN_PHRASES = (
     "One of the special", "hidden within the following text", "memorize it", "quiz you about",
     "The grass is green", "The sky is blue", "The sun is yellow", "Here we go", "There and back again",
 )
-S_NIAH_KEY_WORDS = REPO_ROOT / "tasks" / "s_niah" / "key_words.txt"
 
 
 def encode_bytes(text: str | bytes) -> list[int]:
@@ -175,8 +172,9 @@ def text_pool(split: str) -> TextPool:
 @cache
 def s_niah_key_words() -> frozenset[str]:
     """The words S-NIAH builds its keys from: held out, so never part of a training key."""
-    lines = S_NIAH_KEY_WORDS.read_text(encoding="utf-8").splitlines()
-    return frozenset(w.strip() for w in lines if w.strip() and not w.startswith(("#", "[")))
+    from tasks.s_niah.utils import load_key_words
+
+    return frozenset(word for key in load_key_words() for word in key.split("-"))
 
 
 @cache
@@ -231,10 +229,6 @@ class RecallDoc:
     def prompt_len(self) -> int:
         """Bytes before the first answer's value (which follows a space)."""
         return self.answers[0][0] - 1
-
-    @property
-    def value(self) -> str:
-        return self.answers[0][1]
 
 
 def _noise_filler(rng: random.Random, length: int) -> bytes:

@@ -767,9 +767,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-from", default=None,
                         help="continue from the trained checkpoints in this folder: each twin from its family's "
                              "baseline (<folder>/tiny-gla, <folder>/tiny-gdn), the Transformer from its own")
-    parser.add_argument("--curriculum-share", type=float, default=0.4,
+    parser.add_argument("--curriculum-share", type=float, default=tiny_data.CURRICULUM_SHARE,
                         help="share of the steps over which synthetic documents grow from short to the full "
-                             "context (default 0.4; 0 = no curriculum)")
+                             f"context (default {tiny_data.CURRICULUM_SHARE}; 0 = no curriculum)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="cycle over the first N sequences only (default 0 = fresh data; --smoke: 2)")
     parser.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50; --smoke 1)")

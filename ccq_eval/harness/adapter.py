@@ -26,6 +26,7 @@ or by name from lm-eval (import this module first so "ccq" is registered):
 """
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
@@ -89,6 +90,17 @@ def resolve_fast_path(device_type: str, recurrent: bool, batch_size: int | None,
                          f"device; got {model_name} on {device_type}")
     graphs = fits if cuda_graphs is None else cuda_graphs
     return batch_size or (CUDA_AUTO_BATCH_SIZE if graphs else 1), graphs
+
+
+def _end_process_group() -> None:
+    """Destroy the data-parallel process group before interpreter shutdown (registered with atexit):
+    left to module teardown, gloo's threads can be destroyed while still joinable, which aborts the
+    process with SIGABRT after the results are written."""
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank closes its connections while another still uses them
+        torch.distributed.destroy_process_group()
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -195,6 +207,7 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
             self.accelerator = Accelerator(cpu=on_cpu)
             self._rank = self.accelerator.process_index
             self._world_size = self.accelerator.num_processes
+            atexit.register(_end_process_group)
 
         if model is None:
             if pretrained is None:

@@ -11,8 +11,11 @@ Sections (--sections, comma-separated):
               loglikelihood_rolling vs lm-eval's stock HFLM
   generation  S-NIAH-1 prompts at each length, greedy: prefill time and decode tokens/s through the
               adapter's generate_until vs transformers' model.generate()
-  sniah       S-NIAH-1 samples through generate_until: adapter vs stock HFLM, seconds per sample and
-              whether the texts agree
+  sniah       S-NIAH-1 samples through generate_until: adapter (batch 1 and its default batch) vs
+              stock HFLM, seconds per sample and whether the texts agree
+
+With no flags the adapter runs as `ccq-eval run` runs it: CUDA graphs and its default batch size on
+CUDA (--no-cuda-graphs: eager everywhere).
 
 Writes <out>/<name>.json and <out>/<name>.md. --merge combines the JSON of several runs (sections
 split across device calls) into one report. See benchmarks/README.md for the commands to run on a GPU.
@@ -44,10 +47,12 @@ SECTION_NAMES = ("model", "ops", "harness", "generation", "sniah")
 
 # Full (GPU) defaults and the CPU smoke defaults; an explicit flag wins over both.
 FULL = {
-    "sections": "model,harness,generation",
+    # With no flags the adapter runs as `ccq-eval run` runs it: CUDA graphs and the default batch size
+    # on CUDA; the model section adds the graphed forward, the mode the harness scores in.
+    "sections": "model,harness,generation,sniah",
     "archs": "gla,gated_deltanet",
     "ccq": "off,on",
-    "modes": "forward,train",
+    "modes": "forward,forward_graphed,train",
     "lengths": "4096,8192,16384,20480",
     "batch": 1,
     "warmup": 3,
@@ -61,7 +66,7 @@ FULL = {
     "gen_repeats": 3,
     "sniah_length": 8192,
     "sniah_samples": 4,
-    "sniah_batch": 1,
+    "sniah_batches": "1,auto",  # auto: the adapter's default batch size (CUDA_AUTO_BATCH_SIZE with graphs)
     # The adapter's default (lm_adapter.DEFAULT_CHUNK_SIZE): an 8K prompt prefilled in one slice, as
     # HFLM prefills it. Slices of another length give other segment sums in the CCQ state kernels, so
     # the states, and on an untrained model the greedy texts, differ by rounding.
@@ -90,6 +95,7 @@ SMOKE = {
     "sniah_length": 1024,
     "sniah_samples": 1,
     "sniah_warmup": 0,
+    "modes": "forward,train",
     "ops_shape": "256,2,16,32",
     "matmul_size": 256,
     "device": "cpu",
@@ -134,16 +140,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--harness-docs", type=int, help="harness: documents scored per timed call")
     p.add_argument("--no-hflm", action="store_true", help="skip lm-eval's HFLM comparisons")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="the adapter replays decode steps (generation, sniah) and, as extra harness rows, "
-                        "scoring forwards from CUDA graphs (CUDA only)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="the adapter runs eagerly everywhere (default on CUDA: decode steps (generation, "
+                        "sniah) and, as extra harness rows, scoring forwards replayed from CUDA graphs)")
     p.add_argument("--gen-lengths", help="generation: S-NIAH lengths (prompt + 128-token budget)")
     p.add_argument("--new-tokens", type=int, help="generation: greedy tokens to generate")
     p.add_argument("--gen-warmup", type=int)
     p.add_argument("--gen-repeats", type=int)
     p.add_argument("--sniah-length", type=int, help="sniah: S-NIAH-1 length")
     p.add_argument("--sniah-samples", type=int, help="sniah: samples (needle depths spread over 0..100%%)")
-    p.add_argument("--sniah-batch", type=int, help="sniah: the adapter's batch_size")
+    p.add_argument("--sniah-batches", help="sniah: the adapter's batch sizes, e.g. 1,auto (auto: its default)")
     p.add_argument("--sniah-chunk-size", type=int, help="sniah: the adapter's chunk_size (prefill slice)")
     p.add_argument("--sniah-warmup", type=int, help="sniah: untimed generate_until calls on one sample first")
     p.add_argument("--sniah-repeats", type=int)
@@ -173,6 +179,14 @@ def _ints(text: str, what: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise SystemExit(f"error: --{what} {text!r}: expected positive integers")
     return values
+
+
+def _batches(text: str) -> list[int | None]:
+    """Batch sizes from "1,auto": positive integers, None for auto (the adapter picks)."""
+    values = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not values or not all(v == "auto" or (v.isdigit() and int(v) >= 1) for v in values):
+        raise SystemExit(f"error: --sniah-batches {text!r}: expected positive integers or auto, e.g. 1,auto")
+    return list(dict.fromkeys(None if v == "auto" else int(v) for v in values))
 
 
 def _choices(text: str, valid: tuple[str, ...], what: str) -> list[str]:
@@ -222,14 +236,14 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "harness_docs": max(1, raw["harness_docs"]),
         "adapter_chunk_sizes": _ints(raw["adapter_chunk_sizes"], "adapter-chunk-sizes"),
         "hflm": not args.no_hflm,
-        "cuda_graphs": args.cuda_graphs,
+        "cuda_graphs": device.startswith("cuda") and not args.no_cuda_graphs,
         "gen_lengths": _ints(raw["gen_lengths"], "gen-lengths"),
         "new_tokens": raw["new_tokens"],
         "gen_warmup": max(0, raw["gen_warmup"]),
         "gen_repeats": max(1, raw["gen_repeats"]),
         "sniah_length": raw["sniah_length"],
         "sniah_samples": max(1, raw["sniah_samples"]),
-        "sniah_batch": max(1, raw["sniah_batch"]),
+        "sniah_batches": _batches(raw["sniah_batches"]),
         "sniah_chunk_size": max(1, raw["sniah_chunk_size"]),
         "sniah_warmup": max(0, raw["sniah_warmup"]),
         "sniah_repeats": max(1, raw["sniah_repeats"]),
@@ -243,6 +257,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             arch: (workload.SHAPES_SMOKE if args.smoke else workload.SHAPES_340M)[arch] for arch in archs
         },
     }
+    if args.modes is None and not settings["cuda_graphs"]:  # graphed modes need CUDA graphs
+        settings["modes"] = [m for m in settings["modes"] if not m.endswith("_graphed")]
     if settings["repeats"] < 1:
         raise SystemExit("error: --repeats must be >= 1")
     return settings

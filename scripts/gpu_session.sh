@@ -15,7 +15,7 @@
 # Environment knobs: STAGES (comma-separated subset of tests,train,eval,bench; default all four),
 # BENCH (subset of model,train4,harness,ops,
 # sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
-# PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --cuda-graphs), TESTS_TIMEOUT,
+# PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --no-cuda-graphs), TESTS_TIMEOUT,
 # STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
@@ -120,7 +120,7 @@ pipeline() {
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
   group() { listed "$1" "${BENCH:-model,train4,harness,ops,sniah,generation}"; }
   group model && { timeout 360 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths "${MODEL_LENGTHS:-4096,20480}" \
-    --modes "${MODEL_MODES:-forward,train}" --repeats "${MODEL_REPEATS:-5}" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"; }
+    --modes "${MODEL_MODES:-forward,forward_graphed,train}" --repeats "${MODEL_REPEATS:-5}" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"; }
   # 32 documents of 20K tokens per timed call (tokenisation included: the first document's cannot be
   # hidden, so few documents per call understate an evaluation's throughput), one slice per document.
   group harness && { timeout 240 "${bench[@]}" --sections harness --archs gla --adapter-chunk-sizes 32768 \
@@ -130,10 +130,10 @@ pipeline() {
   group train4 && { timeout 180 "${bench[@]}" --sections model --modes train --archs gla,gated_deltanet --lengths 4096 \
     --batch 4 --repeats 3 --name model-train-batch4 > "$WORK/logs/bench-train-batch.log" 2>&1 || stage "bench train batch rc $?"; }
   group ops && { timeout 100 "${bench[@]}" --sections ops --name ops > "$WORK/logs/bench-ops.log" 2>&1 || stage "bench ops rc $?"; }
-  # S-NIAH through the adapter (batched, CUDA-graph decode for fla's layers) vs stock HFLM.
-  group sniah && { timeout 180 "${bench[@]}" --sections sniah --archs gla --sniah-batch 4 --cuda-graphs --name sniah \
+  # S-NIAH through the adapter (its defaults: graphs, batched; and batch 1) vs stock HFLM.
+  group sniah && { timeout 180 "${bench[@]}" --sections sniah --archs gla,gated_deltanet --name sniah \
     > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"; }
-  group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 --cuda-graphs \
+  group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }
   # The fused CCQ forward's read configs, segment lengths and key normalisation side by side (stdout).
   group tune && { timeout 300 python3 benchmarks/tune_ccq.py --shapes gdn,gla > "$WORK/logs/tune-ccq.log" 2>&1 \

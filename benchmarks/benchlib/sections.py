@@ -584,9 +584,9 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
                 model=model,
                 tokenizer=bench.tokenizer,
                 max_length=s["sniah_length"],
-                batch_size=s["sniah_batch"],
+                batch_size=case["batch"] or "auto",
                 chunk_size=s["sniah_chunk_size"],
-                cuda_graphs=_graphs(bench, case),
+                cuda_graphs="auto" if _graphs(bench, case) else False,
             )
         # Compilation for this length, and the adapter's decode graph for its batch size: captured once
         # in an evaluation and then reused by every batch (HFLM's batch is 1).
@@ -610,7 +610,8 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
         "peak_mem_bytes": peak,
         "mem_before_bytes": mem_before,
         "texts": list(texts),
-        "cuda_graphs": _graphs(bench, case),
+        "batch_size": int(getattr(lm, "batch_size", 1)),
+        "cuda_graphs": bool(getattr(lm, "cuda_graphs", False)),
     }
 
 
@@ -635,12 +636,14 @@ def run_sniah(bench: Bench) -> None:
         "ccq_truncation": "error",
     }
     hflm_kwargs = {k: v for k, v in adapter_kwargs.items() if k != "ccq_truncation"}
-    methods = [("ccq_adapter", adapter_kwargs)] + ([("lm_eval HFLM", hflm_kwargs)] if s["hflm"] else [])
+    # (method, batch size asked for: None = the adapter's default, generation kwargs)
+    methods = [("ccq_adapter", batch, adapter_kwargs) for batch in s["sniah_batches"]]
+    methods += [("lm_eval HFLM", 1, hflm_kwargs)] if s["hflm"] else []
     for arch in s["archs"]:
         model = bench.model(arch)
         for ccq in bench.ccq_settings():
-            rows = {}
-            for method, kwargs in methods:
+            rows = []
+            for method, batch, kwargs in methods:
                 requests = [
                     Instance(
                         request_type="generate_until",
@@ -652,19 +655,22 @@ def run_sniah(bench: Bench) -> None:
                     )
                     for i, doc in enumerate(docs)
                 ]
-                case = {"arch": arch, "ccq": ccq, "method": method, "length": s["sniah_length"]}
+                case = {"arch": arch, "ccq": ccq, "method": method, "length": s["sniah_length"],
+                        "batch": batch}
                 bench.log(f"sniah {case}")
                 row = bench.attempt(
                     "sniah", case, functools.partial(_sniah_case, bench, model, case, requests)
                 )
                 if row is not None:
-                    rows[method] = bench.add("sniah", row)
-            if len(rows) == 2:
-                adapter, hflm = rows["ccq_adapter"], rows["lm_eval HFLM"]
+                    rows.append(bench.add("sniah", row))
+            hflm = next((r for r in rows if r["method"] == "lm_eval HFLM"), None)
+            if hflm is None:
+                continue
+            for adapter in (r for r in rows if r["method"] == "ccq_adapter"):
                 same = [a == b for a, b in zip(adapter["texts"], hflm["texts"], strict=True)]
-                for row in rows.values():
-                    row["same_text_fraction"] = sum(same) / len(same)
+                adapter["same_text_fraction"] = sum(same) / len(same)
                 adapter["speedup_vs_hflm"] = hflm["seconds_per_sample"] / adapter["seconds_per_sample"]
+                hflm["same_text_fraction"] = min(hflm.get("same_text_fraction", 1.0), adapter["same_text_fraction"])
 
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {

@@ -172,7 +172,10 @@ def test_sniah_rows_and_known_failures(smoke):
     report, _, _ = smoke
     rows = report["results"]["sniah"]
     adapter = [r for r in rows if r["method"] == "ccq_adapter"]
-    assert len(adapter) == len(ARCHS) * 2
+    # CCQ off and on, each at batch size 1 and at the adapter's default (1 on the CPU, no graphs).
+    assert len(adapter) == len(ARCHS) * 2 * 2
+    assert sorted({r["batch"] for r in adapter}, key=str) == [1, None]
+    assert all(r["batch_size"] == 1 and r["cuda_graphs"] is False for r in adapter)
     for row in rows:
         assert row["samples"] == report["settings"]["sniah_samples"] and row["seconds_per_sample"] > 0
     for arch in ARCHS:
@@ -188,6 +191,8 @@ def test_targets_listed(smoke):
     for arch in ARCHS:
         assert any(n.startswith(f"{arch} forward CCQ/baseline") for n in names)
         assert any(n.startswith(f"{arch} forward+backward CCQ/baseline") for n in names)
+    sniah = [t for t in report["targets"] if "S-NIAH-1" in t["name"]]
+    assert {t["threshold"] for t in sniah} == {">= 15 and same text", ">= 40 and same text"}
     for target in report["targets"]:
         assert set(target) == {"name", "threshold", "value", "passed", "detail"}
 
@@ -239,9 +244,29 @@ def test_bad_flags_name_the_choices(tmp_path):
         bench.resolve_settings(bench.parse_args(["--smoke", "--sections", "model,speed"]))
     with pytest.raises(SystemExit, match="expected T,H,K,V"):
         bench.resolve_settings(bench.parse_args(["--smoke", "--ops-shape", "1,2,3"]))
+    with pytest.raises(SystemExit, match="--sniah-batches '0,x': expected positive integers or auto"):
+        bench.resolve_settings(bench.parse_args(["--smoke", "--sniah-batches", "0,x"]))
     with pytest.raises(SystemExit, match="not a ccq-eval-bench/1 file"):
         (tmp_path / "x.json").write_text("{}", encoding="utf-8")
         bench.main(["--merge", str(tmp_path / "x.json"), "--out", str(tmp_path)])
+
+
+def test_defaults_follow_the_harness(monkeypatch):
+    """With no flags the bench runs the adapter as `ccq-eval run` does: graphs and the default batch
+    size where CUDA is (the graphed forward joins the model section), eager without CUDA or with
+    --no-cuda-graphs."""
+    bench = bench_module()
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = bench.resolve_settings(bench.parse_args([]))
+    assert on_gpu["cuda_graphs"] is True and "sniah" in on_gpu["sections"]
+    assert on_gpu["sniah_batches"] == [1, None] and "forward_graphed" in on_gpu["modes"]
+    eager = bench.resolve_settings(bench.parse_args(["--no-cuda-graphs"]))
+    assert eager["cuda_graphs"] is False and eager["modes"] == ["forward", "train"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    on_cpu = bench.resolve_settings(bench.parse_args([]))
+    assert on_cpu["device"] == "cpu" and on_cpu["cuda_graphs"] is False and on_cpu["modes"] == ["forward", "train"]
 
 
 def test_dataparallel_compare(tmp_path):

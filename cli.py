@@ -1,8 +1,8 @@
 """ccq-eval: evaluate linear-attention LMs with and without CCQ on long-context tasks.
 
 Thin typer front end; the work happens in ccq_eval.harness (plan, runner, results_store) and
-ccq_eval.analysis (tables, stats, figures). Imports are lazy: `tasks`, `models`, `table`, `compare`
-and `figures` read files and never load torch, fla or a model, and argument errors appear at once.
+ccq_eval.analysis (tables, stats, figures). Imports are lazy: `tasks`, `models`, `table`, `compare`,
+`figures` and `report` read files and never load torch, fla or a model, and argument errors appear at once.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ def run(
         "into one --output also share units through per-unit locks without it.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     report: Annotated[bool, typer.Option(
-        help="After the run, write the paper-style table (table.md) and figures (figures/) into the "
-        "results folder.")] = True,
+        help="After the run, write the paper-style table (table.md), figures (figures/) and an HTML "
+        "report (report.html) into the results folder.")] = True,
 ) -> None:
     """Evaluate models on tasks; each (model, task) unit is stored as soon as it finishes.
 
@@ -256,10 +256,26 @@ def _write_report(results: Path) -> None:
             tidy = tables.load_tidy(results)
             atomic_write_text(results / "table.md", tables.render_tables(tidy, "markdown", "paper", 2))
             paths = figure_module.draw_all(tidy, results / "figures")
+            page = _write_html_report(results, paths)
     except (ResultsError, OSError) as exc:
         _fail(f"the units are stored, but the report was not written: {one_line(exc)}; fix that, then run "
               f"`ccq-eval table {results}` (or rerun this command)", code=1)
-    typer.echo(f"table: {results / 'table.md'}; figures: {results / 'figures'} ({len(paths)} files)", err=True)
+    typer.echo(f"table: {results / 'table.md'}; figures: {results / 'figures'} ({len(paths)} files)"
+               + (f"; report: {page}" if page else ""), err=True)
+
+
+def _write_html_report(results: Path, figure_paths: list[Path]) -> Path | None:
+    """report.html beside table.md; a failure only warns (the units, table and figures are written)."""
+    from ccq_eval.analysis import report as report_module
+
+    try:
+        return report_module.write_report(results, figure_paths=figure_paths)
+    except Exception as exc:  # whatever breaks the page must not fail a finished run
+        if _debugging():
+            raise
+        typer.echo(f"warning: report.html not written ({one_line(exc)}); run `ccq-eval report {results}` "
+                   "once the cause is fixed", err=True)
+        return None
 
 
 @app.command()
@@ -310,7 +326,7 @@ def compare(
         units = results_store.load_results(results)
         if baseline is None:
             names = {unit.model for unit in units}
-            pairs = [(name, name + "-ccq") for name in sorted(names) if name + "-ccq" in names]
+            pairs = stats.ccq_pairs(names)
             if not pairs:
                 _fail(f"{results} holds no CCQ pair NAME / NAME-ccq (models: {', '.join(sorted(names))}); "
                       "name the two models with --baseline and --variant")
@@ -341,6 +357,24 @@ def figures(
         _fail(str(exc))
     for path in paths:
         typer.echo(str(path))
+
+
+@app.command("report")
+def report_command(
+    results: ResultsArg,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="HTML file to write (default: RESULTS/report.html).")] = None,
+) -> None:
+    """One self-contained HTML page (opens offline in any browser): the run's metadata, tables, CCQ
+    comparisons, figures and a filterable browser of failed S-NIAH samples and worst perplexity documents."""
+    from ccq_eval.analysis import report as report_module
+    from ccq_eval.harness.results_store import ResultsError
+
+    try:
+        path = report_module.write_report(results, output)
+    except ResultsError as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {path}", err=True)
 
 
 @app.command()

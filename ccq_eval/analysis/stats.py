@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,8 +365,17 @@ def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[t
     }
 
 
-def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str = "markdown",
-                      confidence: float = 0.95, alpha: float = DEFAULT_ALPHA) -> str:
+def ccq_pairs(models: Iterable[str]) -> list[tuple[str, str]]:
+    """Every (NAME, NAME-ccq) pair among `models`, in name order: the comparisons `compare` and the
+    report make when no baseline and variant are named."""
+    names = set(models)
+    return [(name, name + "-ccq") for name in sorted(names) if name + "-ccq" in names]
+
+
+def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,
+                       confidence: float = 0.95) -> pd.DataFrame:
+    """compare_models' frame as printed: task display names, the models' names as column heads, the CI
+    and p-value as text; indexed by (task, length)."""
     shown = frame.copy()
     shown["task"] = shown["task"].map(tables.display_task)
     shown = shown.rename(columns={"baseline": baseline, "variant": variant})
@@ -375,12 +384,21 @@ def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str
     shown["p_value"] = [f"{p:.3g}" for p in frame["p_value"]]
     columns = ["task", "length", "metric", "n", baseline, variant, "delta", f"{level} CI", "p_value", "sig",
                "verdict", "test"]
-    if fmt == "csv":
-        return frame.to_csv(index=False)
-    table = shown[columns].set_index(["task", "length"])
-    note = ("delta = variant - baseline; CI: paired bootstrap over the same samples; "
+    return shown[columns].set_index(["task", "length"])
+
+
+def comparison_note(alpha: float = DEFAULT_ALPHA) -> str:
+    return ("delta = variant - baseline; CI: paired bootstrap over the same samples; "
             f"sig: * p<{alpha:g}, ** p<{alpha / 5:g}, *** p<{alpha / 50:g} "
             "(exact McNemar for right/wrong scores, exact sign test otherwise)")
+
+
+def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str = "markdown",
+                      confidence: float = 0.95, alpha: float = DEFAULT_ALPHA) -> str:
+    if fmt == "csv":
+        return frame.to_csv(index=False)
+    table = comparison_display(frame, baseline, variant, confidence)
+    note = comparison_note(alpha)
     if fmt == "latex":
         return tables.to_latex(table, 3, f"{variant} vs {baseline}") + "\n"
     if fmt != "markdown":

@@ -65,7 +65,8 @@ import cli
 reference = {str(REFERENCE)!r}
 compare = ["compare", reference, "--baseline", "tiny-gla", "--variant", "tiny-gla-ccq", "--n-boot", "200"]
 figures = ["figures", reference, "-o", {str(tmp_path)!r}]
-for args in (["tasks"], ["models"], ["table", reference], compare, figures):
+report = ["report", reference, "-o", {str(tmp_path / "report.html")!r}]
+for args in (["tasks"], ["models"], ["table", reference], compare, figures, report):
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, (args, result.output)
 loaded = sorted(m for m in ("torch", "fla", "triton") if m in sys.modules)

@@ -399,6 +399,51 @@ def archive(
     typer.echo(f"archived {len(written)} units into {destination}")
 
 
+@app.command("inspect")
+def inspect_command(
+    model: Annotated[list[str], typer.Option(
+        "--model", "-m", help="GLA / Gated DeltaNet model (registered name or checkpoint folder), with or without "
+        "CCQ; repeat for several.")],
+    task: Annotated[str, typer.Option("--task", "-t", help="s-niah-1, s-niah-2 or s-niah-3.")] = "s-niah-1",
+    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, e.g. 1k,4k (k = 1024).")] = "1k",
+    depths: Annotated[str, typer.Option(help="Needle depths in percent, e.g. 0,50,100.")] = "0,50,100",
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the tables and figures.")]
+    = Path("inspect"),
+    device: Annotated[str, typer.Option(help="Torch device: auto (CUDA when present), cpu, cuda.")] = "auto",
+    dtype: Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: float32).")] = Dtype.auto,
+    positions: Annotated[int, typer.Option(
+        help="Positions per prompt sampled for positions.csv (plus the needle's ends and the answer).")] = 64,
+    baseline_lambda: Annotated[float | None, typer.Option(
+        help="Constant lambda of the CCQ read computed for baselines (default: the gate's initial value, "
+        "ccq_lambda_max * sigmoid(ccq_gate_bias_init) = 2 for the default config).")] = None,
+    seed: Annotated[int, typer.Option(help="S-NIAH seed (the task's default: 42).")] = 42,
+) -> None:
+    """What the read does on S-NIAH prompts, per layer and head: the gate lambda_t, the key covariance's
+    spectrum, how far CCQ moves the query, and the needle's share of the read with CCQ on and off.
+
+    Writes reads.csv, spectra.csv, positions.csv, inspect.json and figures into --output.
+    """
+    from ccq_eval.harness.options import PlanError, parse_depths, parse_lengths
+    from ccq_eval.inspection import InspectError
+
+    try:
+        options_lengths, options_depths = parse_lengths(lengths), parse_depths(depths)
+    except PlanError as exc:
+        _fail(str(exc))
+    from ccq_eval.inspection.run import InspectOptions, run_inspect
+    from ccq_eval.model.loading import ModelLoadError
+
+    options = InspectOptions(
+        models=list(model), task=task, lengths=options_lengths, depths=options_depths, output=output,
+        device=device, dtype="float32" if dtype.value == "auto" else dtype.value, positions=positions,
+        baseline_lambda=baseline_lambda, seed=seed)
+    try:
+        written = run_inspect(options, progress=lambda message: typer.echo(message, err=True))
+    except (InspectError, ModelLoadError) as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {len(written)} files into {output}", err=True)
+
+
 @app.command()
 def tasks() -> None:
     """List the tasks `run --task` accepts, and the suites `run --suite` runs."""

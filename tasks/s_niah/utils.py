@@ -178,6 +178,10 @@ class EssayHaystack:
         return self._ends[: bisect.bisect_left(self._ends, n - 1)]
 
     def context(self, n: int, depth: float, needle: str) -> str:
+        return self.context_and_offset(n, depth, needle)[0]
+
+    def context_and_offset(self, n: int, depth: float, needle: str) -> tuple[str, int]:
+        """The context and the character offset of the needle in it."""
         words = self._words(n)
         ends = self._ends_upto(n)
         n_sentences = len(ends) + 1
@@ -185,7 +189,8 @@ class EssayHaystack:
         split_word = 0 if position == 0 else (n if position >= n_sentences else ends[position - 1] + 1)
         # RULER joins [sentences before, needle, sentences after] with " ", even when a side is
         # empty: depth 0 starts the context with a space, depth 100 ends it with one.
-        return " ".join([" ".join(words[:split_word]), needle, " ".join(words[split_word:])])
+        before = " ".join(words[:split_word])
+        return " ".join([before, needle, " ".join(words[split_word:])]), len(before) + 1
 
 
 class NoiseHaystack:
@@ -196,9 +201,14 @@ class NoiseHaystack:
     source = "noise"
 
     def context(self, n: int, depth: float, needle: str) -> str:
+        return self.context_and_offset(n, depth, needle)[0]
+
+    def context_and_offset(self, n: int, depth: float, needle: str) -> tuple[str, int]:
+        """The context and the character offset of the needle in it."""
         lines = [NOISE_LINE] * n
-        lines.insert(int(n * (depth / 100)), needle)
-        return "\n".join(lines)
+        before = int(n * (depth / 100))
+        lines.insert(before, needle)
+        return "\n".join(lines), before * (len(NOISE_LINE) + 1)
 
 
 def essay_haystack(spec: str) -> EssayHaystack:
@@ -216,6 +226,11 @@ def essay_haystack(spec: str) -> EssayHaystack:
 def build_prompt(context: str, key: str, kind: str) -> str:
     """Full model input: RULER template with the answer prefix appended."""
     return TEMPLATE.format(kind=kind, context=context, key=key) + ANSWER_PREFIX.format(kind=kind, key=key)
+
+
+def context_offset(kind: str) -> int:
+    """Character offset at which build_prompt places the context (the template's text before it)."""
+    return len(TEMPLATE.split("{context}")[0].format(kind=kind))
 
 
 def prompt_token_count(tokenizer: Any, text: str) -> int:
@@ -272,6 +287,7 @@ class Sample(NamedTuple):
     prompt: str
     num_haystack: int
     prompt_tokens: int
+    needle_char_offset: int  # where the needle starts in prompt, from the construction
 
 
 def make_sample(
@@ -306,7 +322,8 @@ def make_sample(
             f"{count(1)} tokens of this tokenizer and the generation budget is {GENERATION_BUDGET}, so the "
             f"minimum length is {minimum}"
         ) from None
-    return Sample(build_prompt(haystack.context(n, depth, needle), key, kind), n, count(n))
+    context, offset = haystack.context_and_offset(n, depth, needle)
+    return Sample(build_prompt(context, key, kind), n, count(n), context_offset(kind) + offset)
 
 
 # ---------------------------------------------------------------- scoring (RULER string_match_all)
@@ -457,7 +474,7 @@ def generate_docs(task: str, **metadata: Any) -> list[dict]:
                         "num_haystack": sample.num_haystack,
                         "prompt_tokens": sample.prompt_tokens,
                         "generation_budget": GENERATION_BUDGET,
-                        "needle_char_offset": sample.prompt.find(NEEDLE.format(kinds=kinds, key=key, value=value)),
+                        "needle_char_offset": sample.needle_char_offset,
                         "answer_prefix": ANSWER_PREFIX.format(kind=kinds[:-1], key=key),
                         "seed": grid["seed"],
                         "tokenizer": grid["tokenizer"],

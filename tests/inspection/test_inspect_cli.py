@@ -1,0 +1,72 @@
+"""`ccq-eval inspect` end to end on embedded models (CPU), its one-line errors, and the GPU path."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+import cli
+
+
+@pytest.mark.slow
+def test_inspect_writes_tables_and_figures(tmp_path):
+    out = tmp_path / "inspect"
+    result = CliRunner().invoke(cli.app, ["inspect", "-m", "tiny-gla-ccq", "-m", "tiny-gdn", "-t", "s-niah-1",
+                                          "--lengths", "1024", "--depths", "0,100", "--positions", "8", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    reads = pd.read_csv(out / "reads.csv")
+    # 2 models x 2 depths x 4 layers x 2 heads, at the answer position
+    assert len(reads) == 2 * 2 * 4 * 2
+    assert set(reads["lambda_source"]) == {"gate", "constant"}
+    assert reads["read_residual"].max() < 1e-5  # the decomposition is the kernel's read
+    assert reads.loc[reads["ccq_trained"], "ccq_residual"].max() < 1e-5
+    assert reads[["needle_share_on", "needle_share_off"]].stack().between(0, 1).all()
+    assert (reads["needle_end"] > reads["needle_start"]).all()
+    assert (reads["needle_end"] <= reads["answer_position"]).all()
+    spectra = pd.read_csv(out / "spectra.csv")
+    assert len(spectra) == len(reads) * 64  # head_k = 64 eigenvalues per head
+    positions = pd.read_csv(out / "positions.csv")
+    assert positions["in_needle"].any() and set(positions["model"]) == {"tiny-gla-ccq", "tiny-gdn"}
+    for figure in ("needle_share", "needle_share_layers", "lambda_tiny-gla-ccq", "sigma_spectrum", "sigma_rank",
+                   "query_move"):
+        assert (out / f"{figure}.png").stat().st_size > 0
+    assert not (out / "lambda_tiny-gdn.png").exists()  # a baseline's lambda is one constant
+    assert json.loads((out / "inspect.json").read_text())["models"] == ["tiny-gla-ccq", "tiny-gdn"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-m", "tiny-transformer"], "softmax attention"),
+    (["-m", "tiny-gla", "-t", "ppl"], "choose one of s-niah-1"),
+    (["-m", "tiny-gla", "--lengths", "1q"], "--lengths: cannot parse"),
+    (["-m", "tiny-gla", "--depths", "150"], "outside [0, 100]"),
+    (["-m", "no-such-model"], "unknown model 'no-such-model'"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    out = tmp_path / "inspect"
+    result = CliRunner().invoke(cli.app, ["inspect", *args, "-o", str(out)])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_inspect_on_gpu_matches_cpu(tmp_path):
+    """fla's triton kernels on CUDA: the decomposition reproduces their output, and the measures agree
+    with the CPU run of the same prompt."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA and fla's kernels")
+    from ccq_eval.inspection.run import InspectOptions, check_models, inspect_model
+
+    for name in ("tiny-gla-ccq", "tiny-gdn-ccq"):
+        options = InspectOptions(models=[name], lengths=[1024], depths=[50.0], positions=8)
+        folder = check_models([name])[name]
+        gpu = pd.DataFrame(inspect_model(name, folder, options, "cuda")[0])
+        cpu = pd.DataFrame(inspect_model(name, folder, options, "cpu")[0])
+        assert gpu["read_residual"].max() < 1e-3
+        for column in ("needle_share_on", "needle_share_off", "sigma_eff_rank", "q_move_answer"):
+            assert (gpu[column] - cpu[column]).abs().max() < 1e-2 * max(1.0, cpu[column].abs().max()), column

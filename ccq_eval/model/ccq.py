@@ -5,7 +5,22 @@ Definition (../shared/design/ccq.md, per layer, head h and position t):
     w_{i,t} = prod_{j=i+1..t} gamma_j,  n_t = sum_i w_{i,t}  decayed counts
     mu_t = (1/n_t) sum_i w_{i,t} kappa_i,  M_t = (1/n_t) sum_i w_{i,t} kappa_i kappa_i^T
     Sigma_t = M_t - mu_t mu_t^T  (centered)   or   M_t  (uncentered)
-    q~_t = sum_{j=0..R} (-lambda_t Sigma_t)^j r_t
+    q~_t = sum_{j=0..R} (-lambda_t Sigma_t)^j r_t          form "series" (R = ccq_order)
+    q~_t ~= (I + lambda_t Sigma_t)^-1 r_t                   form "resolvent" (S = ccq_solve_steps)
+
+The resolvent is solved by S conjugate-gradient steps from q~ = 0: I + lambda Sigma is symmetric
+positive definite, every position solves its own K x K system with its own step scalars, all positions
+at once, and each step applies Sigma once, as each series order does. `order` below is that count of
+Sigma applications for either form. Why CG: its iterates grow in norm towards the solution (Steihaug),
+so ||q~|| <= ||(I + lambda Sigma)^-1 r|| <= ||r|| after any number of steps (the resolvent never
+expands the query, whatever lambda); it is exact after at most K steps (in exact arithmetic); and
+since 0 <= Sigma <= I the condition number is at most c = 1 + lambda, so the error in the
+(I + lambda Sigma)-norm is at most 2 ((sqrt(c) - 1) / (sqrt(c) + 1))^S times the solution's. The
+series (a truncated Neumann series) diverges as R grows once lambda s_max > 1.
+
+The read form only decides what is done with each Sigma u; the three forms below differ only in how
+they apply Sigma, so they agree for either read. The fused Triton kernels implement the series of
+order 1 only; the resolvent always takes the unfused paths.
 
 Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
@@ -71,7 +86,53 @@ def _polynomial(r: torch.Tensor, lam: torch.Tensor, order: int, sigma_times) -> 
     return total
 
 
-def _check(r, kappa, log_gamma, lam, order):
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum(-1, keepdim=True)
+
+
+def _ratio_or_zero(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den > 0, else 0 (a position whose residual is exactly zero takes no further
+    step); the masked division keeps 0/0 out of the gradient too."""
+    positive = den > 0
+    quotient = num / torch.where(positive, den, torch.ones_like(den))
+    return torch.where(positive, quotient, torch.zeros_like(num))
+
+
+def _resolvent(r: torch.Tensor, lam: torch.Tensor, steps: int, sigma_times) -> torch.Tensor:
+    """q~ ~= (I + lam Sigma)^-1 r: `steps` conjugate-gradient iterations from q~ = 0, one application of
+    Sigma per iteration, with per-position step scalars (dot products over the last dim). d.Ad is
+    formed as ||d||^2 + lam (d . Sigma d): at lam = 0 the first step is alpha = 1 exactly, so q~ = r
+    bit for bit, and d.Ad >= ||d||^2 > 0 even where rounding leaves Sigma slightly indefinite."""
+    solution = torch.zeros_like(r)
+    residual, direction = r, r
+    residual_sq = _dot(r, r)
+    for step in range(steps):
+        sigma_d = sigma_times(direction)
+        alpha = _ratio_or_zero(residual_sq, _dot(direction, direction) + lam * _dot(direction, sigma_d))
+        solution = solution + alpha * direction
+        if step == steps - 1:
+            break
+        residual = residual - alpha * (direction + lam * sigma_d)
+        next_sq = _dot(residual, residual)
+        direction = residual + _ratio_or_zero(next_sq, residual_sq) * direction
+        residual_sq = next_sq
+    return solution
+
+
+CCQ_FORMS = ("series", "resolvent")
+_READ_FORMS = {"series": _polynomial, "resolvent": _resolvent}
+
+
+def apply_read_form(form: str, r: torch.Tensor, lam: torch.Tensor, order: int, sigma_times) -> torch.Tensor:
+    """q~ from r by the read form ("series" of order `order`, or "resolvent" by `order` CG steps), given
+    sigma_times(u) = Sigma u for tensors shaped like r and lam shaped [..., 1]. Public so that code
+    holding an explicit Sigma (diagnostics) computes exactly the q~ a model reads with."""
+    return _READ_FORMS[form](r, lam, order, sigma_times)
+
+
+def _check(r, kappa, log_gamma, lam, order, form="series"):
+    if form not in CCQ_FORMS:
+        raise ValueError(f"ccq_form must be one of {CCQ_FORMS}, got {form!r}")
     if r.dim() != 4 or kappa.shape != r.shape:
         raise ValueError(f"r and kappa must both be [B, T, H, K]; got {tuple(r.shape)} and {tuple(kappa.shape)}")
     if log_gamma.shape != r.shape[:3] or lam.shape != r.shape[:3]:
@@ -80,7 +141,8 @@ def _check(r, kappa, log_gamma, lam, order):
             f"got {tuple(log_gamma.shape)} and {tuple(lam.shape)}"
         )
     if order < 1:
-        raise ValueError(f"ccq_order must be >= 1, got {order}")
+        name = "ccq_order" if form == "series" else "ccq_solve_steps"
+        raise ValueError(f"{name} must be >= 1, got {order}")
 
 
 def ccq_read_reference(
@@ -91,9 +153,11 @@ def ccq_read_reference(
     order: int = 1,
     centered: bool = True,
     initial_state: CCQState | None = None,
+    *,
+    form: str = "series",
 ) -> tuple[torch.Tensor, CCQState]:
     """Parallel O(T^2) form: materialises w_{i,t} for all pairs. For tests and small T only."""
-    _check(r, kappa, log_gamma, lam, order)
+    _check(r, kappa, log_gamma, lam, order, form)
     B, T, H, K = r.shape
     acc = _state_dtype(r)
     rr, kk, lam_ = r.to(acc), kappa.to(acc), lam.to(acc).unsqueeze(-1)
@@ -120,7 +184,7 @@ def ccq_read_reference(
         out = _apply_sigma(Pu, m, n.unsqueeze(-1), uh, centered)
         return out.permute(0, 2, 1, 3)
 
-    q = _polynomial(rr, lam_, order, sigma_times)
+    q = apply_read_form(form, rr, lam_, order, sigma_times)
     # Final state: the decayed sums at the last position.
     wT = w[:, :, -1, :]  # [B, H, T]
     P = torch.einsum("bhi,bhik,bhil->bhkl", wT, kh, kh)
@@ -137,9 +201,11 @@ def ccq_read_recurrent(
     order: int = 1,
     centered: bool = True,
     initial_state: CCQState | None = None,
+    *,
+    form: str = "series",
 ) -> tuple[torch.Tensor, CCQState]:
     """Token-by-token recurrence: P_t = gamma_t P_{t-1} + kappa kappa^T, m_t, n_t alike."""
-    _check(r, kappa, log_gamma, lam, order)
+    _check(r, kappa, log_gamma, lam, order, form)
     B, T, H, K = r.shape
     acc = _state_dtype(r)
     if initial_state is None:
@@ -157,7 +223,8 @@ def ccq_read_recurrent(
         def sigma_times(u, P=P, m=m, n_=n_):
             return _apply_sigma((P @ u.unsqueeze(-1)).squeeze(-1), m, n_, u, centered)
 
-        outputs.append(_polynomial(r[:, t].to(acc), lam[:, t].to(acc).unsqueeze(-1), order, sigma_times))
+        lam_t = lam[:, t].to(acc).unsqueeze(-1)
+        outputs.append(apply_read_form(form, r[:, t].to(acc), lam_t, order, sigma_times))
     q = torch.stack(outputs, 1) if outputs else r.to(acc)
     return q.to(r.dtype), CCQState(P, m, n)
 
@@ -180,7 +247,8 @@ def _decayed_sums_chunk(kappa_c, b, state: CCQState):
     return D, m, n, carry, kh
 
 
-def _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int):
+def _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int,
+                     form: str = "series"):
     B, T, H, K = r.shape
     acc = state.P.dtype
     outputs = []
@@ -199,7 +267,7 @@ def _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state: CCQState,
 
         rh = r[:, start:end].to(acc).permute(0, 2, 1, 3)
         lam_h = lam[:, start:end].to(acc).permute(0, 2, 1).unsqueeze(-1)
-        outputs.append(_polynomial(rh, lam_h, order, sigma_times).permute(0, 2, 1, 3))
+        outputs.append(apply_read_form(form, rh, lam_h, order, sigma_times).permute(0, 2, 1, 3))
         # Advance the state to the end of the chunk.
         w_last = D[:, :, -1, :]  # [B, H, C] = exp(b_last - b_i)
         P = carry[:, :, -1, None, None] * P + torch.einsum("bhi,bhik,bhil->bhkl", w_last, kh, kh)
@@ -243,7 +311,7 @@ def decayed_sums(kappa, log_gamma, state: CCQState, chunk_size: int):
 
 
 def _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int,
-                      from_zero: bool):
+                      from_zero: bool, form: str = "series"):
     """The kernel path (CUDA): each order is one scalar-decay linear attention pass (q = u, k = v = kappa,
     scale 1), fla's chunk_simple_gla on CUDA; m and n come from `decayed_sums`. Device-agnostic through
     the backend's dispatch, so CPU tests check it (and its gradients) against the reference in fp64."""
@@ -269,7 +337,7 @@ def _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state: CCQState
             out = out - mu * (mu * u).sum(-1, keepdim=True)
         return out
 
-    q = _polynomial(r.to(acc), lam.to(acc).unsqueeze(-1), order, sigma_times)
+    q = apply_read_form(form, r.to(acc), lam.to(acc).unsqueeze(-1), order, sigma_times)
     return q.to(r.dtype), CCQState(final_P.to(acc), m[:, :, -1], n[:, :, -1])
 
 
@@ -285,9 +353,11 @@ def fused_kernel_enabled() -> bool:
     return choice == "fused"
 
 
-def _fused_applies(r: torch.Tensor, order: int) -> bool:
-    """The fused kernels' domain: CUDA, not fp64, order 1, a head dim they support, not switched off."""
-    if not (r.is_cuda and r.dtype != torch.float64 and order == 1 and fused_kernel_enabled()):
+def _fused_applies(r: torch.Tensor, order: int, form: str = "series") -> bool:
+    """The fused kernels' domain: CUDA, not fp64, the series form of order 1, a head dim they support,
+    not switched off."""
+    if not (r.is_cuda and r.dtype != torch.float64 and form == "series" and order == 1
+            and fused_kernel_enabled()):
         return False
     from ccq_eval.model.kernels.ccq_forward import supports_head_dim
 
@@ -386,12 +456,14 @@ def ccq_read_chunk(
     centered: bool = True,
     initial_state: CCQState | None = None,
     chunk_size: int = 64,
+    *,
+    form: str = "series",
 ) -> tuple[torch.Tensor, CCQState]:
     """Chunkwise form for training, scoring and prefill. Dispatches on the tensors' device."""
-    _check(r, kappa, log_gamma, lam, order)
+    _check(r, kappa, log_gamma, lam, order, form)
     B, T, H, K = r.shape
     acc = _state_dtype(r)
-    if _fused_applies(r, order):
+    if _fused_applies(r, order, form):
         fused = _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state)
         if fused is not None:
             return fused
@@ -400,8 +472,8 @@ def ccq_read_chunk(
     )
     if r.is_cuda and r.dtype != torch.float64:
         return _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state, chunk_size,
-                                 from_zero=initial_state is None)
-    return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size)
+                                 from_zero=initial_state is None, form=form)
+    return _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state, chunk_size, form)
 
 
 class CCQGate(NamedTuple):
@@ -420,26 +492,29 @@ class CCQGate(NamedTuple):
 
 
 def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initial_state=None,
-                  keys_unit: bool = False):
-    """What a layer calls, with its raw keys k and its gate. On CUDA with the fused kernels (order 1)
+                  keys_unit: bool = False, form: str = "series"):
+    """What a layer calls, with its raw keys k and its gate. On CUDA with the fused kernels (series order 1)
     the kernels normalise the keys and form lambda themselves: for inference, the chunked read for
     prefill and scoring and a one-step kernel for decoding; for training from a zero state,
     _FusedOrder1Keys. Everything else forms unit_keys(k) and lambda here and calls ccq_read.
     keys_unit: k is already L2-normalised (Gated DeltaNet's l2norm; ccq.md: its keys "are already
     unit-norm"), so the fused chunked read takes it as kappa and skips its normalising pass. The other
     paths normalise it again, which changes it by rounding, and for keys fla's l2norm leaves shorter
-    than unit (its eps = 1e-6 is added to ||k||^2, so below ||k|| ~ 1e-3) by their length."""
+    than unit (its eps = 1e-6 is added to ||k||^2, so below ||k|| ~ 1e-3) by their length.
+    form: "series" or "resolvent" (order is then the number of CG steps); the resolvent always takes
+    the unfused paths."""
     inputs = (r, k, log_gamma, gate.bias) + (() if gate.weight is None else (gate.weight,))
     B, T, H, K = r.shape
-    if _fused_applies(r, order) and _needs_grad(*inputs) and initial_state is None and T > 1:
+    fused_domain = _fused_applies(r, order, form)
+    if fused_domain and _needs_grad(*inputs) and initial_state is None and T > 1:
         _check(r, k, log_gamma, log_gamma, order)
         q, P, m, n = _FusedOrder1Keys.apply(r, k, log_gamma, gate.weight, gate.bias, gate.lam_max, centered)
         return q, CCQState(P, m, n)  # training from a zero state
-    fused = _fused_applies(r, order) and not _needs_grad(*inputs)
+    fused = fused_domain and not _needs_grad(*inputs)
     if fused:
         fused = T > 1 or K & (K - 1) == 0  # the decoding kernel needs a power-of-two head dim
     if not fused:
-        return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state)
+        return ccq_read(r, unit_keys(k), log_gamma, gate.values(r), order, centered, initial_state, form=form)
     from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
     from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
 
@@ -453,8 +528,8 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     return q, CCQState(*final)
 
 
-def ccq_read(r, kappa, log_gamma, lam, order=1, centered=True, initial_state=None):
+def ccq_read(r, kappa, log_gamma, lam, order=1, centered=True, initial_state=None, *, form="series"):
     """What a layer calls: the recurrence for one-token decode steps, the chunk form otherwise."""
     if r.shape[1] == 1:
-        return ccq_read_recurrent(r, kappa, log_gamma, lam, order, centered, initial_state)
-    return ccq_read_chunk(r, kappa, log_gamma, lam, order, centered, initial_state)
+        return ccq_read_recurrent(r, kappa, log_gamma, lam, order, centered, initial_state, form=form)
+    return ccq_read_chunk(r, kappa, log_gamma, lam, order, centered, initial_state, form=form)

@@ -25,7 +25,7 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig,
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ccq_eval.model import fla_cpu
-from ccq_eval.model.ccq import CCQGate, CCQState, ccq_read_keys
+from ccq_eval.model.ccq import CCQ_FORMS, CCQGate, CCQState, ccq_read_keys
 from ccq_eval.model.kernels import autotune
 from ccq_eval.model.kernels.l2norm_pair import l2norm_pair
 
@@ -33,8 +33,27 @@ CCQ_DECAYS = ("state", "none")
 CCQ_GATES = ("query", "constant")
 
 
+def _positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
 class CCQConfigMixin:
-    """The CCQ fields of ccq.md, validated when a config is built or loaded."""
+    """The CCQ fields of ccq.md, validated when a config is built or loaded.
+
+    ccq_form selects the read operator: "series" (default) q~ = sum_{j=0..R} (-lambda Sigma)^j r with
+    R = ccq_order; "resolvent" q~ = (I + lambda Sigma)^-1 r, solved by ccq_solve_steps conjugate-gradient
+    steps on the same (P, m, n) state. Each form has its own count because they mean different things:
+    a series order is the degree of a fixed polynomial whose useful range depends on lambda (it diverges
+    as R grows once lambda s_max > 1), while solver steps only buy accuracy towards one fixed operator:
+    exact after head_k_dim steps (in exact arithmetic), and after S steps an error in the
+    (I + lambda Sigma)-norm of at most 2 ((sqrt(c) - 1) / (sqrt(c) + 1))^S of the solution's,
+    c = 1 + ccq_lambda_max. The default of 4 steps is well inside bf16 precision at ccq_lambda_max = 4:
+    a unit-key covariance has trace <= 1, so few eigenvalues are large and CG converges much faster than
+    that bound; raise it for large ccq_lambda_max. Both forms cost one Sigma application (a d_k-wide
+    linear-attention pass) per order or step. The field not selected is stored but unused. A config
+    without ccq_form (every checkpoint saved before it existed) reads as "series". The fused Triton
+    kernels cover the series form of order 1 only; the resolvent runs the unfused paths.
+    """
 
     def _init_ccq(
         self,
@@ -45,10 +64,16 @@ class CCQConfigMixin:
         ccq_gate: str = "query",
         ccq_lambda_max: float = 4.0,
         ccq_gate_bias_init: float = 0.0,
+        ccq_form: str = "series",
+        ccq_solve_steps: int = 4,
     ) -> None:
         problems = []
-        if isinstance(ccq_order, bool) or not isinstance(ccq_order, int) or ccq_order < 1:
+        if not _positive_int(ccq_order):
             problems.append(f"ccq_order must be an integer >= 1, got {ccq_order!r}")
+        if ccq_form not in CCQ_FORMS:
+            problems.append(f"ccq_form must be one of {CCQ_FORMS}, got {ccq_form!r}")
+        if not _positive_int(ccq_solve_steps):
+            problems.append(f"ccq_solve_steps must be an integer >= 1, got {ccq_solve_steps!r}")
         if not isinstance(ccq_lambda_max, (int, float)) or not ccq_lambda_max > 0:
             problems.append(f"ccq_lambda_max must be a number > 0, got {ccq_lambda_max!r}")
         if ccq_decay not in CCQ_DECAYS:
@@ -64,10 +89,13 @@ class CCQConfigMixin:
         self.ccq_gate = ccq_gate
         self.ccq_lambda_max = float(ccq_lambda_max)
         self.ccq_gate_bias_init = float(ccq_gate_bias_init)
+        self.ccq_form = ccq_form
+        self.ccq_solve_steps = ccq_solve_steps
 
 
 def _pop_ccq_kwargs(kwargs: dict) -> dict:
-    names = ("ccq", "ccq_order", "ccq_centered", "ccq_decay", "ccq_gate", "ccq_lambda_max", "ccq_gate_bias_init")
+    names = ("ccq", "ccq_order", "ccq_centered", "ccq_decay", "ccq_gate", "ccq_lambda_max",
+             "ccq_gate_bias_init", "ccq_form", "ccq_solve_steps")
     return {name: kwargs.pop(name) for name in names if name in kwargs}
 
 
@@ -103,6 +131,8 @@ class CCQReadMixin:
         self.ccq_gate = config.ccq_gate
         self.ccq_lambda_max = config.ccq_lambda_max
         self.ccq_gate_bias_init = config.ccq_gate_bias_init
+        self.ccq_form = config.ccq_form
+        self.ccq_solve_steps = config.ccq_solve_steps
         if not self.ccq_enabled:
             return  # a baseline: fla's forward, fla's parameters, nothing extra to save or load
         heads, dim = self.num_heads, self.head_k_dim
@@ -154,8 +184,10 @@ class CCQReadMixin:
         keys_unit: k is L2-normalised already (ccq.ccq_read_keys)."""
         if self.ccq_decay == "none":
             log_decay = torch.zeros_like(log_decay)
-        return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=self.ccq_order,
-                             centered=self.ccq_centered, initial_state=ccq_state, keys_unit=keys_unit)
+        # Sigma applications: the series order or the resolvent's CG steps (CCQConfigMixin).
+        order = self.ccq_order if self.ccq_form == "series" else self.ccq_solve_steps
+        return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=order, centered=self.ccq_centered,
+                             initial_state=ccq_state, keys_unit=keys_unit, form=self.ccq_form)
 
 
 def _same_convolutions(convs) -> bool:

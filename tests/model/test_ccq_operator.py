@@ -33,12 +33,13 @@ def _random_state(B, H, K, seed=1, dtype=torch.float64):
 @pytest.mark.parametrize("order", [1, 2, 3])
 @pytest.mark.parametrize("centered", [True, False])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_three_forms_agree_fp64(order, centered, with_state):
+@pytest.mark.parametrize("form", ["series", "resolvent"])  # for the resolvent, order = CG steps
+def test_three_forms_agree_fp64(order, centered, with_state, form):
     r, kappa, log_gamma, lam = _inputs()  # T = 150: not a multiple of the chunk size 64
     state = _random_state(2, 3, 8) if with_state else None
-    q_ref, s_ref = ccq_read_reference(r, kappa, log_gamma, lam, order, centered, state)
-    q_chunk, s_chunk = ccq_read_chunk(r, kappa, log_gamma, lam, order, centered, state, chunk_size=64)
-    q_rec, s_rec = ccq_read_recurrent(r, kappa, log_gamma, lam, order, centered, state)
+    q_ref, s_ref = ccq_read_reference(r, kappa, log_gamma, lam, order, centered, state, form=form)
+    q_chunk, s_chunk = ccq_read_chunk(r, kappa, log_gamma, lam, order, centered, state, 64, form=form)
+    q_rec, s_rec = ccq_read_recurrent(r, kappa, log_gamma, lam, order, centered, state, form=form)
     torch.testing.assert_close(q_chunk, q_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(q_rec, q_ref, rtol=1e-10, atol=1e-10)
     for a, b, c in zip(s_ref, s_chunk, s_rec):
@@ -112,14 +113,15 @@ def test_norm_never_grows_for_order1_lambda_le_2():
         assert (q.norm(dim=-1) <= r.norm(dim=-1) * (1 + 1e-12)).all()
 
 
-def test_direction_orthogonal_to_keys_passes_unchanged():
+@pytest.mark.parametrize("form", ["series", "resolvent"])
+def test_direction_orthogonal_to_keys_passes_unchanged(form):
     r, kappa, log_gamma, lam = _inputs(T=50, K=6)
     kappa = kappa.clone()
     kappa[..., 0] = 0  # no stored key has a component along e_0
     kappa = unit_keys(kappa)
     r = torch.zeros_like(r)
     r[..., 0] = 1.0
-    q, _ = ccq_read_chunk(r, kappa, log_gamma, lam, 3, True)
+    q, _ = ccq_read_chunk(r, kappa, log_gamma, lam, 3, True, form=form)
     torch.testing.assert_close(q, r, rtol=0, atol=1e-12)
 
 

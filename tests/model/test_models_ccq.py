@@ -182,6 +182,11 @@ def test_old_fused_chunk_config_loads_as_chunk(tmp_path):
     ("ccq_lambda_max", -1.0, "ccq_lambda_max"),
     ("ccq_decay", "exponential", "ccq_decay"),
     ("ccq_gate", "key", "ccq_gate"),
+    ("ccq_form", "neumann", r"ccq_form must be one of \('series', 'resolvent'\), got 'neumann'"),
+    ("ccq_form", None, "ccq_form must be one of"),
+    ("ccq_solve_steps", 0, "ccq_solve_steps must be an integer >= 1, got 0"),
+    ("ccq_solve_steps", 2.5, "ccq_solve_steps must be an integer >= 1, got 2.5"),
+    ("ccq_solve_steps", True, "ccq_solve_steps must be an integer >= 1, got True"),
 ])
 def test_invalid_ccq_fields_are_rejected(tmp_path, field, value, message):
     folder = _save(_ccq_model("gla"), tmp_path / "bad")
@@ -190,9 +195,10 @@ def test_invalid_ccq_fields_are_rejected(tmp_path, field, value, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=message) as info:
         load_model(str(folder))
-    assert "config.json" in str(info.value)
-    with pytest.raises(ValueError, match=message):
+    assert "config.json" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=message) as info:
         CCQGLAConfig(**{field: value})
+    assert "\n" not in str(info.value)
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@
   colour per head (models with a trained gate only: a baseline's lambda is one constant).
 - lambda_positions_<model>: lambda_t along the prompt (longest length, middle depth), needle shaded.
 - sigma_spectrum: Sigma's eigenvalues at the answer position (mean over heads and prompts, longest
-  length), one line per layer; sigma_rank: its effective rank (tr Sigma)^2 / tr Sigma^2 along the
+  length, drawn down to 1e-8: rounding leaves the null space of a low-rank Sigma there), one line
+  per layer; sigma_rank: its effective rank (tr Sigma)^2 / tr Sigma^2 along the
   prompt, one line per layer (and per length, lighter for shorter ones).
 - query_move: ||q~ - r|| / ||r|| over the sampled positions, per layer (boxes).
 """
@@ -53,7 +54,8 @@ def _per_model(models: list[str], out: Path, stem: str, xlabel: str, ylabel: str
             ax.set_xlabel(xlabel)
         axes[0].set_ylabel(ylabel)
         if legend:
-            axes[0].legend(frameon=False)
+            handles, labels = axes[0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5), frameon=False)
         return _save(fig, out, stem)
 
 
@@ -74,7 +76,8 @@ def needle_share(reads: pd.DataFrame, out: Path) -> list[Path]:
             rows = best[(best["model"] == model) & (best["length"] == length)].sort_values("depth")
             label = f"{length // 1024}K " if length % 1024 == 0 else f"{length} "
             _on_off(ax, rows["depth"], rows["needle_share_on"], rows["needle_share_off"], shade[length], label)
-            ax.plot(rows["depth"], rows["needle_token_fraction"], linestyle=":", color="0.6")
+            ax.plot(rows["depth"], rows["needle_token_fraction"], linestyle=":", color="0.6",
+                    label="needle tokens / all tokens" if length == lengths[-1] else None)
         ax.set_ylim(bottom=0)
 
     return _per_model(list(dict.fromkeys(reads["model"])), out, "needle_share", "needle depth (%)",

@@ -5,7 +5,8 @@ Definitions (the README's "Looking inside" states them too):
   read with r instead of q~. A baseline: off = its read as is (r), on = the read with
   q~ = sum_j (-lambda Sigma_t)^j r from a constant lambda (`baseline_lambda`: by default
   ccq_lambda_max * sigmoid(ccq_gate_bias_init) of its config, 2.0 for the defaults, the value an
-  attached gate starts at) and the config's decay, centering and order. The state is the same
+  attached gate starts at) and the config's decay, centering and order (ccq_form "resolvent": the
+  exact solve (I + lambda Sigma_t)^-1 r, where the model runs a few CG steps). The state is the same
   either way: CCQ changes only the read.
 - lambda_t: a CCQ model's gate, lambda_max sigmoid(a . r_t + b); for a baseline the constant above
   (column lambda_source says which).
@@ -13,7 +14,8 @@ Definitions (the README's "Looking inside" states them too):
   eigenvalues, trace, effective rank (tr Sigma)^2 / tr Sigma^2 and participation ratio
   effective rank / d_k; needle_top_energy / haystack_top_energy: the mean squared projection of
   the needle's / the other tokens' unit keys on Sigma's top-16 eigen-directions.
-- q_move = ||q~ - r|| / ||r||, q_cos = cos(q~, r), q_norm_ratio = ||q~|| / ||r||.
+- q_move = ||q~ - r|| / ||r||, q_cos = cos(q~, r), q_norm_ratio = ||q~|| / ||r||; q_move_mean: over
+  every position (CCQ models) or the sampled ones (baselines, whose q~ is computed there only).
 - Needle share of the read at the answer position t (the last prompt token): the read is
   o_t = sum_{i<=t} c_i v_i with one scalar weight c_i per token (reads.py gives c for GLA and
   Gated DeltaNet); needle_share = sum_{i in needle} ||c_i v_i|| / sum_{i<=t} ||c_i v_i||;
@@ -21,7 +23,8 @@ Definitions (the README's "Looking inside" states them too):
   share of the tokens, what a read spread evenly would give.
 - read_residual: ||sum_i c_i v_i - o_t|| / ||o_t|| for the read the model ran (CCQ models: on,
   baselines: off) against the kernel's own output; ccq_residual: the captured q~ against the one
-  rebuilt from Sigma_t (CCQ models). Both near rounding when the decomposition is right.
+  rebuilt from Sigma_t (CCQ models). Both near rounding when the decomposition is right (the
+  resolvent adds its CG steps' error to ccq_residual).
 """
 
 from __future__ import annotations

@@ -192,24 +192,33 @@ def attention_layers(model) -> list:
 class ReadRecorder:
     """Records every attention layer's read during forward passes inside `with recorder.capture():`.
 
-    After each forward, `reads` holds one LayerRead per layer (in layer order); `clear()` empties it.
+    Without `on_read`, `reads` holds one LayerRead per layer after a forward (`ordered()` lists them,
+    `clear()` empties them). With on_read(layer index, LayerRead), each read is handed over as soon as
+    its kernel returns and not kept, so a long prompt holds one layer's tensors at a time; `seen` lists
+    the layers handed over since `clear()`.
     """
 
-    def __init__(self, model, dtype: torch.dtype = torch.float64):
+    def __init__(self, model, dtype: torch.dtype = torch.float64, on_read=None):
         self.layers = attention_layers(model)
         self.dtype = dtype
+        self.on_read = on_read
         self.reads: dict[int, LayerRead] = {}
+        self.seen: set[int] = set()
         self._ccq_inputs: dict[int, dict] = {}
         self._current: int | None = None
 
     def clear(self) -> None:
         self.reads.clear()
+        self.seen.clear()
         self._ccq_inputs.clear()
 
-    def ordered(self) -> list[LayerRead]:
-        missing = [i for i in range(len(self.layers)) if i not in self.reads]
+    def check_complete(self) -> None:
+        missing = [i for i in range(len(self.layers)) if i not in self.seen]
         if missing:
             raise InspectError(f"no read was captured for layers {missing}: the forward did not reach their kernels")
+
+    def ordered(self) -> list[LayerRead]:
+        self.check_complete()
         return [self.reads[i] for i in range(len(self.layers))]
 
     @contextlib.contextmanager
@@ -266,7 +275,11 @@ class ReadRecorder:
             read = self._gla_read(kwargs, o) if name in GLA_KERNELS else self._gdn_read(kwargs, o)
             for key, value in self._ccq_inputs.pop(index, {}).items():
                 setattr(read, key, value)
-            self.reads[index] = read
+            self.seen.add(index)
+            if self.on_read is None:
+                self.reads[index] = read
+            else:
+                self.on_read(index, read)
             return out
         return wrapper
 

@@ -75,29 +75,33 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
                              options.samples_per_cell)
     model, _ = load_model(str(folder), device=device, dtype=options.dtype)
     settings = CCQSettings(model.config, options.baseline_lambda)
-    recorder = ReadRecorder(model)
     trained = bool(getattr(model.config, "ccq", False))
     family = model.config.model_type.removeprefix("ccq_")
     rows, spectra, samples = [], [], []
+    current = {}
+
+    def measure(layer: int, read) -> None:
+        """Measure a layer as soon as its kernel returns, so only one layer's read is held."""
+        prompt, positions, base = current["prompt"], current["positions"], current["base"]
+        layer_rows, layer_spectra, layer_samples = measure_layer(read, prompt, settings, positions)
+        where = {**base, "layer": layer}
+        rows.extend({**where, "prompt_tokens": len(prompt.input_ids), "answer_position": prompt.answer_position,
+                     "needle_start": prompt.needle[0], "needle_end": prompt.needle[1],
+                     "value_start": prompt.value[0], "value_end": prompt.value[1], **row} for row in layer_rows)
+        spectra.extend({**where, **row} for row in layer_spectra)
+        samples.extend({**where, **row} for row in layer_samples)
+
+    recorder = ReadRecorder(model, on_read=measure)
     for prompt in prompts:
         progress(f"{name}: length {prompt.length}, depth {prompt.depth:g}")
         recorder.clear()
+        current.update(prompt=prompt, positions=sample_positions(len(prompt.input_ids), options.positions, prompt),
+                       base={"model": name, "family": family, "ccq_trained": trained, "task": prompt.task,
+                             "length": prompt.length, "depth": prompt.depth, "sample": prompt.sample})
         ids = torch.tensor([prompt.input_ids], device=device)
         with torch.no_grad(), recorder.capture():
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            reads = recorder.ordered()
-        positions = sample_positions(len(prompt.input_ids), options.positions, prompt)
-        base = {"model": name, "family": family, "ccq_trained": trained, "task": prompt.task,
-                "length": prompt.length, "depth": prompt.depth, "sample": prompt.sample}
-        for layer, read in enumerate(reads):
-            with torch.no_grad():
-                layer_rows, layer_spectra, layer_samples = measure_layer(read, prompt, settings, positions)
-            where = {**base, "layer": layer}
-            rows += [{**where, "prompt_tokens": len(prompt.input_ids), "answer_position": prompt.answer_position,
-                      "needle_start": prompt.needle[0], "needle_end": prompt.needle[1],
-                      "value_start": prompt.value[0], "value_end": prompt.value[1], **row} for row in layer_rows]
-            spectra += [{**where, **row} for row in layer_spectra]
-            samples += [{**where, **row} for row in layer_samples]
+        recorder.check_complete()
     del model
     return rows, spectra, samples
 

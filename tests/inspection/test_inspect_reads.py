@@ -158,7 +158,8 @@ def embedded(request):
     return request.param, model
 
 
-def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded):
+@pytest.mark.parametrize("length", [40, 150])  # fla's layers: recurrent kernels up to 64 tokens, chunked above
+def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded, length):
     """One forward with the recorder: for every layer and head the decomposition reproduces the kernel's
     own output at the answer position, CCQ models' q~ is the one rebuilt from Sigma, and the kernel names
     are restored afterwards."""
@@ -166,8 +167,9 @@ def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded):
 
     _, model = embedded
     before = fla_gla.chunk_gla
-    ids = torch.randint(3, 259, (1, 150), generator=torch.Generator().manual_seed(0))
-    prompt = NeedlePrompt("synthetic", 150, 50.0, 0, ids[0].tolist(), needle=(70, 90), value=(80, 87))
+    ids = torch.randint(3, 259, (1, length), generator=torch.Generator().manual_seed(0))
+    needle = (length // 3, length // 3 + 12)
+    prompt = NeedlePrompt("synthetic", length, 50.0, 0, ids[0].tolist(), needle=needle, value=(needle[0] + 4, needle[1]))
     recorder = ReadRecorder(model)
     with torch.no_grad(), recorder.capture():
         model(input_ids=ids, use_cache=False)
@@ -176,7 +178,7 @@ def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded):
     assert len(reads) == model.config.num_hidden_layers
     settings = CCQSettings(model.config)
     for read in reads:
-        rows, spectra, samples = measure_layer(read, prompt, settings, sample_positions(150, 8, prompt))
+        rows, spectra, samples = measure_layer(read, prompt, settings, sample_positions(length, 8, prompt))
         for row in rows:
             assert row["read_residual"] < 1e-5
             assert 0 <= row["needle_share_off"] <= 1 and 0 <= row["needle_share_on"] <= 1
@@ -185,7 +187,7 @@ def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded):
             else:
                 assert row["lambda_source"] == "constant" and row["lambda_answer"] == pytest.approx(2.0)
         assert len(spectra) == len(rows) * read.k.shape[-1]
-        assert {s["position"] for s in samples} >= {70, 89, 149}
+        assert {s["position"] for s in samples} >= {needle[0], needle[1] - 1, length - 1}
 
 
 def test_transformer_is_refused_in_one_line():

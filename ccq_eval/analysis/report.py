@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from markupsafe import Markup  # HTML built here from escaped parts: table cells insert it as it is
+from markupsafe import Markup  # HTML built here from escaped parts: table cells take it as it is
 
 from ccq_eval.analysis import figures as figure_module
 from ccq_eval.analysis import stats, tables
@@ -50,6 +50,8 @@ WORST_DOCUMENTS = 5
 # Generated text longer than this is cut (S-NIAH budgets are a few dozen tokens; a runaway model's
 # output would bloat the page).
 GENERATED_CHARS = 600
+# Failures listed per S-NIAH cell (the rest are counted): keeps a large grid's page small enough to open.
+FAILURES_PER_CELL = 10
 _NOT_ARCHIVED = "; not archived>"
 
 
@@ -370,7 +372,7 @@ def sniah_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
         outcome = f"{len(failures)} of {len(entries)} failed" if failures else f"all {len(entries)} right"
         summary = f"{unit.model} · {tables.display_task(task)} · {where}: {outcome}"
         cell = SampleCell(unit.model, task, length, depth, summary)
-        for value, sample in failures:
+        for value, sample in failures[:FAILURES_PER_CELL]:
             doc = sample.get("doc") or {}
             answers = [str(a) for a in doc.get("outputs") or [sample.get("target", "")]]
             generated = _generated(sample)
@@ -381,6 +383,9 @@ def sniah_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
                 f'<span>expected</span><span><code class="expected">{_e(" / ".join(answers))}</code></span>'
                 f'<span>generated</span><pre class="generated">{_e(shown) or "(nothing)"}</pre>'
                 f"<span>around the needle</span>{context}</div>")
+        if len(failures) > FAILURES_PER_CELL:
+            cell.entries.append(f'<p class="muted">{len(failures) - FAILURES_PER_CELL} more failures in this '
+                                "cell are not listed.</p>")
         cells.append(cell)
     return cells
 

@@ -168,3 +168,17 @@ def test_partial_folder_report_says_what_is_missing(tmp_path):
     cells = _cells(text)
     assert not [a for a, _ in cells if a["model"] == "tiny-gdn" and a["task"] == "ccq_s_niah_2"]
     assert [a for a, _ in cells if a["model"] == "tiny-gdn" and a["task"] == "ccq_s_niah_1"]
+
+
+def test_long_failure_lists_are_cut_and_counted(monkeypatch):
+    monkeypatch.setattr(report, "FAILURES_PER_CELL", 1)
+    cut = 0
+    for attributes, inner in _cells(report.build_report(REFERENCE, figure_paths=[])):
+        failed = re.search(r"(\d+) of \d+ failed", inner)
+        if tables.task_family(attributes["task"]) != "s-niah" or not failed:
+            continue
+        assert inner.count('<div class="sample">') == 1
+        if int(failed.group(1)) > 1:
+            assert f"{int(failed.group(1)) - 1} more failures in this cell are not listed" in inner
+            cut += 1
+    assert cut > 0

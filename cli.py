@@ -180,6 +180,10 @@ def run(
     shard: Annotated[str | None, typer.Option(
         help="K/N: run only the K-th of N deterministic parts of the units (a Slurm array task); workers "
         "into one --output also share units through per-unit locks without it.")] = None,
+    ccq_attach: Annotated[str | None, typer.Option(
+        help="Attach CCQ training-free to each plain GLA / Gated DeltaNet --model with the constant gate: every "
+        "lambda is evaluated as its own model <model>+ccq-lambda<L>; other CCQ config fields fixed after ';', "
+        "e.g. \"lambda=0,0.5,1,2,4;order=2\". `figures` draws score vs lambda.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     report: Annotated[bool, typer.Option(
         help="After the run, write the paper-style table (table.md), figures (figures/) and an HTML "
@@ -196,7 +200,7 @@ def run(
         samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype.value,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, keep_going=keep_going,
-        cuda_graphs=cuda_graphs, shard=shard,
+        cuda_graphs=cuda_graphs, shard=shard, ccq_attach=ccq_attach,
     )
     try:
         plan = run_plan.plan_run(options)
@@ -346,7 +350,8 @@ def figures(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the PNG and PDF files.")]
     = Path("figures"),
 ) -> None:
-    """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars."""
+    """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars, and score vs
+    lambda of each `run --ccq-attach` sweep."""
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
     from ccq_eval.harness.results_store import ResultsError

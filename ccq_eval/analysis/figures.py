@@ -4,7 +4,8 @@
 - accuracy vs length, one panel per S-NIAH task, models overlaid;
 - perplexity vs length for both protocols: the truncated-document sweep (ppl at each
   evaluated length) and the position-bucketed curve (ppl of each position bucket);
-- LongBench scores per dataset as grouped bars (and LongBench-E per bucket).
+- LongBench scores per dataset as grouped bars (and LongBench-E per bucket);
+- score vs lambda of each `run --ccq-attach` sweep, a panel per task and a curve per length.
 
 Colour-blind safe: a model's family (its name without a trailing "-ccq") owns one hue of the
 Okabe-Ito palette (fixed for known architectures such as GLA and Gated DeltaNet, else from a hash
@@ -143,6 +144,13 @@ def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
     ax.minorticks_off()
 
 
+def _log_y(ax: plt.Axes) -> None:
+    """A log y axis labelled in plain numbers (perplexities)."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+
+
 def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
     """PNG, then PDF with the layout the PNG's draw computed (the same size in inches, so the same
     positions: laying the figure out again would only cost time)."""
@@ -224,9 +232,7 @@ def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, c
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             if log_y:
-                ax.set_yscale("log")
-                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-                ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                _log_y(ax)
             if score:
                 ax.set_ylim(-0.03 * _score_limit(rows), 1.03 * _score_limit(rows))
         handles, labels = axes[0].get_legend_handles_labels()
@@ -310,6 +316,54 @@ def longbench_e_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
         return _save(fig, out, "longbench_e_per_bucket")
 
 
+def _sweep_panel_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """One task's primary values per (model, length) without depth or bucket; tasks without per-length
+    values (LongBench) keep their overall value, as one curve."""
+    rows = rows[rows["primary"] & rows["depth"].isna() & rows["bucket"].isna()]
+    per_length = rows[rows["length"].notna()]
+    return per_length if not per_length.empty else rows
+
+
+def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
+    """One figure per --ccq-attach sweep with two or more lambdas: score vs lambda, a panel per task
+    and a curve per context length (lambda = 0 is the plain checkpoint)."""
+    points = tables.ccq_sweep_points(tidy)
+    paths = []
+    for sweep, members in points.groupby("sweep", sort=True):
+        if members["lambda"].nunique() < 2:
+            continue
+        rows = tidy.merge(members[["model", "lambda"]], on="model")
+        panels = {task: _sweep_panel_rows(task_rows) for task, task_rows in rows.groupby("task", sort=True)}
+        panels = {task: task_rows for task, task_rows in panels.items() if not task_rows.empty}
+        if not panels:
+            continue
+        lengths = sorted({int(x) for p in panels.values() for x in p["length"].dropna()})
+        shade = {length: plt.get_cmap(HEATMAP_CMAP)(0.85 * i / max(len(lengths) - 1, 1))
+                 for i, length in enumerate(lengths)}
+        with plt.rc_context(STYLE):
+            fig, axes = _panels(len(panels))
+            for ax, (task, task_rows) in zip(axes, panels.items()):
+                curves = task_rows.groupby(task_rows["length"].fillna(-1), sort=True)
+                for index, (length, curve) in enumerate(curves):
+                    curve = curve.sort_values("lambda")
+                    label = "all" if length < 0 else f"{tables._length_label(length)} tokens"
+                    ax.plot(curve["lambda"], curve["value"], marker=MARKERS[index % len(MARKERS)], label=label,
+                            color=shade.get(int(length), PALETTE[0]), linewidth=1.5, markersize=5)
+                family = task_rows["family"].iloc[0]
+                ax.set_title(panel_title(task))
+                ax.set_xlabel("lambda (constant gate)")
+                ax.set_ylabel({"s-niah": "accuracy", "ppl": "perplexity"}.get(family, "score"))
+                ax.set_xticks(sorted(members["lambda"].unique()))
+                if family == "ppl":
+                    _log_y(ax)
+                else:
+                    ax.set_ylim(-0.03 * _score_limit(task_rows), 1.03 * _score_limit(task_rows))
+                ax.legend(frameon=False)
+            fig.suptitle(f"{sweep}: score vs lambda (CCQ attached training-free, constant gate)")
+            paths += _save(fig, out, f"ccq_sweep_{_safe(sweep)}")
+    return paths
+
+
 def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
     """Every figure the results support, as PNG and PDF under `out`; returns their paths."""
     out = Path(out)
@@ -321,6 +375,7 @@ def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
     paths += perplexity_curves(tidy, out, colors)
     paths += longbench_bars(tidy, out, colors)
     paths += longbench_e_bars(tidy, out, colors)
+    paths += ccq_sweep_curves(tidy, out)
     if not paths:
         raise ResultsError(
             "nothing to draw: the results hold no per-length S-NIAH or perplexity values and no LongBench "

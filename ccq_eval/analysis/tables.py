@@ -352,6 +352,23 @@ def load_tidy(root: Path) -> pd.DataFrame:
     return tidy_table(results_store.load_results(root))
 
 
+def ccq_sweep_points(tidy: pd.DataFrame) -> pd.DataFrame:
+    """The models of `ccq-eval run --ccq-attach` sweeps among the tidy frame's: columns model, sweep (the
+    swept checkpoint with its fixed CCQ fields, e.g. 'tiny-gla+ccq-order2') and lambda, read from the
+    spec each unit's meta.json records (the model names are not parsed)."""
+    points: dict[str, tuple[str, float]] = {}
+    for model, source in tidy[["model", "source"]].drop_duplicates().itertuples(index=False):
+        meta_path = Path(source).parent / results_store.META_FILE
+        if Path(source).name != results_store.RESULTS_FILE or not meta_path.is_file():
+            continue
+        meta = results_store.read_json(meta_path)
+        attach = ((meta.get("spec") or {}) if isinstance(meta, dict) else {}).get("ccq_attach")
+        if isinstance(attach, dict) and "sweep" in attach and _is_number(attach.get("lambda")):
+            points[model] = (str(attach["sweep"]), float(attach["lambda"]))
+    return pd.DataFrame([(model, sweep, lam) for model, (sweep, lam) in sorted(points.items())],
+                        columns=["model", "sweep", "lambda"])
+
+
 # --------------------------------------------------------------------------------------------
 # Pivots
 

@@ -1,15 +1,21 @@
 """Parsing `ccq-eval run`'s options: lengths, depths, --lm-eval-arg pairs (simple_evaluate arguments and
-lm-eval's result loggers) and --shard. A bad value raises PlanError naming the option and a valid form.
-Imports neither torch nor lm-eval unless --lm-eval-arg is given.
+lm-eval's result loggers), --shard and --ccq-attach. A bad value raises PlanError naming the option and
+a valid form. Imports neither torch nor lm-eval unless --lm-eval-arg is given (--ccq-attach imports torch
+and fla: the CCQ config classes judge its fields).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from ccq_eval.model.registry import ModelEntry
 
 # simple_evaluate arguments the runner sets itself; --lm-eval-arg may not override them.
 MANAGED_LMEVAL_ARGS = {
@@ -143,3 +149,114 @@ def parse_shard(text: str) -> tuple[int, int]:
         raise PlanError(f"--shard {text!r}: give K/N with 1 <= K <= N, e.g. --shard 2/3 for the second of three "
                         "workers (Slurm: --shard $SLURM_ARRAY_TASK_ID/N with --array=1-N)")
     return int(match[1]), int(match[2])
+
+
+# --ccq-attach: training-free CCQ on plain checkpoints, one model per lambda.
+@dataclass(frozen=True)
+class CCQAttach:
+    """A parsed --ccq-attach: the lambdas to sweep and the fixed CCQ config fields (full ccq_* names,
+    not yet checked against the config class: `ccq_eval.model.loading.ccq_attach_config` does that)."""
+
+    lambdas: tuple[float, ...]
+    fields: dict[str, Any]
+
+    def sweep_name(self, model: str) -> str:
+        """'tiny-gla+ccq' plus the fixed fields ('tiny-gla+ccq-order2-formresolvent'): the name the
+        sweep's figure and its models carry."""
+        fixed = "".join(f"-{key.removeprefix('ccq_')}{_field_text(value)}"
+                        for key, value in sorted(self.fields.items()))
+        return f"{model}+ccq{fixed}"
+
+    def model_name(self, model: str, lam: float) -> str:
+        """The evaluated model of one setting, e.g. 'tiny-gla+ccq-lambda2' (its results folder too)."""
+        return f"{self.sweep_name(model)}-lambda{_field_text(lam)}"
+
+
+def _field_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+_ATTACH_EXAMPLE = 'e.g. --ccq-attach "lambda=0,0.5,1,2,4;order=2"'
+
+
+def _attach_value(text: str) -> Any:
+    """'2' -> 2, '0.5' -> 0.5, 'true' -> True, anything else the text (the config class checks it)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_ccq_attach(text: str) -> CCQAttach:
+    """'lambda=0,0.5,1;order=2;form=resolvent' -> CCQAttach((0.0, 0.5, 1.0), {'ccq_order': 2, 'ccq_form':
+    'resolvent'}). Items separated by ';'; lambda (required) takes a comma-separated list of numbers >= 0,
+    every other key one value; a key is a CCQ config field with or without its 'ccq_' prefix."""
+    lambdas: tuple[float, ...] | None = None
+    fields: dict[str, Any] = {}
+    for item in [part.strip() for part in text.split(";") if part.strip()]:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise PlanError(f"--ccq-attach: {item!r} is not key=value; {_ATTACH_EXAMPLE}")
+        if key.lower() in ("lambda", "ccq_lambda"):
+            if lambdas is not None:
+                raise PlanError("--ccq-attach: lambda is given twice; list every value in one lambda=... item")
+            lambdas = _parse_lambdas(value)
+            continue
+        name = key if key.startswith("ccq_") else f"ccq_{key}"
+        if name in fields:
+            raise PlanError(f"--ccq-attach: {key} is given twice; give it once")
+        if "," in value:
+            raise PlanError(f"--ccq-attach: {key}={value}: only lambda takes a list; give {key} one value (run "
+                            "another sweep for another value)")
+        fields[name] = _attach_value(value)
+    if lambdas is None:
+        raise PlanError(f"--ccq-attach {text!r} has no lambda values; {_ATTACH_EXAMPLE}")
+    return CCQAttach(lambdas, fields)
+
+
+def _parse_lambdas(text: str) -> tuple[float, ...]:
+    values = []
+    for token in [t.strip() for t in text.split(",")]:
+        try:
+            value = float(token)
+        except ValueError:
+            raise PlanError(f"--ccq-attach: lambda {token!r} is not a number; give comma-separated numbers >= 0 "
+                            "such as lambda=0,0.5,1,2,4") from None
+        if not math.isfinite(value) or value < 0:
+            raise PlanError(f"--ccq-attach: lambda {token!r} must be a finite number >= 0 (0 is the plain "
+                            "model); e.g. lambda=0,0.5,1,2,4")
+        values.append(value + 0.0)  # -0.0 -> 0.0
+    if len(set(values)) != len(values):
+        raise PlanError(f"--ccq-attach: lambda={text} repeats a value; give each once")
+    return tuple(sorted(values))
+
+
+def attached_models(models: list[ModelEntry], attach: CCQAttach) -> tuple[list[ModelEntry], dict[str, dict]]:
+    """--ccq-attach: each model once per lambda, named as CCQAttach.model_name says, and the ccq_attach
+    entry of each one's unit specs (the runner loads the model with it). The fields and every local
+    checkpoint are checked with the config classes first (imports torch and fla; loads no weights)."""
+    from ccq_eval.model import loading
+
+    expanded, attachments = [], {}
+    for model in models:
+        try:
+            if Path(model.source).is_dir():
+                loading.ccq_attach_config(Path(model.source), max(attach.lambdas), attach.fields)
+            else:  # a hub id: its config is checked when it is fetched
+                loading.check_ccq_attach_fields(attach.fields)
+        except loading.ModelLoadError as exc:
+            raise PlanError(f"--ccq-attach: {exc}") from None
+        for lam in attach.lambdas:
+            name = attach.model_name(model.name, lam)
+            expanded.append(ModelEntry(name=name, source=model.source,
+                                       description=f"{model.name} with CCQ attached at lambda = {lam:g}"))
+            attachments[name] = {"sweep": attach.sweep_name(model.name), "lambda": lam, "fields": dict(attach.fields)}
+    return expanded, attachments

@@ -20,6 +20,8 @@ from ccq_eval.harness.options import (  # noqa: F401  (re-exported: what a plan 
     LOGGER_ARGS,
     MANAGED_LMEVAL_ARGS,
     PlanError,
+    attached_models,
+    parse_ccq_attach,
     parse_depths,
     parse_lengths,
     parse_lm_eval_args,
@@ -190,6 +192,7 @@ class RunOptions:
     cuda_graphs: bool | None = None  # CUDA-graph decode and scoring; None: where they apply (adapter)
     suite: str | None = None  # a name in SUITES: its tasks and lengths instead of --task / --lengths
     shard: str | None = None  # "K/N": this worker runs the K-th of N deterministic parts of the units
+    ccq_attach: str | None = None  # "lambda=0,1,2;order=2": each model once per lambda, CCQ attached (options)
 
 
 def options_command_line(options: RunOptions) -> list[str]:
@@ -215,6 +218,8 @@ def options_command_line(options: RunOptions) -> list[str]:
         argv += ["--lm-eval-arg", pair]
     if options.shard is not None:
         argv += ["--shard", options.shard]
+    if options.ccq_attach is not None:
+        argv += ["--ccq-attach", options.ccq_attach]
     if options.keep_going:
         argv.append("--keep-going")
     if options.cuda_graphs is not None:
@@ -333,6 +338,10 @@ def plan_run(
             raise PlanError(f"{flag} is empty; give comma-separated values (e.g. --lengths 1k,2k --depths 0,50,100) "
                             "or leave the option out for the defaults")
     shard = parse_shard(options.shard) if options.shard is not None else None
+    attach = parse_ccq_attach(options.ccq_attach) if options.ccq_attach is not None else None
+    if attach is not None and not options.models:
+        raise PlanError("--ccq-attach needs --model: name the plain GLA / Gated DeltaNet checkpoints to attach "
+                        "CCQ to (e.g. --model tiny-gla)")
     output = Path(options.output)
     for folder in (output, *output.parents):
         if folder.exists() and not folder.is_dir():
@@ -382,6 +391,9 @@ def plan_run(
     labels = [m.name for m in models]
     if len(set(labels)) != len(labels):
         raise PlanError(f"--model names the same model twice: {', '.join(labels)}")
+    attachments: dict[str, dict[str, Any]] = {}  # model name -> its units' spec["ccq_attach"]
+    if attach is not None:
+        models, attachments = attached_models(models, attach)
     by_folder: dict[str, str] = {}
     for model in models:
         try:
@@ -480,6 +492,8 @@ def plan_run(
                 "max_length": unit_max_length,
                 "lm_eval_args": lm_eval_args,
             }
+            if model.name in attachments:
+                spec["ccq_attach"] = attachments[model.name]
             spec = json.loads(results_store.dumps(spec))  # the form it has once stored
             unit = Unit(
                 model=model.name,

@@ -56,8 +56,9 @@ class ResultsError(Exception):
 
 
 def slugify(name: str) -> str:
-    """A folder-safe version of a model or task name ('models/tiny-gla' -> 'models_tiny-gla')."""
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip()).strip("._")
+    """A folder-safe version of a model or task name ('models/tiny-gla' -> 'models_tiny-gla'; '+' is kept,
+    so a --ccq-attach model 'tiny-gla+ccq-lambda2' is stored under that name)."""
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", name.strip()).strip("._")
     if not slug:
         raise ValueError(f"cannot make a folder name from {name!r}")
     return slug

@@ -59,14 +59,19 @@ def cpu_threads() -> int:
     return max(1, usable // 2)
 
 
-def _load_model_default(source: str, device: str, dtype: str | None) -> tuple[Any, Any]:
+def _load_model_default(source: str, device: str, dtype: str | None,
+                        ccq_attach: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The model of a unit; ccq_attach (a --ccq-attach unit's spec entry) attaches CCQ at its lambda."""
     from ccq_eval.model.loading import load_model
 
     if device == "cpu":
         import torch
 
         torch.set_num_threads(cpu_threads())
-    return load_model(source, device=device, dtype=dtype)
+    if ccq_attach is None:
+        return load_model(source, device=device, dtype=dtype)
+    return load_model(source, device=device, dtype=dtype, ccq_lambda=ccq_attach["lambda"],
+                      ccq_fields=ccq_attach["fields"])
 
 
 def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int | None, seed: int,
@@ -108,21 +113,23 @@ class LmEvalUnitEvaluator:
     def __init__(
         self,
         *,
-        load_model: Callable[[str, str, str | None], tuple[Any, Any]] = _load_model_default,
+        load_model: Callable[..., tuple[Any, Any]] = _load_model_default,  # (source, device, dtype[, ccq_attach])
         make_adapter: Callable[[Any, Any, int | None, int | None, int, bool | None], Any] = _make_adapter_default,
         task_catalog: TaskCatalog | None = None,
     ) -> None:
         self._load_model = load_model
         self._make_adapter = make_adapter
         self._task_catalog = task_catalog
-        self._loaded_key: tuple[str, str, str | None] | None = None
+        self._loaded_key: tuple[str, str, str | None, str] | None = None
         self._loaded: tuple[Any, Any] | None = None
 
-    def _model(self, source: str, device: str, dtype: str | None) -> tuple[Any, Any]:
-        key = (source, device, dtype)
+    def _model(self, source: str, device: str, dtype: str | None,
+               ccq_attach: dict[str, Any] | None = None) -> tuple[Any, Any]:
+        key = (source, device, dtype, json.dumps(ccq_attach, sort_keys=True))  # each --ccq-attach lambda its own
         if self._loaded_key != key:
             self._loaded = None  # free the previous model before loading the next
-            self._loaded = self._load_model(source, device, dtype)
+            self._loaded = (self._load_model(source, device, dtype) if ccq_attach is None
+                            else self._load_model(source, device, dtype, ccq_attach))
             self._loaded_key = key
         assert self._loaded is not None
         return self._loaded
@@ -131,7 +138,8 @@ class LmEvalUnitEvaluator:
         from lm_eval import evaluator
 
         options = context.plan.options
-        model, tokenizer = self._model(unit.model_source, context.plan.device, context.plan.dtype)
+        model, tokenizer = self._model(unit.model_source, context.plan.device, context.plan.dtype,
+                                       unit.spec.get("ccq_attach"))
         adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
                                      options.cuda_graphs)
         batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)  # what the adapter chose

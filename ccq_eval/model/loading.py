@@ -4,21 +4,27 @@ Safe by default: weights from safetensors only (pickle files, which can run code
 `allow_pickle=True`), and no remote code unless `trust_remote_code=True`. fla GLA / Gated DeltaNet
 checkpoints load into the CCQ classes with `ccq=False` by default, so they compute exactly fla's model
 while getting the project's generation fix and CPU backend; `ccq=True` attaches CCQ to them with its
-parameters at their initial values (training-free). transformers' Llama checkpoints (the
+parameters at their initial values (training-free); `ccq_lambda` does so with the constant gate at
+exactly that lambda (what `ccq-eval run --ccq-attach` sweeps). transformers' Llama checkpoints (the
 softmax-attention reference) load as they are; they have no CCQ.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ccq_eval.model import checkpoint
 from ccq_eval.model.modeling_ccq import (
+    CCQConfigMixin,
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
     CCQGLAConfig,
@@ -99,17 +105,22 @@ def resolve_checkpoint(name_or_path: str) -> Path:
             f"Use a registered name ({known}) or a local checkpoint folder.") from error
 
 
-def read_config(folder: Path, ccq: bool | None = None, **overrides):
-    """The CCQ-class config for a checkpoint folder, validated; `ccq` overrides the checkpoint's flag."""
+def _config_file_fields(folder: Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ModelLoadError(
             f"{folder} has no config.json: a checkpoint folder needs config.json and model.safetensors "
             "(a Hugging Face model folder, e.g. written by save_pretrained)")
     try:
-        fields = json.loads(config_file.read_text(encoding="utf-8"))
+        return json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from error
+
+
+def read_config(folder: Path, ccq: bool | None = None, **overrides):
+    """The CCQ-class config for a checkpoint folder, validated; `ccq` overrides the checkpoint's flag."""
+    config_file = folder / "config.json"
+    fields = _config_file_fields(folder)
     model_type = fields.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
@@ -130,6 +141,61 @@ def read_config(folder: Path, ccq: bool | None = None, **overrides):
         return config_cls(**fields)
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{config_file}: {error}") from error
+
+
+# The config fields a training-free attachment sets itself: CCQ on, with the constant gate
+# lambda_t = ccq_lambda_max * sigmoid(b) at exactly the asked lambda (constant_gate_fields).
+CONSTANT_GATE_FIELDS = ("ccq", "ccq_gate", "ccq_lambda_max", "ccq_gate_bias_init")
+
+
+def constant_gate_fields(lam: float) -> dict[str, Any]:
+    """CCQ config fields that make lambda_t exactly `lam` at every position and head: the constant gate
+    lambda_max * sigmoid(b) with b = 0 (sigmoid(0) = 0.5 exactly) and lambda_max = 2 lam; lam = 0 (where
+    ccq_lambda_max must stay > 0) with b = -inf, sigmoid(-inf) = 0 (ccq.md's identity case)."""
+    if not math.isfinite(lam) or lam < 0:
+        raise ModelLoadError(f"a CCQ attachment needs a finite lambda >= 0, got {lam!r}")
+    if lam == 0:
+        return {"ccq": True, "ccq_gate": "constant", "ccq_lambda_max": 1.0, "ccq_gate_bias_init": float("-inf")}
+    return {"ccq": True, "ccq_gate": "constant", "ccq_lambda_max": 2.0 * lam, "ccq_gate_bias_init": 0.0}
+
+
+def ccq_config_fields() -> list[str]:
+    """The CCQ fields the config classes know (ccq.md's Configuration), in their order."""
+    return [name for name in inspect.signature(CCQConfigMixin._init_ccq).parameters if name.startswith("ccq")]
+
+
+def check_ccq_attach_fields(fields: Mapping[str, Any]) -> None:
+    """ModelLoadError unless every name in `fields` is a CCQ config field an attachment may set."""
+    settable = [name for name in ccq_config_fields() if name not in CONSTANT_GATE_FIELDS]
+    fixed = sorted(set(fields) & set(CONSTANT_GATE_FIELDS))
+    if fixed:
+        raise ModelLoadError(f"{', '.join(fixed)} cannot be set in a CCQ attachment: it sets them so that lambda_t "
+                             "is exactly each lambda; give the values as lambda=...")
+    unknown = sorted(set(fields) - set(settable))
+    if unknown:
+        valid = ", ".join(name.removeprefix("ccq_") for name in settable)
+        raise ModelLoadError(f"unknown CCQ config field {', '.join(unknown)}; valid: {valid} (with or without "
+                             "the ccq_ prefix)")
+
+
+def ccq_attach_config(folder: Path, lam: float, fields: Mapping[str, Any] | None = None):
+    """The CCQ-class config of a plain GLA / Gated DeltaNet checkpoint with CCQ attached training-free:
+    the constant gate lambda_t = lam, plus `fields` (other CCQ config fields, full ccq_* names).
+    ModelLoadError for a checkpoint that is CCQ already or has no CCQ (a Transformer), an unknown or
+    reserved field, or a value the config refuses."""
+    fields = dict(fields or {})
+    check_ccq_attach_fields(fields)
+    model_type = _config_file_fields(folder).get("model_type")
+    kind = SUPPORTED_MODEL_TYPES.get(model_type)
+    if kind is not None and kind[2] is None:
+        raise ModelLoadError(f"cannot attach CCQ to {folder.name}: a {model_type} model has no CCQ (it applies to "
+                             "GLA and Gated DeltaNet); attach it to a plain GLA / Gated DeltaNet checkpoint")
+    current = read_config(folder)
+    if current.ccq:
+        raise ModelLoadError(f"cannot attach CCQ to {folder.name}: it is a CCQ checkpoint already (model_type "
+                             f"{model_type}, ccq on, its own gate); attach to a plain GLA / Gated DeltaNet "
+                             "checkpoint, or evaluate this one without the attachment")
+    return read_config(folder, **(fields | constant_gate_fields(lam)))
 
 
 def _check_weights(folder: Path, allow_pickle: bool) -> bool:
@@ -156,12 +222,21 @@ def load_model(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     ccq: bool | None = None,
+    ccq_lambda: float | None = None,
+    ccq_fields: Mapping[str, Any] | None = None,
 ):
-    """(model, tokenizer) in eval mode on `device`. `ccq` forces CCQ on or off (None: the checkpoint's)."""
+    """(model, tokenizer) in eval mode on `device`. `ccq` forces CCQ on or off (None: the checkpoint's).
+    `ccq_lambda` attaches CCQ training-free to a plain GLA / Gated DeltaNet checkpoint with the constant
+    gate lambda_t = ccq_lambda and the other CCQ config fields in `ccq_fields` (ccq_attach_config)."""
     prepare_runtime()
     torch_dtype = resolve_dtype(dtype)
     folder = resolve_checkpoint(name_or_path)
-    config = read_config(folder, ccq=ccq)
+    if ccq_lambda is None:
+        if ccq_fields:
+            raise ModelLoadError("ccq_fields belong to a CCQ attachment: give ccq_lambda too")
+        config = read_config(folder, ccq=ccq)
+    else:
+        config = ccq_attach_config(folder, ccq_lambda, ccq_fields)
     use_safetensors = _check_weights(folder, allow_pickle)
     _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]  # the CCQ class of either family
     try:
@@ -180,6 +255,10 @@ def load_model(
         raise ModelLoadError(
             f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. {min(missing)}); "
             "use the config.json saved with these weights, or re-save the checkpoint")
+    if ccq_lambda is not None and not any(key.endswith(".ccq_gate_bias")
+                                          for key in loading_info.get("missing_keys") or []):
+        raise ModelLoadError(f"cannot attach CCQ to {folder.name}: its weights hold a CCQ gate, which would replace "
+                             "the attached lambda; attach to a plain GLA / Gated DeltaNet checkpoint")
     from transformers import AutoTokenizer
 
     try:

@@ -1,0 +1,142 @@
+"""`ccq-eval run --ccq-attach`: training-free CCQ on the embedded plain checkpoints, one model per lambda.
+
+The sweep is run for real (tiny-gla, tiny-gdn, S-NIAH-1 and the perplexity sweep at 1K tokens, a whole
+number of 64-token chunks, where the CPU kernels pad nothing): lambda = 0 must give the plain model's samples bit for bit, lambda = 4 other
+ones, and every setting is its own unit with its own figure point.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import cli
+from ccq_eval.harness import plan as run_plan
+from ccq_eval.harness import results_store
+from ccq_eval.harness.options import PlanError, parse_ccq_attach
+from ccq_eval.model import loading
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(cli.app, list(args))
+
+
+def test_parse_ccq_attach_and_the_names_of_its_models():
+    attach = parse_ccq_attach("lambda=4, 0.5,0,2 ; order=2;ccq_form=resolvent; centered=false")
+    assert attach.lambdas == (0.0, 0.5, 2.0, 4.0)
+    assert attach.fields == {"ccq_order": 2, "ccq_form": "resolvent", "ccq_centered": False}
+    assert attach.sweep_name("tiny-gla") == "tiny-gla+ccq-centeredfalse-formresolvent-order2"
+    plain = parse_ccq_attach("lambda=0,2,0.25")
+    assert [plain.model_name("tiny-gla", lam) for lam in plain.lambdas] == [
+        "tiny-gla+ccq-lambda0", "tiny-gla+ccq-lambda0.25", "tiny-gla+ccq-lambda2"]
+    assert results_store.slugify("tiny-gla+ccq-lambda2") == "tiny-gla+ccq-lambda2"  # the folder name
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.1, 0.5, 2.0, 4.0])
+def test_the_constant_gate_gives_exactly_lambda(lam):
+    """lambda_t = ccq_lambda_max * sigmoid(b) as the read computes it (fp32) is the asked value exactly."""
+    import torch
+
+    from ccq_eval.model.ccq import CCQGate
+
+    fields = loading.constant_gate_fields(lam)
+    bias = torch.full((3,), fields["ccq_gate_bias_init"])
+    values = CCQGate(None, bias, fields["ccq_lambda_max"]).values(torch.zeros(1, 5, 3, 4))
+    assert torch.equal(values, torch.full_like(values, lam))
+
+
+@pytest.mark.parametrize(("models", "attach", "expected"), [
+    (["tiny-gla"], "lambda=abc", "lambda 'abc' is not a number"),
+    (["tiny-gla"], "lambda=1,-2", "lambda '-2' must be a finite number >= 0"),
+    (["tiny-gla"], "lambda=1,1.0", "repeats a value"),
+    (["tiny-gla"], "order=2", "has no lambda values"),
+    (["tiny-gla"], "lambda=1;order=1,2", "only lambda takes a list"),
+    (["tiny-gla"], "lambda=1;orderr=2", "unknown CCQ config field ccq_orderr; valid: order"),
+    (["tiny-gla"], "lambda=1;lambda_max=8", "ccq_lambda_max cannot be set in a CCQ attachment"),
+    (["tiny-gla"], "lambda=1;order=0", "ccq_order must be an integer >= 1, got 0"),
+    (["tiny-gla-ccq"], "lambda=1", "tiny-gla-ccq: it is a CCQ checkpoint already"),
+    (["tiny-gdn", "tiny-transformer"], "lambda=1", "a llama model has no CCQ"),
+    ([], "lambda=1", "--ccq-attach needs --model"),
+])
+def test_bad_attachments_fail_in_one_line_before_any_model_loads(models, attach, expected, monkeypatch, tmp_path):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    args = [arg for model in models for arg in ("--model", model)]
+    result = _invoke("run", *args, "--ccq-attach", attach, "--task", "ppl-sweep", "--lengths", "640",
+                     "--output", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    [error] = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert expected in error and "--ccq-attach" in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_each_setting_is_its_own_unit_and_resumes_as_itself(tmp_path):
+    """The plan gives every lambda its own folder and a spec that records the attachment (so a resumed
+    or re-run unit is never another setting's), while the checkpoint fingerprint stays the plain one."""
+    options = run_plan.RunOptions(models=["tiny-gla"], tasks=["ppl-sweep"], lengths="640", output=tmp_path,
+                                  ccq_attach="lambda=0,4;decay=none")
+    plan = run_plan.plan_run(options)
+    assert [unit.model for unit in plan.units] == ["tiny-gla+ccq-decaynone-lambda0", "tiny-gla+ccq-decaynone-lambda4"]
+    assert [unit.dir.path.parent.name for unit in plan.units] == [unit.model for unit in plan.units]
+    assert [unit.spec["ccq_attach"] for unit in plan.units] == [
+        {"sweep": "tiny-gla+ccq-decaynone", "lambda": lam, "fields": {"ccq_decay": "none"}} for lam in (0.0, 4.0)]
+    assert plan.units[0].spec["checkpoint"] == plan.units[1].spec["checkpoint"] is not None
+    assert "--ccq-attach" in run_plan.options_command_line(options)
+    # A folder holding another setting's answers is refused, not resumed.
+    first = plan.units[0]
+    first.dir.path.mkdir(parents=True)
+    results_store.atomic_write_json(first.dir.spec, plan.units[1].spec)
+    results_store.atomic_write_json(first.dir.results, {"results": {}})
+    with pytest.raises(PlanError, match="different settings.*ccq_attach"):
+        run_plan.plan_run(options)
+
+
+@pytest.mark.slow
+def test_sweep_on_the_embedded_models_matches_the_plain_model_at_lambda_zero(tmp_path):
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a busy 2-core machine
+    out = tmp_path / "results"
+    common = ["--model", "tiny-gla", "--model", "tiny-gdn", "--task", "s-niah-1", "--task", "ppl-sweep",
+              "--lengths", "1k", "--depths", "50", "--samples-per-cell", "1", "--output", str(out), "--quiet",
+              "--lm-eval-arg", "bootstrap_iters=0"]
+    sweep = ["run", *common, "--ccq-attach", "lambda=0,4"]
+    try:
+        result = _invoke(*sweep, "--no-report")
+        assert result.exit_code == 0, result.output
+        assert "8 evaluated" in result.output
+        result = _invoke("run", *common)  # the plain checkpoints into the same folder
+        assert result.exit_code == 0, result.output
+    finally:
+        torch.set_num_threads(previous)
+
+    tasks = ("ccq_s_niah_1", "ccq_ppl_sweep")
+    for base in ("tiny-gla", "tiny-gdn"):
+        assert sorted(p.name for p in out.glob(f"{base}*")) == [base, f"{base}+ccq-lambda0", f"{base}+ccq-lambda4"]
+        configs = set()
+        for task in tasks:
+            plain, zero, four = (out / name / task for name in (base, f"{base}+ccq-lambda0", f"{base}+ccq-lambda4"))
+            meta = json.loads((four / "meta.json").read_text())
+            assert meta["spec"]["ccq_attach"] == {"sweep": f"{base}+ccq", "lambda": 4.0, "fields": {}}
+            configs |= {json.loads((folder / "meta.json").read_text())["model_config_sha256"]
+                        for folder in (plain, zero, four)}
+            answers = {folder: [(s["doc_hash"], s["resps"], s["filtered_resps"]) for s in map(
+                json.loads, (folder / f"samples_{task}.jsonl").read_text().splitlines())] for folder in (plain, zero, four)}
+            scores = {folder: json.loads((folder / "results.json").read_text())["results"][task]
+                      for folder in (plain, zero, four)}
+            assert answers[zero] == answers[plain] and scores[zero] == scores[plain], (base, task)
+            assert answers[four] != answers[plain], (base, task)  # CCQ at lambda = 4 reads differently
+        assert len(configs) == 3  # plain, lambda 0 and lambda 4 are three configurations
+
+    # Re-running the sweep finds every setting finished; `figures` draws one score-vs-lambda figure per sweep.
+    result = _invoke(*sweep, "--no-report")
+    assert result.exit_code == 0 and "0 evaluated, 8 skipped" in result.output, result.output
+    result = _invoke("figures", str(out), "--output", str(tmp_path / "figures"))
+    assert result.exit_code == 0, result.output
+    drawn = sorted(p.name for p in (tmp_path / "figures").glob("ccq_sweep_*.png"))
+    assert drawn == ["ccq_sweep_tiny-gdn_ccq.png", "ccq_sweep_tiny-gla_ccq.png"]

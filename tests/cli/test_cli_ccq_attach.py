@@ -95,6 +95,29 @@ def test_each_setting_is_its_own_unit_and_resumes_as_itself(tmp_path):
         run_plan.plan_run(options)
 
 
+@pytest.mark.parametrize("base", ["tiny-gla", "tiny-gdn"])
+@pytest.mark.parametrize("fields", [{}, {"ccq_form": "resolvent", "ccq_solve_steps": 8}, {"ccq_order": 3}])
+def test_an_attachment_at_lambda_zero_computes_the_plain_logits(base, fields):
+    """Bit for bit on CPU, for every read form the config offers (fields pass through to it as given);
+    at lambda = 2 the read changes the logits."""
+    import torch
+
+    tokens = torch.randint(3, 300, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = loading.load_model(base)[0](tokens).logits
+        attached = {lam: loading.load_model(base, ccq_lambda=lam, ccq_fields=fields)[0] for lam in (0.0, 2.0)}
+        assert all(model.config.ccq and model.config.ccq_gate == "constant" for model in attached.values())
+        assert torch.equal(attached[0.0](tokens).logits, plain)
+        assert not torch.allclose(attached[2.0](tokens).logits, plain, atol=1e-3)
+
+
+def test_unknown_values_of_a_passed_through_field_are_the_config_s_error(tmp_path):
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=["ppl-sweep"], lengths="1k", output=tmp_path,
+                                  ccq_attach="lambda=1;form=bogus")
+    with pytest.raises(PlanError, match="--ccq-attach: .*ccq_form must be one of"):
+        run_plan.plan_run(options)
+
+
 @pytest.mark.slow
 def test_sweep_on_the_embedded_models_matches_the_plain_model_at_lambda_zero(tmp_path):
     import torch

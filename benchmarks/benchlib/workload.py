@@ -138,7 +138,7 @@ def forward_flops_per_token(model: torch.nn.Module, ccq_enabled: bool) -> dict[s
       scores and their product with values, 2C(d_k + d_v), plus the read and the write of the
       d_k x d_v state, 4 d_k d_v. Gated DeltaNet adds the WY/UT correction, about 2C(d_k + d_v) +
       2 d_k d_v more;
-    - CCQ, per order: one more such pass with v = k (2C * 2 d_k + 4 d_k^2).
+    - CCQ, per order (or resolvent solve step): one more such pass with v = k (2C * 2 d_k + 4 d_k^2).
     Training is counted as 3x forward (backward = 2x forward). Embedding lookups, norms, gates and
     the loss are not counted. An estimate for MFU, not an operation count of the kernels.
     """
@@ -161,7 +161,9 @@ def forward_flops_per_token(model: torch.nn.Module, ccq_enabled: bool) -> dict[s
             per_head += 2 * C * (dk + dv) + 2 * dk * dv
         mixing += heads * per_head
         if ccq_enabled and getattr(module, "ccq_order", None):
-            ccq += module.num_heads * module.ccq_order * (2 * C * 2 * dk + 4 * dk * dk)
+            # One Sigma pass per series order, or per conjugate-gradient step of the resolvent.
+            passes = module.ccq_solve_steps if getattr(module, "ccq_form", "series") == "resolvent" else module.ccq_order
+            ccq += module.num_heads * passes * (2 * C * 2 * dk + 4 * dk * dk)
     return {"dense": dense, "mixing": mixing, "ccq": ccq, "total": dense + mixing + ccq}
 
 

@@ -353,7 +353,8 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 ax.set_title(panel_title(task))
                 ax.set_xlabel("lambda (constant gate)")
                 ax.set_ylabel({"s-niah": "accuracy", "ppl": "perplexity"}.get(family, "score"))
-                ax.set_xticks(sorted(members["lambda"].unique()))
+                ticks = sorted(members["lambda"].unique())
+                ax.set_xticks(ticks, [f"{lam:g}" for lam in ticks])
                 if family == "ppl":
                     _log_y(ax)
                 else:

@@ -200,8 +200,9 @@ def package_versions() -> dict[str, str | None]:
 
 
 def gpu_kernel_settings() -> dict[str, str | None]:
-    """Which kernel paths a CUDA run uses (bf16 results differ slightly between them): the CCQ read,
-    the scoring log-softmax, the autotuning cap. Recorded in CUDA runs' metadata (CPU runs use torch
+    """Which kernel paths a CUDA run may use (bf16 results differ slightly between them): the CCQ read
+    ("fused" where it applies: order-1 series reads at head dims 128 / 256; resolvent reads are always
+    unfused), the scoring log-softmax, the autotuning cap. Recorded in CUDA runs' metadata (CPU runs use torch
     throughout), read in every run so that a bad setting fails before the first unit."""
     from ccq_eval.model.ccq import fused_kernel_enabled
     from ccq_eval.model.kernels.token_logprob import selected_implementation

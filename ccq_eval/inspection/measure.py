@@ -5,9 +5,9 @@ Definitions (the README's "Looking inside" states them too):
   read with r instead of q~. A baseline: off = its read as is (r), on = the read with
   q~ = sum_j (-lambda Sigma_t)^j r from a constant lambda (`baseline_lambda`: by default
   ccq_lambda_max * sigmoid(ccq_gate_bias_init) of its config, 2.0 for the defaults, the value an
-  attached gate starts at) and the config's decay, centering and order (ccq_form "resolvent": the
-  exact solve (I + lambda Sigma_t)^-1 r, where the model runs a few CG steps). The state is the same
-  either way: CCQ changes only the read.
+  attached gate starts at) and the config's decay, centering, read form and order (ccq_form
+  "resolvent": its ccq_solve_steps CG steps, as a layer runs them). The state is the same either
+  way: CCQ changes only the read.
 - lambda_t: a CCQ model's gate, lambda_max sigmoid(a . r_t + b); for a baseline the constant above
   (column lambda_source says which).
 - Sigma_t: the decayed covariance of the unit keys (ccq.md), at the answer position; its
@@ -23,8 +23,7 @@ Definitions (the README's "Looking inside" states them too):
   share of the tokens, what a read spread evenly would give.
 - read_residual: ||sum_i c_i v_i - o_t|| / ||o_t|| for the read the model ran (CCQ models: on,
   baselines: off) against the kernel's own output; ccq_residual: the captured q~ against the one
-  rebuilt from Sigma_t (CCQ models). Both near rounding when the decomposition is right (the
-  resolvent adds its CG steps' error to ccq_residual).
+  rebuilt from Sigma_t (CCQ models). Both near rounding when the decomposition is right.
 """
 
 from __future__ import annotations
@@ -53,10 +52,12 @@ class CCQSettings:
     """The CCQ read a layer uses (a CCQ model) or would use (a baseline): from the model's config."""
 
     def __init__(self, config, baseline_lambda: float | None = None):
-        self.order = int(getattr(config, "ccq_order", 1))
         self.centered = bool(getattr(config, "ccq_centered", True))
         self.decay = getattr(config, "ccq_decay", "state")
         self.form = getattr(config, "ccq_form", "series")
+        # Sigma applications of the read: the series order, or the resolvent's solve steps.
+        self.order = int(getattr(config, "ccq_solve_steps", 4) if self.form == "resolvent"
+                         else getattr(config, "ccq_order", 1))
         lam_max = float(getattr(config, "ccq_lambda_max", 4.0))
         bias = float(getattr(config, "ccq_gate_bias_init", 0.0))
         default = lam_max / (1.0 + math.exp(-bias))  # the gate's initial lambda

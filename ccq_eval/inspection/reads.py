@@ -125,17 +125,12 @@ def key_covariance(n: torch.Tensor, m: torch.Tensor, second: torch.Tensor, cente
 
 def ccq_query_from_sigma(sigma: torch.Tensor, r: torch.Tensor, lam: torch.Tensor, order: int,
                          form: str = "series") -> torch.Tensor:
-    """q~ from an explicit Sigma [..., K, K]: sum_{j<=order} (-lam Sigma)^j r (series) or
-    (I + lam Sigma)^-1 r (resolvent). r [..., K], lam [...]."""
-    lam_ = lam.unsqueeze(-1)
-    if form == "resolvent":
-        eye = torch.eye(sigma.shape[-1], dtype=sigma.dtype, device=sigma.device)
-        return torch.linalg.solve(eye + lam_.unsqueeze(-1) * sigma, r.unsqueeze(-1)).squeeze(-1)
-    term, total = r, r
-    for _ in range(order):
-        term = -lam_ * (sigma @ term.unsqueeze(-1)).squeeze(-1)
-        total = total + term
-    return total
+    """q~ from an explicit Sigma [..., K, K], by the model's own read form (ccq.apply_read_form):
+    the series of order `order`, or the resolvent by `order` conjugate-gradient steps, exactly as a
+    CCQ layer computes it. r [..., K], lam [...]."""
+    from ccq_eval.model.ccq import apply_read_form
+
+    return apply_read_form(form, r, lam.unsqueeze(-1), order, lambda u: (sigma @ u.unsqueeze(-1)).squeeze(-1))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -134,17 +134,19 @@ def test_hand_built_needle_share_gated_deltanet():
     assert token_shares(c, v)[0, needle].sum().item() == pytest.approx(0.6, abs=1e-12)
 
 
-@pytest.mark.parametrize(("order", "centered"), [(1, True), (2, False)])
-def test_covariance_gives_the_ccq_operators_query(order, centered):
+@pytest.mark.parametrize(("order", "centered", "form"), [(1, True, "series"), (2, False, "series"),
+                                                       (3, True, "resolvent")])
+def test_covariance_gives_the_ccq_operators_query(order, centered, form):
     q, k, _, log_alpha, _ = _random_inputs(2)
     kappa, log_gamma = unit_keys(k), log_alpha.mean(-1)
     lam = torch.rand(H, T, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4
-    expected, _ = ccq_read_reference(*(_batch_first(x) for x in (q, kappa, log_gamma, lam)), order, centered)
+    expected, _ = ccq_read_reference(*(_batch_first(x) for x in (q, kappa, log_gamma, lam)), order, centered,
+                                     form=form)
     expected = expected[0].transpose(0, 1)
     positions = [0, 4, 5, 17, T - 1]
     n, m, second = decayed_moments(kappa, log_gamma, positions)
     sigma = key_covariance(n, m, second, centered)
-    got = ccq_query_from_sigma(sigma, q[:, positions], lam[:, positions], order)
+    got = ccq_query_from_sigma(sigma, q[:, positions], lam[:, positions], order, form)
     torch.testing.assert_close(got, expected[:, positions], rtol=1e-12, atol=1e-12)
     eigenvalues = torch.linalg.eigvalsh(sigma)
     assert eigenvalues.min() > -1e-12 and eigenvalues.sum(-1).max() <= 1 + 1e-12  # 0 <= Sigma, tr <= 1

@@ -168,10 +168,12 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int = 4):
+def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int = 4, min_width: float = 6.4):
+    """A grid of `count` panels; at least `min_width` inches wide, so that one panel still has room for
+    the figure's title and a legend of several models."""
     cols = min(count, max_cols)
     rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), squeeze=False,
+    fig, axes = plt.subplots(rows, cols, figsize=(max(width * cols, min_width), height * rows + 0.6), squeeze=False,
                              layout="constrained")
     for ax in axes.flat[count:]:
         ax.set_visible(False)

@@ -161,7 +161,7 @@ case "$cmd" in
     rm -rf "$WORK/repo"; mkdir -p "$WORK/repo"; cp -r . "$WORK/repo/"   # immune to later re-syncs
     # Autotune winners of earlier leases (same image, same cap): only the winning config compiles.
     mkdir -p "$WORK/autotune-seed"
-    for f in benchmarks/triton-autotune/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$WORK/autotune-seed" --strip-components=2; done
+    for f in ccq_eval/model/kernels/tuned/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$WORK/autotune-seed" --strip-components=2; done
     : > "$WORK/status"
     setsid nohup bash "$WORK/repo/scripts/gpu_session.sh" pipeline > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5; cat "$WORK/status" ;;

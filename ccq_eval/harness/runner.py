@@ -205,11 +205,13 @@ def gpu_kernel_settings() -> dict[str, str | None]:
     unfused), the scoring log-softmax, the autotuning cap. Recorded in CUDA runs' metadata (CPU runs use torch
     throughout), read in every run so that a bad setting fails before the first unit."""
     from ccq_eval.model.ccq import fused_kernel_enabled
+    from ccq_eval.model.kernels import autotune
     from ccq_eval.model.kernels.token_logprob import selected_implementation
 
+    limit = autotune.configured_limit()  # candidates per fla kernel
     return {"ccq_read": "fused" if fused_kernel_enabled() else "unfused",
             "token_logprob": selected_implementation(),
-            "autotune_configs": os.environ.get("CCQ_EVAL_AUTOTUNE_CONFIGS")}
+            "autotune_configs": "all" if limit is None else str(limit)}
 
 
 def log_to_wandb(loggers: dict[str, dict[str, Any]], unit: Unit, outcome: UnitOutcome) -> None:

@@ -422,12 +422,20 @@ def register() -> None:
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
 
 
+_winners_seeded = False  # prepare_runtime copies the shipped autotune winners once per process
+
+
 def prepare_runtime() -> None:
-    """Make this process ready for the CCQ models (idempotent): the optional cap on triton's
-    autotuning (CCQ_EVAL_AUTOTUNE_CONFIGS), fla's CPU backend (`fla_cpu.install`) and the model
-    types in transformers' Auto classes. The loader, the lm-eval adapter and the models'
-    constructors call it; importing ccq_eval does not.
+    """Make this process ready for the CCQ models (idempotent): the cap on triton's autotuning
+    (CCQ_EVAL_AUTOTUNE_CONFIGS) and, with CUDA, the shipped autotune winners in triton's cache
+    (kernels/autotune.py), fla's CPU backend (`fla_cpu.install`) and the model types in
+    transformers' Auto classes. The loader, the lm-eval adapter and the models' constructors call
+    it; importing ccq_eval does not.
     """
     autotune.install_limit_from_env()
+    global _winners_seeded
+    if not _winners_seeded and torch.cuda.is_available():
+        autotune.seed_tuned_winners()
+        _winners_seeded = True
     fla_cpu.install()
     register()

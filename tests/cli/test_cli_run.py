@@ -423,3 +423,5 @@ def test_kernel_settings_are_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "unfused")
     monkeypatch.setenv("CCQ_EVAL_AUTOTUNE_CONFIGS", "2")
     assert gpu_kernel_settings() == {"ccq_read": "unfused", "token_logprob": "triton", "autotune_configs": "2"}
+    monkeypatch.delenv("CCQ_EVAL_AUTOTUNE_CONFIGS")
+    assert gpu_kernel_settings()["autotune_configs"] == "4"  # the default cap

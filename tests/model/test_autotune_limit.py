@@ -1,4 +1,9 @@
-"""CCQ_EVAL_AUTOTUNE_CONFIGS caps triton's autotuning candidates; unset, nothing changes."""
+"""triton's autotuning candidates are capped (CCQ_EVAL_AUTOTUNE_CONFIGS, default 4, "all": no cap), and
+the shipped autotune winners are copied into triton's cache without overwriting anything."""
+
+import io
+import json
+import tarfile
 
 import pytest
 import triton
@@ -38,4 +43,59 @@ def test_env_var_wraps_prune_configs_and_bad_values_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=autotune.ENV_VAR):
         autotune.configured_limit()
     monkeypatch.delenv(autotune.ENV_VAR)
+    assert autotune.configured_limit() == autotune.DEFAULT_LIMIT == 4
+    autotune.install_limit_from_env()
+    assert len(Autotuner.prune_configs(_tuner(), {})) == 4  # the default cap
+    monkeypatch.setenv(autotune.ENV_VAR, "all")
     assert autotune.configured_limit() is None
+    autotune.install_limit_from_env()  # every candidate: triton's own prune_configs again
+    assert Autotuner.prune_configs is original
+
+
+def _tuner():
+    tuner = Autotuner.__new__(Autotuner)
+    tuner.configs, tuner.early_config_prune, tuner.perf_model, tuner.configs_top_k = _configs(), None, None, 1.0
+    return tuner
+
+
+def _bundle(path, entries: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w:gz") as bundle:
+        for name, data in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            bundle.addfile(info, io.BytesIO(data))
+
+
+def test_shipped_winners_seed_the_cache_without_overwriting(tmp_path, monkeypatch):
+    winner = json.dumps({"key": [64], "configs_timings": []}).encode()
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    _bundle(tuned / "h200-tritonX-flaY-cap4.tgz", {
+        "tmp/triton-cache/ABC123/chunk_kernel.autotune.json": winner,
+        "tmp/triton-cache/DEF456/other_kernel.autotune.json": winner,
+        "tmp/triton-cache/DEF456/kernel.cubin": b"binary",  # not a winner: ignored
+        "../../escape/evil.autotune.json": winner,  # the key folder must be a plain hash
+    })
+    _bundle(tuned / "h200-tritonX-flaY-cap1.tgz", {"tmp/triton-cache/GHI789/k.autotune.json": winner})
+    monkeypatch.setattr(autotune, "TUNED_DIR", tuned)
+    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+    cache = tmp_path / "cache"
+    (cache / "DEF456").mkdir(parents=True)
+    (cache / "DEF456" / "other_kernel.autotune.json").write_text("mine")
+    assert autotune.seed_tuned_winners(cache) == 1
+    assert (cache / "ABC123" / "chunk_kernel.autotune.json").read_bytes() == winner
+    assert (cache / "DEF456" / "other_kernel.autotune.json").read_text() == "mine"  # never overwritten
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()) == [
+        "ABC123/chunk_kernel.autotune.json", "DEF456/other_kernel.autotune.json"]
+    assert not (tmp_path / "escape").exists()
+    assert autotune.seed_tuned_winners(cache) == 0  # idempotent
+    monkeypatch.setenv(autotune.ENV_VAR, "all")  # another cap: the winners would never match a lookup
+    assert autotune.seed_tuned_winners(tmp_path / "other") == 0 and not (tmp_path / "other").exists()
+
+
+def test_the_package_ships_winners_for_the_default_cap():
+    archives = sorted(autotune.TUNED_DIR.glob(f"*-cap{autotune.DEFAULT_LIMIT}.tgz"))
+    assert archives, "no autotune winners in ccq_eval/model/kernels/tuned/"
+    with tarfile.open(archives[0], "r:gz") as bundle:
+        names = [m.name for m in bundle.getmembers() if m.name.endswith(".autotune.json")]
+    assert len(names) > 100

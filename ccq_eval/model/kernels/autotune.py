@@ -1,28 +1,41 @@
-"""Optional cap on triton autotuning, for short GPU leases.
+"""A cap on triton autotuning, and autotune winners shipped for the GPUs they were measured on.
 
 fla's kernels autotune over up to 48 configurations each (block sizes x warps x stages), and triton
-compiles every candidate: on a fresh machine the GLA / Gated DeltaNet kernel set takes about 20 minutes
-before the first result. CCQ_EVAL_AUTOTUNE_CONFIGS=N keeps at most N candidates per kernel (those with
-4 or 8 warps and 2 or 3 stages first, spread over the block sizes); ccq-eval's own kernels, which list
-a few chosen candidates, keep them all. Unset (the default) changes nothing.
-Kernels are then tuned over fewer choices, so timings taken with the cap may be slower than fully tuned
-ones: benchmark reports record the setting. Triton caches the winners on disk (fla passes
-cache_results=True), so a later process with the same cap and TRITON_CACHE_DIR compiles one config each.
+compiles every candidate: on a fresh machine the full GLA / Gated DeltaNet kernel set takes about 20
+minutes before the first result. So a user's first run does not wait that long, fla's kernels keep
+at most DEFAULT_LIMIT candidates each (those with 4 or 8 warps and 2 or 3 stages first, spread over
+the block sizes); CCQ_EVAL_AUTOTUNE_CONFIGS=N keeps N, and CCQ_EVAL_AUTOTUNE_CONFIGS=all every
+candidate. ccq-eval's own kernels, which list a few chosen candidates, keep them all. The project's
+GPU benchmarks were measured with the default cap; fully tuned kernels may be faster.
+
+Triton stores each autotuned kernel's winner in its cache directory (fla passes cache_results=True),
+keyed by the triton version, the GPU's backend, the kernel's source, the tuning key and the candidate
+list. `seed_tuned_winners` copies the winners shipped in tuned/ (measured under the default cap) into
+that directory without overwriting anything: where the key matches (the same GPU, triton and fla),
+only the winning candidate compiles; elsewhere the files are never looked up.
 """
 
 from __future__ import annotations
 
 import os
+import tarfile
+from pathlib import Path
 
 ENV_VAR = "CCQ_EVAL_AUTOTUNE_CONFIGS"
+DEFAULT_LIMIT = 4
+TUNED_DIR = Path(__file__).with_name("tuned")  # <gpu>-triton<version>-fla<version>-cap<N>.tgz
 
 
 def configured_limit() -> int | None:
+    """Candidates per fla kernel: CCQ_EVAL_AUTOTUNE_CONFIGS (a positive integer, or "all": None, no
+    cap), DEFAULT_LIMIT when it is unset."""
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
+        return DEFAULT_LIMIT
+    if text.lower() == "all":
         return None
     if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{ENV_VAR} must be a positive integer (configs per kernel), got {text!r}")
+        raise ValueError(f"{ENV_VAR} must be a positive integer (configs per kernel) or 'all', got {text!r}")
     return int(text)
 
 
@@ -38,13 +51,15 @@ def pick_configs(configs: list, limit: int) -> list:
 
 
 def install_limit_from_env() -> None:
-    """Wrap triton's Autotuner.prune_configs when the environment asks for a cap (idempotent)."""
+    """Wrap triton's Autotuner.prune_configs with the configured cap (idempotent; "all" restores
+    triton's own)."""
     limit = configured_limit()
-    if limit is None:
-        return
     from triton.runtime.autotuner import Autotuner
 
     original = getattr(Autotuner.prune_configs, "_ccq_original", Autotuner.prune_configs)
+    if limit is None:
+        Autotuner.prune_configs = original
+        return
 
     def prune_configs(self, *args, **kwargs):
         configs = original(self, *args, **kwargs)
@@ -54,3 +69,46 @@ def install_limit_from_env() -> None:
 
     prune_configs._ccq_original = original
     Autotuner.prune_configs = prune_configs
+
+
+def triton_cache_dir() -> Path:
+    """Where triton keeps its cache: TRITON_CACHE_DIR, else triton's own default."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):  # older triton
+        return Path.home() / ".triton" / "cache"
+
+
+def seed_tuned_winners(cache_dir: Path | None = None) -> int:
+    """Copy the shipped autotune winners (tuned/*.tgz: <hash>/<kernel>.autotune.json entries) into
+    triton's cache directory, never overwriting a file there; returns how many were added. Archive
+    members other than such JSON files are ignored, and nothing is written outside cache_dir. Only
+    under the default cap do the shipped winners match a lookup, so another cap skips the copy."""
+    if configured_limit() != DEFAULT_LIMIT:
+        return 0
+    cache_dir = Path(cache_dir) if cache_dir is not None else triton_cache_dir()
+    added = 0
+    for archive in sorted(TUNED_DIR.glob(f"*-cap{DEFAULT_LIMIT}.tgz")):
+        with tarfile.open(archive, "r:gz") as bundle:
+            for member in bundle.getmembers():
+                parts = Path(member.name).parts
+                if (not member.isfile() or len(parts) < 2 or not parts[-1].endswith(".autotune.json")
+                        or ".." in parts or Path(member.name).is_absolute()):
+                    continue
+                key, name = parts[-2], parts[-1]
+                if not key.isalnum():
+                    continue
+                target = cache_dir / key / name
+                if target.exists():
+                    continue
+                data = bundle.extractfile(member).read()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(f"{name}.{os.getpid()}.tmp")
+                partial.write_bytes(data)
+                os.replace(partial, target)  # a concurrent reader sees the whole file or none
+                added += 1
+    return added

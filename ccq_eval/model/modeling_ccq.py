@@ -12,6 +12,9 @@ the CCQ covariance state (see ccq_eval.model.ccq.CCQState).
 
 from __future__ import annotations
 
+import logging
+import tarfile
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,6 +31,8 @@ from ccq_eval.model import fla_cpu
 from ccq_eval.model.ccq import CCQ_FORMS, CCQGate, CCQState, ccq_read_keys
 from ccq_eval.model.kernels import autotune
 from ccq_eval.model.kernels.l2norm_pair import l2norm_pair
+
+logger = logging.getLogger(__name__)
 
 CCQ_DECAYS = ("state", "none")
 CCQ_GATES = ("query", "constant")
@@ -435,7 +440,10 @@ def prepare_runtime() -> None:
     autotune.install_limit_from_env()
     global _winners_seeded
     if not _winners_seeded and torch.cuda.is_available():
-        autotune.seed_tuned_winners()
+        try:
+            autotune.seed_tuned_winners()
+        except (OSError, tarfile.TarError) as error:  # a read-only cache: kernels autotune as usual
+            logger.warning("could not copy the shipped autotune winners into triton's cache: %s", error)
         _winners_seeded = True
     fla_cpu.install()
     register()

@@ -99,3 +99,25 @@ def test_the_package_ships_winners_for_the_default_cap():
     with tarfile.open(archives[0], "r:gz") as bundle:
         names = [m.name for m in bundle.getmembers() if m.name.endswith(".autotune.json")]
     assert len(names) > 100
+
+
+def test_a_read_only_cache_only_warns(monkeypatch, caplog):
+    """On CUDA prepare_runtime seeds the cache once; a cache it cannot write costs a warning, not the run."""
+    import torch
+
+    from ccq_eval.model import modeling_ccq
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(autotune, "seed_tuned_winners", refuse)
+    monkeypatch.setattr(modeling_ccq, "_winners_seeded", False)
+    monkeypatch.setattr(Autotuner, "prune_configs", Autotuner.prune_configs)  # restored after the test
+    with caplog.at_level("WARNING", logger="ccq_eval.model.modeling_ccq"):
+        modeling_ccq.prepare_runtime()
+        modeling_ccq.prepare_runtime()
+    assert calls == [1] and "read-only file system" in caplog.text

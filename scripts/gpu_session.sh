@@ -13,7 +13,7 @@
 #   2. the default suite at the larger grid on the freshly trained models (one process per model);
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 # Environment knobs: STAGES (comma-separated subset of tests,train,eval,bench; default all four),
-# BENCH (subset of model,train4,harness,ops,
+# BENCH (subset of firstrun,model,train4,harness,ops,
 # sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --no-cuda-graphs), TESTS_TIMEOUT,
 # STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
@@ -118,7 +118,10 @@ pipeline() {
     stage "fused kernels FAILED the smoke check: benchmarks use the unfused and torch paths"
   fi
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
-  group() { listed "$1" "${BENCH:-model,train4,harness,ops,sniah,generation}"; }
+  group() { listed "$1" "${BENCH:-firstrun,model,train4,harness,ops,sniah,generation}"; }
+  # A user's first run (its own empty triton cache, ccq-eval's defaults): S-NIAH-1 at 8K, 10 samples.
+  group firstrun && { timeout 900 python3 benchmarks/first_run.py --out "$WORK/bench/first-run" \
+    > "$WORK/logs/bench-first-run.log" 2>&1 || stage "first run rc $?"; rm -rf "$WORK/bench/first-run/checkpoint" "$WORK/bench/first-run/triton-cache"; }
   group model && { timeout 360 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths "${MODEL_LENGTHS:-4096,20480}" \
     --modes "${MODEL_MODES:-forward,forward_graphed,train}" --repeats "${MODEL_REPEATS:-5}" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"; }
   # 32 documents of 20K tokens per timed call (tokenisation included: the first document's cannot be

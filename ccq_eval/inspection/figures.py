@@ -14,6 +14,10 @@
   per layer; sigma_rank: its effective rank (tr Sigma)^2 / tr Sigma^2 along the
   prompt, one line per layer (and per length, lighter for shorter ones).
 - query_move: ||q~ - r|| / ||r|| over the sampled positions, per layer (boxes).
+- top_direction_energy: per layer (mean over heads and prompts), how much the needle's unit keys and
+  the other tokens' lie along Sigma's top-16 eigen-directions at the answer position (mean squared
+  projection): the analysis ccq.md cites from the CCQ paper. A needle off those directions is what a
+  contraction along them leaves readable.
 """
 
 from __future__ import annotations
@@ -209,9 +213,27 @@ def query_move(positions: pd.DataFrame, out: Path) -> list[Path]:
                       draw, legend=False)
 
 
+def top_direction_energy(reads: pd.DataFrame, out: Path) -> list[Path]:
+    models = list(dict.fromkeys(reads["model"]))
+    colors = model_colors(models)
+    per_layer = reads.groupby(["model", "layer"])[["needle_top_energy", "haystack_top_energy"]].mean().reset_index()
+
+    def draw(ax, model):
+        rows = per_layer[per_layer["model"] == model].sort_values("layer")
+        ax.plot(rows["layer"], rows["needle_top_energy"], marker="o", color=colors[model], label="needle keys")
+        ax.plot(rows["layer"], rows["haystack_top_energy"], linestyle=OFF, marker="s", color="0.5",
+                label="other keys")
+        ax.set_xticks(sorted(rows["layer"].unique()))
+        ax.set_ylim(bottom=0)
+
+    return _per_model(models, out, "top_direction_energy", "layer",
+                      "keys' energy on Sigma's top 16", draw)
+
+
 def draw_all(reads: pd.DataFrame, spectra: pd.DataFrame, positions: pd.DataFrame, out: Path) -> list[Path]:
     """Every figure above into `out`; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     return [*needle_share(reads, out), *needle_share_layers(reads, out), *needle_share_length(reads, out),
             *lambda_histograms(positions, reads, out), *lambda_positions(positions, reads, out),
-            *sigma_spectrum(spectra, out), *sigma_rank(positions, out), *query_move(positions, out)]
+            *sigma_spectrum(spectra, out), *sigma_rank(positions, out), *query_move(positions, out),
+            *top_direction_energy(reads, out)]

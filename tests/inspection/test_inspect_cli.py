@@ -31,7 +31,7 @@ def test_inspect_writes_tables_and_figures(tmp_path):
     positions = pd.read_csv(out / "positions.csv")
     assert positions["in_needle"].any() and set(positions["model"]) == {"tiny-gla-ccq", "tiny-gdn"}
     for figure in ("needle_share", "needle_share_layers", "lambda_tiny-gla-ccq", "sigma_spectrum", "sigma_rank",
-                   "query_move"):
+                   "query_move", "top_direction_energy"):
         assert (out / f"{figure}.png").stat().st_size > 0
     assert not (out / "lambda_tiny-gdn.png").exists()  # a baseline's lambda is one constant
     assert json.loads((out / "inspect.json").read_text())["models"] == ["tiny-gla-ccq", "tiny-gdn"]

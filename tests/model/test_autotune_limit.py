@@ -26,8 +26,9 @@ def test_pick_prefers_middle_warps_and_stages_and_spreads_block_sizes():
 
 
 def test_env_var_wraps_prune_configs_and_bad_values_are_refused(monkeypatch):
-    original = Autotuner.prune_configs
-    monkeypatch.setattr(Autotuner, "prune_configs", original)  # restored after the test
+    # triton's own method, whether or not an earlier prepare_runtime() in this process wrapped it
+    original = getattr(Autotuner.prune_configs, "_ccq_original", Autotuner.prune_configs)
+    monkeypatch.setattr(Autotuner, "prune_configs", Autotuner.prune_configs)  # restored after the test
     monkeypatch.setenv(autotune.ENV_VAR, "2")
     autotune.install_limit_from_env()
     tuner = Autotuner.__new__(Autotuner)

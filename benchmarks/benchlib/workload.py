@@ -142,6 +142,8 @@ def forward_flops_per_token(model: torch.nn.Module, ccq_enabled: bool) -> dict[s
     Training is counted as 3x forward (backward = 2x forward). Embedding lookups, norms, gates and
     the loss are not counted. An estimate for MFU, not an operation count of the kernels.
     """
+    from ccq_eval.model.ccq import sigma_passes
+
     dense = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -161,8 +163,7 @@ def forward_flops_per_token(model: torch.nn.Module, ccq_enabled: bool) -> dict[s
             per_head += 2 * C * (dk + dv) + 2 * dk * dv
         mixing += heads * per_head
         if ccq_enabled and getattr(module, "ccq_order", None):
-            # One Sigma pass per series order, or per conjugate-gradient step of the resolvent.
-            passes = module.ccq_solve_steps if getattr(module, "ccq_form", "series") == "resolvent" else module.ccq_order
+            passes = sigma_passes(module.ccq_form, module.ccq_order, module.ccq_solve_steps)
             ccq += module.num_heads * passes * (2 * C * 2 * dk + 4 * dk * dk)
     return {"dense": dense, "mixing": mixing, "ccq": ccq, "total": dense + mixing + ccq}
 

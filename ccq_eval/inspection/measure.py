@@ -42,7 +42,7 @@ from ccq_eval.inspection.reads import (
     read_weights,
     token_shares,
 )
-from ccq_eval.model.ccq import unit_keys
+from ccq_eval.model.ccq import sigma_passes, unit_keys
 
 TOP_DIRECTIONS = 16
 TOP_EIGENVALUES = 4
@@ -55,9 +55,8 @@ class CCQSettings:
         self.centered = bool(getattr(config, "ccq_centered", True))
         self.decay = getattr(config, "ccq_decay", "state")
         self.form = getattr(config, "ccq_form", "series")
-        # Sigma applications of the read: the series order, or the resolvent's solve steps.
-        self.order = int(getattr(config, "ccq_solve_steps", 4) if self.form == "resolvent"
-                         else getattr(config, "ccq_order", 1))
+        self.order = sigma_passes(self.form, int(getattr(config, "ccq_order", 1)),
+                                  int(getattr(config, "ccq_solve_steps", 4)))
         lam_max = float(getattr(config, "ccq_lambda_max", 4.0))
         bias = float(getattr(config, "ccq_gate_bias_init", 0.0))
         default = lam_max / (1.0 + math.exp(-bias))  # the gate's initial lambda

@@ -123,6 +123,12 @@ CCQ_FORMS = ("series", "resolvent")
 _READ_FORMS = {"series": _polynomial, "resolvent": _resolvent}
 
 
+def sigma_passes(form: str, order: int, solve_steps: int) -> int:
+    """Sigma applications of one read: the series order, or the resolvent's conjugate-gradient steps
+    (the count apply_read_form takes as `order`)."""
+    return solve_steps if form == "resolvent" else order
+
+
 def apply_read_form(form: str, r: torch.Tensor, lam: torch.Tensor, order: int, sigma_times) -> torch.Tensor:
     """q~ from r by the read form ("series" of order `order`, or "resolvent" by `order` CG steps), given
     sigma_times(u) = Sigma u for tensors shaped like r and lam shaped [..., 1]. Public so that code

@@ -28,7 +28,7 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig,
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ccq_eval.model import fla_cpu
-from ccq_eval.model.ccq import CCQ_FORMS, CCQGate, CCQState, ccq_read_keys
+from ccq_eval.model.ccq import CCQ_FORMS, CCQGate, CCQState, ccq_read_keys, sigma_passes
 from ccq_eval.model.kernels import autotune
 from ccq_eval.model.kernels.l2norm_pair import l2norm_pair
 
@@ -189,8 +189,7 @@ class CCQReadMixin:
         keys_unit: k is L2-normalised already (ccq.ccq_read_keys)."""
         if self.ccq_decay == "none":
             log_decay = torch.zeros_like(log_decay)
-        # Sigma applications: the series order or the resolvent's CG steps (CCQConfigMixin).
-        order = self.ccq_order if self.ccq_form == "series" else self.ccq_solve_steps
+        order = sigma_passes(self.ccq_form, self.ccq_order, self.ccq_solve_steps)
         return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=order, centered=self.ccq_centered,
                              initial_state=ccq_state, keys_unit=keys_unit, form=self.ccq_form)
 

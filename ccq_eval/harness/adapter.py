@@ -92,10 +92,11 @@ def resolve_fast_path(device_type: str, recurrent: bool, batch_size: int | None,
     return batch_size or (CUDA_AUTO_BATCH_SIZE if graphs else 1), graphs
 
 
-def _end_process_group() -> None:
-    """Destroy the data-parallel process group before interpreter shutdown (registered with atexit):
-    left to module teardown, gloo's threads can be destroyed while still joinable, which aborts the
-    process with SIGABRT after the results are written."""
+def end_process_group() -> None:
+    """Wait for every rank, then destroy the data-parallel process group (if one is up). The adapter
+    registers it with atexit, and `ccq-eval run` calls it after its last unit: left to interpreter
+    teardown, gloo's threads can be destroyed while still joinable, which aborts the process with
+    SIGABRT after the results are written."""
     import torch.distributed
 
     if torch.distributed.is_initialized():
@@ -207,7 +208,7 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
             self.accelerator = Accelerator(cpu=on_cpu)
             self._rank = self.accelerator.process_index
             self._world_size = self.accelerator.num_processes
-            atexit.register(_end_process_group)
+            atexit.register(end_process_group)
 
         if model is None:
             if pretrained is None:

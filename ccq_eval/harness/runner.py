@@ -307,11 +307,9 @@ def _end_data_parallel() -> None:
     down here rather than at interpreter exit, where gloo's threads can abort the process."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    import torch.distributed
+    from ccq_eval.harness.adapter import end_process_group  # the group the adapter set up
 
-    if torch.distributed.is_initialized():  # set up by the adapter (accelerate) for the first unit
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 def _run_locked(plan: RunPlan, unit: Unit, index: int, total: int, evaluate: EvaluateUnit, report: Reporter,

@@ -56,8 +56,8 @@ class CCQConfigMixin:
     a unit-key covariance has trace <= 1, so few eigenvalues are large and CG converges much faster than
     that bound; raise it for large ccq_lambda_max. Both forms cost one Sigma application (a d_k-wide
     linear-attention pass) per order or step. The field not selected is stored but unused. A config
-    without ccq_form (every checkpoint saved before it existed) reads as "series". The fused Triton
-    kernels cover the series form of order 1 only; the resolvent runs the unfused paths.
+    without ccq_form reads as "series". The fused Triton kernels cover the series form of order 1
+    only; the resolvent runs the unfused paths.
     """
 
     def _init_ccq(

@@ -70,9 +70,9 @@ def write(output: Path, model: str, task: str, results: dict, samples: list[dict
     return unit.path
 
 
-def write_sniah(output: Path, model: str, correct: Callable[[int, int, int], bool],
-                task: str = SNIAH_TASK) -> Path:
-    """S-NIAH-like unit: LENGTHS x DEPTHS x PER_CELL docs, score 100 where correct(length, depth, i)."""
+def sniah_samples(correct: Callable[[int, int, int], bool]) -> tuple[list[dict], dict[int, list[float]]]:
+    """Per-sample records of an S-NIAH-like unit (LENGTHS x DEPTHS x PER_CELL docs, score 100 where
+    correct(length, depth, i)) and the scores per length."""
     samples, by_length = [], {length: [] for length in LENGTHS}
     doc_id = 0
     for length in LENGTHS:
@@ -87,6 +87,13 @@ def write_sniah(output: Path, model: str, correct: Callable[[int, int, int], boo
                 samples.append(make_sample(doc_id, doc, value, doc["input"], value if score else "no\u2028\x85",
                                            {"acc": score, f"acc_{length}": score}))
                 doc_id += 1
+    return samples, by_length
+
+
+def write_sniah(output: Path, model: str, correct: Callable[[int, int, int], bool],
+                task: str = SNIAH_TASK) -> Path:
+    """S-NIAH-like unit: LENGTHS x DEPTHS x PER_CELL docs, score 100 where correct(length, depth, i)."""
+    samples, by_length = sniah_samples(correct)
     all_scores = [s for scores in by_length.values() for s in scores]
     values = {"acc": sum(all_scores) / len(all_scores)}
     values |= {f"acc_{length}": sum(v) / len(v) for length, v in by_length.items()}
@@ -225,18 +232,7 @@ def test_written_samples_follow_lm_eval_tracker_format(tmp_path):
     tracker = EvaluationTracker(output_path=str(tmp_path / "lmeval"))
     tracker.general_config_tracker.model_name_sanitized = "m"
     tracker.date_id = "stamp"
-    samples = []
-    doc_id = 0
-    for length in LENGTHS:
-        for depth in DEPTHS:
-            for index in range(PER_CELL):
-                value = str(1000000 + doc_id)
-                doc = {"input": f"haystack {length} {depth} {index}", "outputs": [value], "length": length,
-                       "depth": depth, "sample": index}
-                score = 100.0 if baseline_correct(length, depth, index) else 0.0
-                samples.append(make_sample(doc_id, doc, value, doc["input"], value if score else "no\u2028\x85",
-                                           {"acc": score, f"acc_{length}": score}))
-                doc_id += 1
+    samples, _ = sniah_samples(baseline_correct)
     tracker.save_results_samples(SNIAH_TASK, samples)
     theirs_path = tmp_path / "lmeval" / "m" / f"samples_{SNIAH_TASK}_stamp.jsonl"
     theirs = [json.loads(line) for line in theirs_path.read_text().split("\n") if line]

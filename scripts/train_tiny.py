@@ -145,6 +145,9 @@ class TrainSettings:
     max_questions: int = tiny_data.MAX_QUESTIONS
     answer_weight: float = 1.0
     init_from: str | None = None  # folder of trained checkpoints to continue from (see initial_model)
+    ccq_init_lambda: float | None = None  # a continued CCQ twin's gate starts at this lambda (ccq_gate_fields)
+    ccq_gate: str = "query"
+    freeze_ccq_gate: bool = False
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -183,12 +186,14 @@ def count_parameters(model, ccq: bool) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if ccq or "ccq_" not in n)
 
 
-def trainable_groups(model, ccq: bool, weight_decay: float):
+def trainable_groups(model, ccq: bool, weight_decay: float, freeze_ccq_gate: bool = False):
     """AdamW groups: decay on the matrices of linear layers only (not embeddings, norms, biases,
-    gates' small vectors or CCQ's gate); the baseline's unused CCQ parameters are left out."""
+    gates' small vectors or CCQ's gate); the baseline's unused CCQ parameters are left out, and so is
+    CCQ's gate when it is frozen (it then keeps its initial lambda)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if "ccq_" in name and not ccq:
+        if "ccq_" in name and (not ccq or freeze_ccq_gate):
+            param.requires_grad_(False)
             continue
         if param.ndim == 2 and "embed" not in name and "ccq_" not in name:
             decay.append(param)
@@ -277,15 +282,36 @@ def init_folder(spec: ModelSpec, settings: TrainSettings) -> Path:
     return folder
 
 
+def ccq_gate_fields(settings: TrainSettings) -> dict:
+    """CCQ config fields of a continued CCQ twin: with --ccq-init-lambda L the gate starts at exactly L
+    (gate weights 0, bias 0, so sigmoid = 1/2, and ccq_lambda_max = 2 L): a query gate may then move
+    within [0, 2 L]; without it the config's defaults."""
+    fields = {"ccq": True, "ccq_gate": settings.ccq_gate}
+    if settings.ccq_init_lambda is not None:
+        fields |= {"ccq_lambda_max": 2.0 * settings.ccq_init_lambda, "ccq_gate_bias_init": 0.0}
+    return fields
+
+
 def initial_model(spec: ModelSpec, settings: TrainSettings):
     """A fresh model (seeded), or with --init-from the trained baseline's weights in fp32; the CCQ twin
-    gets CCQ attached with its gate at its initial values (no random numbers drawn)."""
+    gets CCQ attached with its gate at its initial values (ccq_gate_fields; no random numbers drawn)."""
     torch.manual_seed(settings.seed)
     if not settings.init_from:
         return build_model(spec, settings.context, settings.smoke, settings.seed)
-    from ccq_eval.model.loading import load_model
+    from ccq_eval.model.loading import SUPPORTED_MODEL_TYPES, read_config
+    from ccq_eval.model.modeling_ccq import prepare_runtime
 
-    model, _ = load_model(str(init_folder(spec, settings)), dtype="float32", ccq=True if spec.ccq else None)
+    prepare_runtime()
+    folder = init_folder(spec, settings)
+    config = read_config(folder, **ccq_gate_fields(settings)) if spec.ccq else read_config(folder)
+    _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]
+    model, info = model_cls.from_pretrained(folder, config=config, dtype=torch.float32, use_safetensors=True,
+                                            local_files_only=True, output_loading_info=True)
+    # Only CCQ's gate may be absent (a baseline's checkpoint has none); it starts at its initial values.
+    missing = [key for key in info.get("missing_keys") or [] if ".ccq_gate_" not in key]
+    if missing or info.get("unexpected_keys"):
+        raise SystemExit(f"--init-from {folder}: the weights do not match the model (missing {missing}, unexpected "
+                         f"{info.get('unexpected_keys')})")
     return model
 
 
@@ -294,7 +320,7 @@ def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, di
     model = initial_model(spec, settings).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
-        trainable_groups(model, spec.ccq, settings.weight_decay), lr=settings.lr,
+        trainable_groups(model, spec.ccq, settings.weight_decay, settings.freeze_ccq_gate), lr=settings.lr,
         betas=(settings.beta1, settings.beta2), eps=1e-8,
     )
     tokens_per_step = settings.batch_size * settings.context
@@ -495,10 +521,26 @@ def init_record(spec: ModelSpec, settings: TrainSettings) -> dict | None:
             "command": log["command"], "git_commit": log["git_commit"], "init": log.get("init")}
 
 
-def stage_line(record: dict) -> str:
-    """One model-card line on the first training stage of a continued model."""
+def earlier_stages(record: dict | None) -> list[dict]:
+    """The training runs a continued model went through before this one, the first first."""
+    stages = []
+    while record:
+        stages.insert(0, record)
+        record = record.get("init")
+    return stages
+
+
+def gate_words(settings: TrainSettings) -> str:
+    """How a continued CCQ twin's gate starts and trains, for its model card."""
+    start = (f"at lambda = {settings.ccq_init_lambda:g} (lambda_max {2 * settings.ccq_init_lambda:g})"
+             if settings.ccq_init_lambda is not None else "at its initial values")
+    return (f"its {settings.ccq_gate} gate {start}" + (", frozen" if settings.freeze_ccq_gate else ", trained"))
+
+
+def stage_line(number: int, record: dict) -> str:
+    """One model-card line on an earlier training stage of a continued model."""
     st, tr = record["settings"], record["train"]
-    return (f"- Stage 1 (`{record['checkpoint']}`'s own run): {st['steps']} steps x {st['batch_size']} x "
+    return (f"- Stage {number} (`{record['checkpoint']}`'s run): {st['steps']} steps x {st['batch_size']} x "
             f"{st['context']} tokens ({tr['tokens_seen']:,} tokens), synthetic fraction {st['synthetic_fraction']:g}, "
             f"curriculum over {st.get('curriculum_share', 0):.0%} of the steps, {st.get('max_questions', 4)} "
             f"questions at most per recall document, answer weight {st.get('answer_weight', 1.0):g}, lr {st['lr']:g}; "
@@ -508,6 +550,7 @@ def stage_line(record: dict) -> str:
 
 def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
     tm, mm = info["train"], info["heldout"]
+    stages = earlier_stages(info.get("init"))
     fmt = info["config_summary"]
     steady = tm["tokens_per_s_steady"]
     if spec.twin:
@@ -566,15 +609,15 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "no eval-split text (S-NIAH's essay haystack) is ever trained on; tests check the stream for RULER's "
         f"phrases. Synthetic share of the training tokens: {tm['synthetic_token_fraction']:.1%}."
         + (f" Smoke run: the first {settings.repeat} sequence(s) repeated every step." if settings.repeat else ""),
-        *([stage_line(info["init"]),
-           f"- Stage 2 (this run) continues from `{info['init']['checkpoint']}`"
-           + (" with CCQ attached (its gate at its initial values), exactly as its twin continues without it"
+        *([*(stage_line(i + 1, record) for i, record in enumerate(stages)),
+           f"- Stage {len(stages) + 1} (this run) continues from `{info['init']['checkpoint']}`"
+           + (f" with CCQ attached ({gate_words(settings)}), exactly as its twin continues without it"
               if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
            f"{settings.max_questions} questions per recall document, the values' bytes weighted "
            f"{settings.answer_weight:g}x in the loss."] if info.get("init") else []),
         f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}"
-        + (f" (with stage 1: {tm['tokens_seen'] + info['init']['train']['tokens_seen']:,})." if info.get("init")
-           else "."),
+        + (f" (with the earlier stages: {tm['tokens_seen'] + sum(r['train']['tokens_seen'] for r in stages):,})."
+           if stages else "."),
         f"- Optimiser: AdamW (lr {settings.lr:g}, betas ({settings.beta1}, {settings.beta2}), eps 1e-8, weight decay "
         f"{settings.weight_decay} on linear-layer matrices), {settings.warmup_steps} warmup steps then cosine to "
         f"{settings.min_lr_ratio:g} x lr, gradient clipping at {settings.grad_clip}; "
@@ -604,10 +647,10 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "",
         "## Reproduce",
         "",
-        *(["Stage 1, then stage 2 with `--init-from` naming the folder stage 1 wrote (here `models`):", ""]
-          if info.get("init") else []),
+        *(["Each stage in turn, `--init-from` naming the folder the stage before wrote (here `models`):", ""]
+          if stages else []),
         "```",
-        *([info["init"]["command"]] if info.get("init") else []),
+        *(record["command"] for record in stages),
         "".join(f"{k}={v} " for k, v in info.get("environment", {}).items()) + info["command"],
         "```",
         "",
@@ -767,6 +810,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-from", default=None,
                         help="continue from the trained checkpoints in this folder: each twin from its family's "
                              "baseline (<folder>/tiny-gla, <folder>/tiny-gdn), the Transformer from its own")
+    parser.add_argument("--ccq-init-lambda", type=float, default=None,
+                        help="with --init-from: the CCQ twin's gate starts at exactly this lambda (ccq_lambda_max "
+                             "= 2 x it, so a query gate learns within [0, 2 x it]); default: the config's gate")
+    parser.add_argument("--ccq-gate", choices=("query", "constant"), default="query",
+                        help="with --init-from: the CCQ twin's gate, lambda_max * sigmoid(a.q + b) or "
+                             "lambda_max * sigmoid(b) (default query)")
+    parser.add_argument("--freeze-ccq-gate", action="store_true",
+                        help="keep the CCQ twin's gate at its initial values (not trained)")
     parser.add_argument("--curriculum-share", type=float, default=tiny_data.CURRICULUM_SHARE,
                         help="share of the steps over which synthetic documents grow from short to the full "
                              f"context (default {tiny_data.CURRICULUM_SHARE}; 0 = no curriculum)")
@@ -821,6 +872,9 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         max_questions=args.max_questions,
         answer_weight=args.answer_weight,
         init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
+        ccq_init_lambda=args.ccq_init_lambda,
+        ccq_gate=args.ccq_gate,
+        freeze_ccq_gate=args.freeze_ccq_gate,
         repeat=pick(args.repeat, 0, 2),
         log_every=pick(args.log_every, 50, 1),
         eval_windows=pick(args.eval_windows, 32, 3),
@@ -840,6 +894,12 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         problems.append(f"--answer-weight must be > 0, got {settings.answer_weight}")
     if not 0.0 <= settings.curriculum_share <= 1.0:
         problems.append(f"--curriculum-share must be in [0, 1], got {settings.curriculum_share}")
+    if settings.ccq_init_lambda is not None and not (math.isfinite(settings.ccq_init_lambda)
+                                                     and settings.ccq_init_lambda > 0):
+        problems.append(f"--ccq-init-lambda must be a finite number > 0, got {settings.ccq_init_lambda}")
+    if (settings.ccq_init_lambda is not None or settings.ccq_gate != "query") and not settings.init_from:
+        problems.append("--ccq-init-lambda and --ccq-gate set the gate of a CCQ twin continued with --init-from; "
+                        "give --init-from too")
     if settings.context < 64:
         problems.append(f"--context must be >= 64, got {settings.context}")
     if settings.warmup_steps < 1 or settings.warmup_steps > settings.steps:

@@ -557,12 +557,17 @@ def _check_longbench_data(tasks: list[str], data_dir: Path | None) -> None:
 
 def check_against_disk(unit: Unit) -> None:
     """A unit folder from an earlier run must have been asked the same question (a folder whose run
-    failed before answering anything is free to take), and its files must be readable."""
+    failed before answering anything is free to take), and its files must be readable.
+
+    A finished unit's question is its unit.json, else the copy in meta.json; a finished unit with
+    neither cannot show what produced its numbers and is refused rather than taken for this one."""
     finished = unit.dir.results.is_file()
     try:
+        meta = None
         if finished:
             results_store.read_json(unit.dir.results)
-            if unit.dir.meta.is_file() and not isinstance(results_store.read_json(unit.dir.meta), dict):
+            meta = results_store.read_json(unit.dir.meta) if unit.dir.meta.is_file() else None
+            if meta is not None and not isinstance(meta, dict):
                 raise PlanError(f"{unit.dir.meta} should hold a JSON object; fix or delete it")
             answered = None
         else:
@@ -570,6 +575,13 @@ def check_against_disk(unit: Unit) -> None:
         stored = results_store.read_json(unit.dir.spec) if unit.dir.spec.is_file() else None
     except results_store.ResultsError as exc:
         raise PlanError(str(exc)) from None
+    if finished and stored is None:
+        stored = meta.get("spec") if meta is not None else None
+        if not isinstance(stored, dict):
+            raise PlanError(
+                f"{unit.dir.path} holds a finished unit but neither {results_store.UNIT_SPEC_FILE} nor "
+                f"{results_store.META_FILE} records its settings, so it cannot be matched to this run. Nothing "
+                "was changed: use another --output, or delete that folder to redo it")
     if stored is not None:
         if "dtype" in stored:  # stored before dtypes were resolved: None was float32, aliases their name
             stored = dict(stored, dtype=resolve_dtype(stored["dtype"] or "float32", "cpu"))

@@ -315,7 +315,8 @@ def _end_data_parallel() -> None:
 def _run_locked(plan: RunPlan, unit: Unit, index: int, total: int, evaluate: EvaluateUnit, report: Reporter,
                 argv: list[str], kernels: dict[str, str | None], summary: RunSummary, *, blocking: bool) -> bool:
     """Evaluate `unit` under its lock; False when another worker holds the lock (and not `blocking`).
-    A unit that another worker finished meanwhile is counted, not computed again."""
+    A unit that another worker finished meanwhile with the same settings is counted, not computed again;
+    one it started or finished with other settings fails (check_against_disk)."""
     lock = results_store.UnitLock(unit.dir)
     if not lock.acquire(blocking=blocking):
         return False

@@ -321,15 +321,14 @@ def _run_locked(plan: RunPlan, unit: Unit, index: int, total: int, evaluate: Eva
     if not lock.acquire(blocking=blocking):
         return False
     try:
-        if unit.dir.is_finished():
-            unit.finished = True
+        try:
+            run_plan.check_against_disk(unit)  # another worker may have run it with other settings
+        except run_plan.PlanError as exc:
+            return _failed(plan, unit, exc, report, summary)
+        if unit.finished:
             summary.elsewhere.append(unit)
             report.unit_end(unit, "done by another worker")
             return True
-        try:
-            run_plan.check_against_disk(unit)  # another worker may have started it with other settings
-        except run_plan.PlanError as exc:
-            return _failed(plan, unit, exc, report, summary)
         report.unit_start(unit, index, total)
         _evaluate_and_store(plan, unit, evaluate, report, argv, kernels, summary)
     finally:

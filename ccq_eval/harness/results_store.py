@@ -577,4 +577,28 @@ def load_results(root: Path) -> list[StoredUnit]:
                 samples_paths=_samples_for(path, results["results"].keys()),
             )
         )
+    _check_one_file_per_unit(root, units)
     return units
+
+
+def run_folder(results_path: Path) -> Path:
+    """The results folder of one results file: <run>/<model>/<task>/results.json, or lm-eval's
+    <run>/<model>/results_<stamp>.json."""
+    return results_path.parents[2] if results_path.name == RESULTS_FILE else results_path.parents[1]
+
+
+def _check_one_file_per_unit(root: Path, units: list[StoredUnit]) -> None:
+    """One results file per (model, task): a folder that holds several runs of the same unit (the
+    repository's results/ with results/reference and results/gpu-grid) is refused, never read as one
+    of them picked silently."""
+    seen: dict[tuple[str, str], Path] = {}
+    for unit in units:
+        for task in unit.leaf_tasks():
+            first = seen.setdefault((unit.model, task), unit.results_path)
+            if first == unit.results_path:
+                continue
+            folders = sorted({str(run_folder(u.results_path)) for u in units})
+            raise ResultsError(
+                f"{root} holds {len(folders)} result folders ({', '.join(folders)}) and model {unit.model!r} "
+                f"has results for task {task!r} in more than one file ({first}, {unit.results_path}); "
+                "point the command at one result folder")

@@ -403,4 +403,5 @@ def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str
         return tables.to_latex(table, 3, f"{variant} vs {baseline}") + "\n"
     if fmt != "markdown":
         raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
-    return f"### {variant} vs {baseline}\n\n" + tables.to_markdown(table, 3) + f"\n\n_{note}_\n"
+    heading = f"### {tables.markdown_escape(variant)} vs {tables.markdown_escape(baseline)}"
+    return f"{heading}\n\n" + tables.to_markdown(table, 3) + f"\n\n_{note}_\n"

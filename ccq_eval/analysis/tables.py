@@ -496,11 +496,21 @@ def _flat(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
     return headers, flat.astype(object).values.tolist()
 
 
+_MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;", "\n": " ", "\r": " "}
+
+
+def markdown_escape(text: str) -> str:
+    """`text` as literal markdown table text: a `|` in a model folder named `gla|100.00` must not start
+    a cell, and raw HTML in a name must not become markup."""
+    return "".join(_MARKDOWN_SPECIAL.get(ch, ch) for ch in text)
+
+
 def to_markdown(frame: pd.DataFrame, digits: int = 2) -> str:
     headers, body = _flat(frame)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines = ["| " + " | ".join(markdown_escape(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
     for row in body:
-        lines.append("| " + " | ".join(_format_cell(v, digits) for v in row) + " |")
+        lines.append("| " + " | ".join(markdown_escape(_format_cell(v, digits)) for v in row) + " |")
     return "\n".join(lines)
 
 

@@ -34,3 +34,38 @@ def test_compare_on_a_folder_of_several_runs_names_them(tmp_path):
     result = invoke("compare", str(tmp_path / "reference"))  # one of them: compared as before
     assert result.exit_code == 0, result.output
     assert snapshot(tmp_path) == before
+
+
+# 11 ------------------------------------------------------------------------------------------
+
+
+def markdown_rows(text: str) -> list[list[str]]:
+    """The cells of every markdown table row in `text`, split where a markdown reader splits (at `|`
+    not escaped by a backslash)."""
+    import re
+
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            for line in text.splitlines() if line.startswith("|")]
+
+
+def test_markdown_escapes_pipes_and_html_in_names(tmp_path):
+    write_sniah(tmp_path / "out", "gla|100.00", lambda length, depth, index: False)
+    write_sniah(tmp_path / "out", "<img src=x onerror=alert(1)>", baseline_correct)
+    before = snapshot(tmp_path)
+    for view in ("paper", "tidy"):
+        result = invoke("table", str(tmp_path / "out"), "--view", view)
+        assert result.exit_code == 0, result.output
+        rows = markdown_rows(result.output)
+        assert len({len(row) for row in rows}) == 1, rows  # no row has a cell more than its header
+        assert "<img" not in result.output and "&lt;img src=x onerror=alert(1)&gt;" in result.output
+        header = rows[0]
+        for row in rows[2:]:
+            if row[header.index("model")] == "gla\\|100.00" and view == "paper":
+                assert row[header.index("1K")] == "0.00" and row[header.index("2K")] == "0.00"
+    assert any(row[1] == "gla\\|100.00" for row in markdown_rows(invoke("table", str(tmp_path / "out")).output))
+    compared = invoke("compare", str(tmp_path / "out"), "--baseline", "gla|100.00", "--variant",
+                      "<img src=x onerror=alert(1)>")
+    assert compared.exit_code == 0, compared.output
+    assert "### &lt;img src=x onerror=alert(1)&gt; vs gla\\|100.00" in compared.output
+    assert len({len(row) for row in markdown_rows(compared.output)}) == 1
+    assert snapshot(tmp_path) == before

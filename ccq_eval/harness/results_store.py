@@ -47,6 +47,7 @@ META_FILE = "meta.json"
 UNIT_SPEC_FILE = "unit.json"
 RESPONSES_DB = "responses.sqlite"
 TRACKER_DIR = "lm_eval"
+TRACKER_UNIT_KEY = "ccq_eval_unit"  # in a tracker copy: its unit folder, <model>/<task> below the output
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +266,8 @@ def _write_tracker_files(unit: UnitDir, stored: dict[str, Any], samples: dict[st
             os.link(unit.samples(task_name), tracker_samples)
         except OSError:
             shutil.copyfile(unit.samples(task_name), tracker_samples)
-    atomic_write_json(folder / f"results_{stamp}.json", stored)
+    copy = stored | {TRACKER_UNIT_KEY: f"{unit.path.parent.name}/{unit.path.name}"}
+    atomic_write_json(folder / f"results_{stamp}.json", copy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,12 +526,19 @@ def _samples_for(results_path: Path, task_names: Iterable[str]) -> dict[str, Pat
 
 
 def _is_tracker_copy(path: Path, root: Path) -> bool:
-    """A results_<stamp>.json in <output>/lm_eval/<model>/ whose units <output>/<model>/ are read too
-    (below `root`): the copy `write_unit` made of a unit."""
+    """A results_<stamp>.json in <output>/lm_eval/<model>/ that `write_unit` laid out for lm-eval's readers
+    (it names its unit, or <output> holds unit folders), with <output> below `root`: there the units are
+    read from their own folders only, so a deleted model folder does not come back from its copies.
+    Pointed at <output>/lm_eval itself, a reader takes the copies as lm-eval's layout."""
     model_folder = path.parent
-    units = model_folder.parent.parent / model_folder.name
-    return (model_folder.parent.name == TRACKER_DIR and units.resolve().is_relative_to(root.resolve())
-            and any(units.glob(f"*/{RESULTS_FILE}")))
+    output = model_folder.parent.parent
+    if model_folder.parent.name != TRACKER_DIR or not output.resolve().is_relative_to(root.resolve()):
+        return False
+    try:
+        names_its_unit = TRACKER_UNIT_KEY in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        names_its_unit = False
+    return names_its_unit or any(output.glob(f"*/*/{UNIT_SPEC_FILE}")) or any(output.glob(f"*/*/{RESULTS_FILE}"))
 
 
 def find_results_files(root: Path) -> list[Path]:

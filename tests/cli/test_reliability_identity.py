@@ -89,3 +89,26 @@ def test_finished_unit_with_no_record_of_its_settings_is_refused(fake_world):
     assert_one_line_error(result, str(unit.path), "neither unit.json nor meta.json records its settings",
                           "use another --output, or delete that folder")
     assert fake_world.loads == [] and snapshot(Path("out")) == before
+
+
+# 5 -------------------------------------------------------------------------------------------
+
+
+def test_deleted_model_folder_does_not_come_back_from_the_tracker_copies(fake_world):
+    import shutil
+
+    finished_run("out", "--model", "tiny-weak")
+    assert len(list(Path("out/lm_eval").glob("*/results_*.json"))) == 2
+    shutil.rmtree("out/tiny-weak")
+    before = snapshot(Path("out"))
+    table = invoke("table", "out", "--view", "tidy", "--format", "csv")
+    assert table.exit_code == 0, table.output
+    assert "tiny-strong" in table.output and "tiny-weak" not in table.output
+    compare = invoke("compare", "out", "--baseline", "tiny-strong", "--variant", "tiny-weak")
+    assert compare.exit_code != 0 and "tiny-weak" in compare.output, compare.output
+    shutil.rmtree("out/tiny-strong")  # no unit folder left: the copies name their units
+    assert_one_line_error(invoke("table", "out"), "holds no results")
+    assert snapshot(Path("out")) == {path: data for path, data in before.items() if "tiny-strong" not in path
+                                     or "lm_eval" in path}
+    lm_eval_layout = invoke("table", "out/lm_eval", "--view", "tidy", "--format", "csv")  # asked for by name
+    assert lm_eval_layout.exit_code == 0 and "tiny-weak" in lm_eval_layout.output, lm_eval_layout.output

@@ -195,6 +195,14 @@ def _attach_value(text: str) -> Any:
     return text
 
 
+def check_ccq_lambda(value: float, given: str, example: str) -> float:
+    """A constant CCQ lambda as --ccq-attach and `inspect --baseline-lambda` take it: a finite number >= 0
+    (-0.0 becomes 0.0); `given` names the option and value in the error, `example` shows a valid one."""
+    if not math.isfinite(value) or value < 0:
+        raise PlanError(f"{given} must be a finite number >= 0 (0 is the plain model); e.g. {example}")
+    return value + 0.0
+
+
 def parse_ccq_attach(text: str) -> CCQAttach:
     """'lambda=0,0.5,1;order=2;form=resolvent' -> CCQAttach((0.0, 0.5, 1.0), {'ccq_order': 2, 'ccq_form':
     'resolvent'}). Items separated by ';'; lambda (required) takes a comma-separated list of numbers >= 0,
@@ -230,10 +238,7 @@ def _parse_lambdas(text: str) -> tuple[float, ...]:
         except ValueError:
             raise PlanError(f"--ccq-attach: lambda {token!r} is not a number; give comma-separated numbers >= 0 "
                             "such as lambda=0,0.5,1,2,4") from None
-        if not math.isfinite(value) or value < 0:
-            raise PlanError(f"--ccq-attach: lambda {token!r} must be a finite number >= 0 (0 is the plain "
-                            "model); e.g. lambda=0,0.5,1,2,4")
-        values.append(value + 0.0)  # -0.0 -> 0.0
+        values.append(check_ccq_lambda(value, f"--ccq-attach: lambda {token!r}", "lambda=0,0.5,1,2,4"))
     if len(set(values)) != len(values):
         raise PlanError(f"--ccq-attach: lambda={text} repeats a value; give each once")
     return tuple(sorted(values))

@@ -116,6 +116,14 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
         raise InspectError(f"--output {options.output} is a file; give a folder for the tables and figures")
     if options.positions < 0:
         raise InspectError(f"--positions must be >= 0, got {options.positions}")
+    if options.baseline_lambda is not None:
+        from ccq_eval.harness.options import PlanError, check_ccq_lambda
+
+        try:
+            check_ccq_lambda(options.baseline_lambda, f"--baseline-lambda {options.baseline_lambda:g}",
+                             "--baseline-lambda 2")
+        except PlanError as exc:
+            raise InspectError(str(exc)) from None
     folders = check_models(options.models)
     device = resolve_device(options.device)
     tables = {name: [] for name in TABLES}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from test_cli_fakes import (
     SNIAH_TASK,
     baseline_correct,
@@ -69,3 +71,23 @@ def test_markdown_escapes_pipes_and_html_in_names(tmp_path):
     assert "### &lt;img src=x onerror=alert(1)&gt; vs gla\\|100.00" in compared.output
     assert len({len(row) for row in markdown_rows(compared.output)}) == 1
     assert snapshot(tmp_path) == before
+
+
+# 12 ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "-inf"])
+def test_inspect_baseline_lambda_follows_the_ccq_attach_rule(tmp_path, monkeypatch, value):
+    from ccq_eval.inspection import run as inspect_run
+
+    monkeypatch.setattr(inspect_run, "inspect_model", lambda *a, **k: pytest.fail("a model was read"))
+    earlier = tmp_path / "inspect"
+    earlier.mkdir()
+    (earlier / "reads.csv").write_text("model,length\ntiny-gla,1024\n")
+    result = invoke("inspect", "-m", "tiny-gla", "--baseline-lambda", value, "-o", str(earlier))
+    line = assert_one_line_error(result, f"--baseline-lambda {float(value):g} must be a finite number >= 0",
+                                 "e.g. --baseline-lambda 2")
+    attach = invoke("run", "-m", "tiny-gla", "--ccq-attach", f"lambda={value}", "-o", str(tmp_path / "run"))
+    attach_line = assert_one_line_error(attach, f"--ccq-attach: lambda '{value}' must be a finite number >= 0")
+    assert line.partition(" must ")[2].split("; e.g.")[0] == attach_line.partition(" must ")[2].split("; e.g.")[0]
+    assert [p.name for p in earlier.iterdir()] == ["reads.csv"] and not (tmp_path / "run").exists()

@@ -172,7 +172,7 @@ def text_pool(split: str) -> TextPool:
 @cache
 def s_niah_key_words() -> frozenset[str]:
     """The words S-NIAH builds its keys from: held out, so never part of a training key."""
-    from tasks.s_niah.utils import load_key_words
+    from ccq_eval.tasks.s_niah.utils import load_key_words
 
     return frozenset(word for key in load_key_words() for word in key.split("-"))
 

@@ -1,5 +1,6 @@
 """lm-eval task folders (YAML plus small Python hooks), one per family: s_niah, ppl, longbench.
 
-lm-eval loads the hooks by path (`!function utils.<name>`); from the repository root they are also
-importable as `tasks.<family>.utils`, which is how the tests and benchmarks use them.
+Installed as the package `ccq_eval.tasks` (pyproject.toml maps this folder), so the hooks import as
+`ccq_eval.tasks.<family>.utils`; lm-eval includes the family folders (ccq_eval.harness.task_registry)
+and loads the hooks their YAML names (`!function utils.<name>`) from them.
 """

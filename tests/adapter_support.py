@@ -51,7 +51,7 @@ def greedy_full_recompute(model, ids: list[int], n_new: int, stop_ids: set[int])
 
 def ppl_utils():
     """tasks/ppl/utils.py (lm-eval loads it by path; from the repository root it is a package module)."""
-    return importlib.import_module("tasks.ppl.utils")
+    return importlib.import_module("ccq_eval.tasks.ppl.utils")
 
 
 @pytest.fixture(autouse=True)

@@ -139,7 +139,7 @@ def ruler_phrases() -> list[str]:
     template, answer prefix and needle, and the sentences of its noise haystack."""
     import re
 
-    from tasks.s_niah import utils as s_niah
+    from ccq_eval.tasks.s_niah import utils as s_niah
 
     pieces = []
     for template in (s_niah.TEMPLATE, s_niah.ANSWER_PREFIX, s_niah.NEEDLE, s_niah.NOISE_LINE):

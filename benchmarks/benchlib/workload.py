@@ -179,7 +179,7 @@ def load_tokenizer(spec: str):
 
 def s_niah_utils():
     """tasks/s_niah/utils.py (lm-eval loads it by path; from the repository root it is a package module)."""
-    return importlib.import_module("tasks.s_niah.utils")
+    return importlib.import_module("ccq_eval.tasks.s_niah.utils")
 
 
 def prefix_ids(tokenizer) -> list[int]:

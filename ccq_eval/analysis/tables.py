@@ -17,24 +17,20 @@ category averages, and a catch-all of overall values for any other lm-eval task.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pandas as pd
 
 from ccq_eval.harness import results_store
 from ccq_eval.harness.results_store import ResultsError, StoredUnit
+from ccq_eval.tasks.longbench import categories as longbench_categories
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LONGBENCH_CATEGORIES_FILE = REPO_ROOT / "tasks" / "longbench" / "categories.py"
 
 TIDY_COLUMNS = [
     "model", "task", "family", "length", "depth", "bucket", "metric", "filter", "value", "n", "stderr",
@@ -112,29 +108,13 @@ def display_task(task: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# LongBench categories (helper "longbench" owns tasks/longbench/categories.py)
-
-
-@lru_cache(maxsize=1)
-def longbench_categories() -> ModuleType | None:
-    if not LONGBENCH_CATEGORIES_FILE.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("ccq_longbench_categories", LONGBENCH_CATEGORIES_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# LongBench datasets and categories (ccq_eval.tasks.longbench.categories)
 
 
 def longbench_dataset(task: str) -> str | None:
-    categories = longbench_categories()
-    if categories is not None:
-        parsed = categories.dataset_of_task(task)
-        return parsed[0] if parsed else None
-    for prefix in ("ccq_longbench_e_", "ccq_longbench_"):
-        if task.startswith(prefix):
-            return task[len(prefix):]
-    return None
+    """'ccq_longbench_e_qasper' -> 'qasper'; None for a task outside LongBench."""
+    parsed = longbench_categories.dataset_of_task(task)
+    return parsed[0] if parsed else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,19 +403,16 @@ def longbench_pivot(tidy: pd.DataFrame, family: str = "longbench") -> pd.DataFra
             scores[row.model][dataset] = float(row.value)
     if not scores:
         return None
-    categories = longbench_categories()
-    order = list(categories.DATASET_CATEGORY) if categories else sorted({d for s in scores.values() for d in s})
-    present = [d for d in order if any(d in s for s in scores.values())]
+    present = [d for d in longbench_categories.DATASET_CATEGORY if any(d in s for s in scores.values())]
     table: dict[str, dict[str, float]] = {}
     for model, per_dataset in scores.items():
         line = {dataset: per_dataset.get(dataset, math.nan) for dataset in present}
-        if categories is not None:
-            averages = categories.category_averages(per_dataset, language="all")
-            for slug, label in categories.CATEGORY_LABELS.items():
-                if slug in averages:
-                    line[f"{label} avg"] = averages[slug]
-            if averages:
-                line["Avg (categories)"] = sum(averages.values()) / len(averages)
+        averages = longbench_categories.category_averages(per_dataset, language="all")
+        for slug, label in longbench_categories.CATEGORY_LABELS.items():
+            if slug in averages:
+                line[f"{label} avg"] = averages[slug]
+        if averages:
+            line["Avg (categories)"] = sum(averages.values()) / len(averages)
         table[model] = line
     frame = pd.DataFrame.from_dict(table, orient="index")
     frame.index.name = "model"

@@ -1,4 +1,5 @@
-"""Our lm-eval tasks (tasks/s_niah, tasks/ppl, tasks/longbench) and the names users type.
+"""Our lm-eval tasks (ccq_eval.tasks: s_niah, ppl, longbench; tasks/ in the repository) and the names
+users type.
 
     make_task_manager(metadata={...})     -> TaskManager over our folders; lm-eval's built-in
                                              tasks are indexed only when a name needs them
@@ -13,13 +14,13 @@ Groups of ours resolve to their leaf tasks, so a run can store and resume them o
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# tasks/ next to the package in the (editable) checkout; CCQ_EVAL_TASKS_DIR overrides it.
-TASKS_DIR = Path(os.environ.get("CCQ_EVAL_TASKS_DIR") or Path(__file__).resolve().parents[2] / "tasks")
+TASKS_PACKAGE = "ccq_eval.tasks"  # tasks/ of the repository, installed as this package (pyproject.toml)
 TASK_FOLDERS = ("s_niah", "ppl", "longbench")
 
 # alias -> (targets in our index, description)
@@ -44,12 +45,26 @@ class UnknownTaskError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def tasks_dir() -> Path:
+    """The folder of the installed ccq_eval.tasks package, whose family folders lm-eval includes;
+    CCQ_EVAL_TASKS_DIR points at another folder of the same layout instead."""
+    override = os.environ.get("CCQ_EVAL_TASKS_DIR")
+    if override:
+        return Path(override)
+    folder = importlib.resources.files(TASKS_PACKAGE)
+    if not isinstance(folder, Path):  # lm-eval reads YAML files from folders, not from an archive
+        raise FileNotFoundError(f"{TASKS_PACKAGE} is installed inside an archive ({folder}); install "
+                                "ccq-eval as a wheel or editable (pip install -e .) so its task folders are files")
+    return folder
+
+
 def task_paths() -> list[str]:
     """Our task folders that exist (others may not be written yet in a partial checkout)."""
-    if not TASKS_DIR.is_dir():
-        raise FileNotFoundError(f"task folder {TASKS_DIR} not found: install the project editable "
-                                "(pip install -e .) or set CCQ_EVAL_TASKS_DIR to the repo's tasks/ folder")
-    return [str(TASKS_DIR / name) for name in TASK_FOLDERS if (TASKS_DIR / name).is_dir()]
+    folder = tasks_dir()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"task folder {folder} not found: unset CCQ_EVAL_TASKS_DIR or point it at a "
+                                "folder holding s_niah/, ppl/ and longbench/")
+    return [str(folder / name) for name in TASK_FOLDERS if (folder / name).is_dir()]
 
 
 @lru_cache(maxsize=1)
@@ -124,7 +139,7 @@ def _leaf_tasks(name: str, index: dict[str, Any], seen: set[str] | None = None) 
     seen.add(name)
     entry = index.get(name)
     if entry is None:
-        raise UnknownTaskError(f"task {name!r} is referenced by our task configs but not defined in {TASKS_DIR}")
+        raise UnknownTaskError(f"task {name!r} is referenced by our task configs but not defined in {tasks_dir()}")
     if entry.kind == Kind.GROUP:
         from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -184,7 +199,7 @@ def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list
             targets = list(ALIASES[name][0])
             missing = [t for t in targets if t not in index]
             if missing:
-                raise UnknownTaskError(f"task alias {name!r} needs {', '.join(missing)}, which {TASKS_DIR} "
+                raise UnknownTaskError(f"task alias {name!r} needs {', '.join(missing)}, which {tasks_dir()} "
                                        "does not define (is that task family installed?)")
         elif name in index:
             targets = [name]

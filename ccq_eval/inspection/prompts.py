@@ -11,15 +11,12 @@ one, then the text without special tokens. No torch here.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ccq_eval.inspection import InspectError
 
-# `ccq-eval inspect --task` names -> the S-NIAH variant of tasks/s_niah/utils.py
+# `ccq-eval inspect --task` names -> the S-NIAH variant of ccq_eval.tasks.s_niah.utils
 TASKS = {"s-niah-1": "s_niah_1", "s-niah-2": "s_niah_2", "s-niah-3": "s_niah_3"}
 TASKS.update({f"ccq_{v}": v for v in list(TASKS.values())})
 TASKS.update({v: v for v in list(TASKS.values()) if v.startswith("s_")})
@@ -50,20 +47,10 @@ def resolve_task(name: str) -> str:
 
 
 def sniah_utils():
-    """tasks/s_niah/utils.py, loaded by path as lm-eval loads it (tasks/ is not an installed package)."""
-    from ccq_eval.harness.task_registry import TASKS_DIR
+    """The S-NIAH task's hooks (tasks/s_niah/utils.py, installed as ccq_eval.tasks.s_niah.utils)."""
+    from ccq_eval.tasks.s_niah import utils
 
-    name = "ccq_eval_s_niah_utils"
-    if name not in sys.modules:
-        path = Path(TASKS_DIR) / "s_niah" / "utils.py"
-        if not path.is_file():
-            raise InspectError(f"{path} not found: inspect builds prompts with the S-NIAH task code; set "
-                               "CCQ_EVAL_TASKS_DIR to the repository's tasks/ folder")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return utils
 
 
 def char_span_to_tokens(tokenizer: Any, text: str, start: int, end: int) -> tuple[int, int]:

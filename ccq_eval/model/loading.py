@@ -31,9 +31,9 @@ from ccq_eval.model.modeling_ccq import (
     CCQGLAForCausalLM,
     prepare_runtime,
 )
+from ccq_eval.model.registry import MODEL_REGISTRY_PATH as REGISTRY_FILE
+from ccq_eval.model.registry import MODELS_DIR
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
-REGISTRY_FILE = MODELS_DIR / "registry.json"
 
 # model_type in config.json -> (config class, model class, whether CCQ is on unless the user says;
 # None: the model has no CCQ, e.g. the softmax-attention reference).

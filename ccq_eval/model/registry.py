@@ -1,15 +1,20 @@
 """The registry of named models (models/registry.json): what `ccq-eval models` lists and `run --model`
 accepts besides checkpoint folders. Reading it needs no torch.
+
+The repository's models/ folder is installed as the package data of `ccq_eval.models` (pyproject.toml),
+so the embedded names resolve the same from a checkout, an editable install and a wheel.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_REGISTRY_PATH = REPO_ROOT / "models" / "registry.json"
+# A regular package on the file system: files() is its folder (checkpoints are loaded from files).
+MODELS_DIR = Path(str(importlib.resources.files("ccq_eval.models")))
+MODEL_REGISTRY_PATH = MODELS_DIR / "registry.json"
 FALLBACK_DEFAULT_MODELS = ["tiny-gla", "tiny-gla-ccq", "tiny-gdn", "tiny-gdn-ccq", "tiny-transformer"]
 
 
@@ -52,8 +57,6 @@ def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:
         source = item.get("path") or item.get("source") or item.get("checkpoint") or name
         if not Path(str(source)).is_absolute() and (Path(path).parent / str(source)).exists():
             source = str((Path(path).parent / str(source)).resolve())
-        elif not Path(str(source)).is_absolute() and (REPO_ROOT / str(source)).exists():
-            source = str((REPO_ROOT / str(source)).resolve())
         registry[name] = ModelEntry(
             name=name,
             source=str(source),

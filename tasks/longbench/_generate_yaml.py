@@ -1,28 +1,20 @@
 """Write the LongBench task and group YAMLs of this folder from spec.py and categories.py.
 
 Run `python tasks/longbench/_generate_yaml.py` after changing either module;
-tests/test_longbench_tasks.py fails when the committed YAMLs differ from what this writes.
+tests/tasks/test_longbench_tasks.py fails when the committed YAMLs differ from what this writes.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
+
+from ccq_eval.tasks.longbench import categories, spec
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE_V1 = "_longbench_template_yaml"
 TEMPLATE_E = "_longbench_e_template_yaml"
 BUCKET_METRICS = ("score_0-4k", "score_4-8k", "score_8k+")
-
-
-def _load(name: str) -> ModuleType:
-    module_spec = importlib.util.spec_from_file_location(f"_ccq_longbench_gen_{name}", HERE / f"{name}.py")
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def _template(longbench_e: bool) -> str:
@@ -86,7 +78,6 @@ def _group(name: str, alias: str, members: list[str], longbench_e: bool) -> str:
 
 def expected_files() -> dict[str, str]:
     """File name -> content of every generated YAML."""
-    spec, categories = _load("spec"), _load("categories")
     files = {TEMPLATE_V1: _template(False), TEMPLATE_E: _template(True)}
     for longbench_e, datasets in ((False, spec.LONGBENCH_DATASETS), (True, spec.LONGBENCH_E_DATASETS)):
         prefix = "ccq_longbench_e" if longbench_e else "ccq_longbench"

@@ -1,10 +1,8 @@
 """LongBench task categories, languages and averages, for tables and figures.
 
-Standalone (standard library only) so results code can load it by path without lm-eval:
+Standard library only, so results code imports it without lm-eval:
 
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("longbench_categories", "tasks/longbench/categories.py")
-    categories = importlib.util.module_from_spec(spec); spec.loader.exec_module(categories)
+    from ccq_eval.tasks.longbench import categories
     per_dataset = categories.scores_from_results(results_json["results"])        # {dataset: score}
     categories.category_averages(per_dataset, language="en")                      # {category: mean}
     categories.leaderboard_average(per_dataset, language="en")                    # LongBench "Avg"

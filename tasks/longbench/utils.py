@@ -1,7 +1,7 @@
 """lm-eval hooks for the LongBench family: data loading, prompt, scoring.
 
-lm-eval imports this file by path once per `!function` tag, so it stays light: the sibling modules
-(spec, metrics) are loaded once per process and cached in sys.modules under private names.
+lm-eval imports this file by path (`!function utils.<name>`); the sibling modules come from the
+installed package (ccq_eval.tasks.longbench), so each is loaded once per process however this file was.
 
 Metadata keys read by `load_longbench` (from TaskManager(metadata=...) or lm-eval's --metadata):
   data_dir            folder holding the official jsonl files (<dataset>.jsonl, <dataset>_e.jsonl),
@@ -12,45 +12,18 @@ Metadata keys read by `load_longbench` (from TaskManager(metadata=...) or lm-eva
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import sys
 import zipfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
+from ccq_eval.tasks.longbench import metrics, spec
 
 HUB_REPO_ID = "THUDM/LongBench"
 HUB_ZIP_NAME = "data.zip"
 # Columns of the official records, kept in every doc; ccq_dataset is ours (the dataset name without
 # the _e suffix), used to pick the template and metric.
 RECORD_FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
-
-
-def _sibling(name: str) -> ModuleType:
-    """tasks/longbench/<name>.py: a package import when this module was imported as tasks.longbench.utils,
-    else (lm-eval loads hooks by path, without this folder on sys.path) loaded once per process by path."""
-    if __package__:
-        return importlib.import_module(f"{__package__}.{name}")
-    path = _HERE / f"{name}.py"
-    key = f"_ccq_tasks_longbench_{name}"
-    module = sys.modules.get(key)
-    if module is not None and Path(module.__file__ or "").resolve() == path:
-        return module
-    spec = importlib.util.spec_from_file_location(key, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-spec = _sibling("spec")
-metrics = _sibling("metrics")
 
 
 # ---------------------------------------------------------------------------------------------

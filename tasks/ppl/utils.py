@@ -106,11 +106,9 @@ def _tokenizer_by_name(name: str):
         return ByT5Tokenizer()
     from transformers import AutoTokenizer
 
-    try:
-        from ccq_eval.model.loading import registered_models, resolve_checkpoint
-    except ImportError:
-        registered_models = None
-    if registered_models is not None and (name in registered_models() or Path(name).expanduser().is_dir()):
+    from ccq_eval.model.loading import registered_models, resolve_checkpoint
+
+    if name in registered_models() or Path(name).expanduser().is_dir():
         folder = resolve_checkpoint(name)
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return AutoTokenizer.from_pretrained(name)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval.analysis import report, stats, tables
 from ccq_eval.harness import results_store
 

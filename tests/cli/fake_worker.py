@@ -58,7 +58,7 @@ class LoggedLM(FakeLM):
 
 
 def main(workdir: Path, log: Path, delay: float, args: list[str]) -> int:
-    import cli
+    from ccq_eval import cli
     from ccq_eval.harness import plan as run_plan
     from ccq_eval.harness import runner
 

@@ -21,7 +21,7 @@ from test_cli_fakes import (
 )
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval.analysis import figures, tables
 from ccq_eval.harness import results_store
 

@@ -12,7 +12,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store
 from ccq_eval.harness.options import PlanError, parse_ccq_attach

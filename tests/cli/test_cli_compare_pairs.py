@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference"
 

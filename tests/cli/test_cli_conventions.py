@@ -12,7 +12,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval import logs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ import sys
 import ccq_eval
 assert not {{"torch", "fla"}} & set(sys.modules), "import ccq_eval loaded torch or fla"
 from typer.testing import CliRunner
-import cli
+from ccq_eval import cli
 reference = {str(REFERENCE)!r}
 compare = ["compare", reference, "--baseline", "tiny-gla", "--variant", "tiny-gla-ccq", "--n-boot", "200"]
 figures = ["figures", reference, "-o", {str(tmp_path)!r}]

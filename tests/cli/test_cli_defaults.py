@@ -10,7 +10,7 @@ import pytest
 import test_cli_run
 from test_cli_run import RUN_ARGS, TASK_NAME, FakeLM, invoke
 
-import cli
+from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store, runner
 from ccq_eval.model import registry as model_registry

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 
 
 @pytest.fixture(scope="module")

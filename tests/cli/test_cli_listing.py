@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.model import registry as model_registry
 

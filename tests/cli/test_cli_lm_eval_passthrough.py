@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli import app
+from ccq_eval.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store, resume, runner
 from ccq_eval.model import registry as model_registry

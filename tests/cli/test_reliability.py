@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 from test_cli_run import N_DOCS, REGISTRY, RUN_ARGS, TASK_NAME, FakeCatalog, fake_world, invoke  # noqa: F401
 
-import cli
+from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store, resume
 from ccq_eval.model import registry as model_registry
@@ -447,8 +447,7 @@ def test_middle_truncation_keeps_only_characters_of_the_source():
     from adapter_support import byte_tokenizer, tiny_model
 
     from ccq_eval.harness.adapter import CCQEvalLM
-
-    from tasks.longbench import utils as longbench
+    from ccq_eval.tasks.longbench import utils as longbench
 
     record = json.loads((HERE.parent / "fixtures" / "longbench" / "multifieldqa_zh.jsonl").read_text().splitlines()[0])
     prompt = longbench.doc_to_text(record | {"ccq_dataset": "multifieldqa_zh"})  # 260 bytes

@@ -17,7 +17,7 @@ from lm_eval.utils import (
 )
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store, runner
 from ccq_eval.model.registry import ModelEntry

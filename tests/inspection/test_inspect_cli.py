@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-import cli
+from ccq_eval import cli
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name):
-    return importlib.import_module(f"tasks.longbench.{name}")
+    return importlib.import_module(f"ccq_eval.tasks.longbench.{name}")
 
 
 m = _load("metrics")

@@ -22,7 +22,7 @@ E = ["qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_n
 
 
 def _load(name):
-    return importlib.import_module(f"tasks.longbench.{name}")
+    return importlib.import_module(f"ccq_eval.tasks.longbench.{name}")
 
 
 def _records(file_name, folder=FIXTURES):

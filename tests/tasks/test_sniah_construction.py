@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MISTRAL_DIR = ROOT / "tests" / "fixtures" / "tokenizers" / "mistral_v1"
 
 
-sn = importlib.import_module("tasks.s_niah.utils")
+sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
 
 # ------------------------------------------------------------------ RULER, restated
 # From NVIDIA RULER scripts/data/synthetic/constants.py (TASKS['niah']) and niah.py.

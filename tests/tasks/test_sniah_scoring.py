@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sn = importlib.import_module("tasks.s_niah.utils")
+sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
 
 
 def ruler_string_match_all(preds: list[str], refs: list[list[str]]) -> float:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import lzma
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,7 @@ from ccq_eval.harness.results_store import (
     ResultsError,
     atomic_write_bytes,
     dumps,
-    find_results_files,
-    iter_jsonl,
+    load_results,
 )
 
 # Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
@@ -46,36 +44,56 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     metadata and unit spec as they are; per-sample logs xz-compressed, with the long strings of
     `doc`, `arguments` and `target` (a perplexity document is its own target) replaced by their
     length and sha256 (metrics, responses, short targets and cells are kept). Unfinished units and
-    resume caches are left out. Returns the unit folders."""
+    resume caches are left out. Returns the unit folders.
+
+    Everything is read, checked and compressed before the first file is written: a unit whose samples
+    do not match its results.json (truncated, or from another run), a destination that is a file, holds
+    a live run or an archive of another run stop the archive with nothing written."""
     source, destination = Path(source), Path(destination)
-    units = [path.parent for path in find_results_files(source) if path.name == RESULTS_FILE]
-    for unit in units:  # every check before anything is written
-        _check_archive_target(destination / unit.relative_to(source))
-    written = []
+    _check_destination(destination)
+    units = [unit for unit in load_results(source) if unit.results_path.name == RESULTS_FILE]
+    packed_units = []
     for unit in units:
-        results_path = unit / RESULTS_FILE
-        target = destination / unit.relative_to(source)
+        target = destination / unit.folder.relative_to(source)
+        _check_archive_target(target, unit.folder)
+        packed_units.append((unit, target, {
+            unit.samples_paths[task].name.removesuffix(".xz") + ".xz": _packed_samples(unit.samples(task))
+            for task in unit.task_results if task in unit.samples_paths}))
+    written = []
+    for unit, target, packed in packed_units:
         target.mkdir(parents=True, exist_ok=True)
         for name in (UNIT_SPEC_FILE, META_FILE):
-            if (unit / name).is_file():
-                shutil.copyfile(unit / name, target / name)
-        for samples in unit.glob("samples_*.jsonl"):
-            records = []
-            for sample in iter_jsonl(samples):
-                for key in ("doc", "arguments", "target"):
-                    if key in sample:
-                        sample[key] = _digest_long_strings(sample[key])
-                records.append(dumps(sample, indent=None) + "\n")
-            packed = lzma.compress("".join(records).encode("utf-8"), preset=9)
-            atomic_write_bytes(target / (samples.name + ".xz"), packed)
-        shutil.copyfile(results_path, target / RESULTS_FILE)  # last: marks the archived unit finished
+            if (unit.folder / name).is_file():
+                atomic_write_bytes(target / name, (unit.folder / name).read_bytes())
+        for name, data in packed.items():
+            atomic_write_bytes(target / name, data)
+        atomic_write_bytes(target / RESULTS_FILE, unit.results_path.read_bytes())  # last: marks it finished
         written.append(target)
     return written
 
 
-def _check_archive_target(target: Path) -> None:
-    """An archive may replace an earlier archive of a unit, never a live run's folder (its uncompressed
-    samples would stay and be read instead of the archived ones)."""
+def _packed_samples(records: list[dict[str, Any]]) -> bytes:
+    """One unit's per-sample log as archived: long strings as their digest, xz-compressed."""
+    lines = []
+    for sample in records:
+        for key in ("doc", "arguments", "target"):
+            if key in sample:
+                sample[key] = _digest_long_strings(sample[key])
+        lines.append(dumps(sample, indent=None) + "\n")
+    return lzma.compress("".join(lines).encode("utf-8"), preset=9)
+
+
+def _check_destination(destination: Path) -> None:
+    for folder in (destination, *destination.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ResultsError(f"{folder} is a file, not a folder; nothing was written: give a folder for the "
+                               "archive, e.g. results/<name>")
+
+
+def _check_archive_target(target: Path, unit: Path) -> None:
+    """An archive may refresh an archive of the same run (the same meta.json per unit), never replace an
+    archive of another run or a live run's folder (its uncompressed samples would stay and be read
+    instead of the archived ones)."""
     if not target.is_dir():
         return
     archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE}
@@ -84,3 +102,12 @@ def _check_archive_target(target: Path) -> None:
     if live:
         raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
                            "written: archive into a new folder, or delete that unit folder first")
+    if (target / RESULTS_FILE).is_file() and _meta_bytes(target) != _meta_bytes(unit):
+        raise ResultsError(f"{target} holds an archive of another run ({target / META_FILE} differs from "
+                           f"{unit / META_FILE}); nothing was replaced: archive into a new folder, or move the "
+                           "old archive away first")
+
+
+def _meta_bytes(unit: Path) -> bytes | None:
+    path = unit / META_FILE
+    return path.read_bytes() if path.is_file() else None

@@ -18,8 +18,10 @@ from test_cli_fakes import (
     variant_correct,
     write_sniah,
 )
-from test_cli_run import invoke
-from test_reliability import assert_one_line_error, snapshot
+from test_cli_run import TASK_NAME, fake_world, invoke  # noqa: F401  (fake_world: a fixture)
+from test_reliability import assert_one_line_error, finished_run, snapshot
+
+from ccq_eval.harness import results_store
 
 # 9 -------------------------------------------------------------------------------------------
 
@@ -91,3 +93,39 @@ def test_inspect_baseline_lambda_follows_the_ccq_attach_rule(tmp_path, monkeypat
     attach_line = assert_one_line_error(attach, f"--ccq-attach: lambda '{value}' must be a finite number >= 0")
     assert line.partition(" must ")[2].split("; e.g.")[0] == attach_line.partition(" must ")[2].split("; e.g.")[0]
     assert [p.name for p in earlier.iterdir()] == ["reads.csv"] and not (tmp_path / "run").exists()
+
+
+# 14 ------------------------------------------------------------------------------------------
+
+
+def test_archive_never_replaces_another_runs_archive(fake_world):
+    finished_run("src")
+    assert invoke("archive", "src", "packed").exit_code == 0
+    packed = snapshot(Path("packed"))
+    assert invoke("archive", "src", "packed").exit_code == 0 and snapshot(Path("packed")) == packed  # refreshed
+    finished_run("other")  # the same unit, evaluated again: another run
+    result = invoke("archive", "other", "packed")
+    assert_one_line_error(result, "holds an archive of another run", "nothing was replaced",
+                          "archive into a new folder")
+    assert snapshot(Path("packed")) == packed
+
+
+def test_archive_to_a_file_is_refused_in_one_line(fake_world):
+    finished_run("src")
+    Path("afile").write_text("not a folder")
+    for destination in ("afile", "afile/sub"):
+        assert_one_line_error(invoke("archive", "src", destination), "afile is a file, not a folder",
+                              "nothing was written")
+    assert Path("afile").read_text() == "not a folder"
+
+
+def test_archive_of_truncated_samples_writes_nothing(fake_world):
+    finished_run("src")
+    finished_run("src", "--model", "tiny-weak")
+    samples = results_store.unit_dir(Path("src"), "tiny-weak", TASK_NAME).samples(TASK_NAME)
+    samples.write_text("".join(samples.read_text().splitlines(keepends=True)[:-2]))
+    before = snapshot(Path("src"))
+    result = invoke("archive", "src", "packed")
+    assert_one_line_error(result, str(samples), "samples but results.json records")
+    assert "archived" not in result.output and not Path("packed").exists()
+    assert snapshot(Path("src")) == before

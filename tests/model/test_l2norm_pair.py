@@ -23,8 +23,9 @@ CHECKS = Path(__file__).with_name("_l2norm_pair_checks.py")
 
 def _interpreter(which: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # No time limit: the interpreter's run time follows the machine's speed; CI's job limit ends a hang.
     done = subprocess.run([sys.executable, str(CHECKS), which], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+                          check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])[which]
 

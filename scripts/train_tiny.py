@@ -147,7 +147,7 @@ class TrainSettings:
     init_from: str | None = None  # folder of trained checkpoints to continue from (see initial_model)
     ccq_init_lambda: float | None = None  # a continued CCQ twin's gate starts at this lambda (ccq_gate_fields)
     ccq_gate: str = "query"
-    freeze_ccq_gate: bool = False
+    train_parts: str = "all"  # TRAIN_PARTS: which parameters the optimiser updates
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -186,13 +186,19 @@ def count_parameters(model, ccq: bool) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if ccq or "ccq_" not in n)
 
 
-def trainable_groups(model, ccq: bool, weight_decay: float, freeze_ccq_gate: bool = False):
+# --train: "all" parameters; the "backbone" with CCQ's gate frozen at its start; only CCQ's gate
+# ("ccq-gate", the backbone frozen: the read cannot be trained around, only its gate learned).
+TRAIN_PARTS = ("all", "backbone", "ccq-gate")
+
+
+def trainable_groups(model, ccq: bool, weight_decay: float, train_parts: str = "all"):
     """AdamW groups: decay on the matrices of linear layers only (not embeddings, norms, biases,
-    gates' small vectors or CCQ's gate); the baseline's unused CCQ parameters are left out, and so is
-    CCQ's gate when it is frozen (it then keeps its initial lambda)."""
+    gates' small vectors or CCQ's gate). Left out (and frozen): the baseline's unused CCQ parameters
+    and whatever `train_parts` excludes."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if "ccq_" in name and (not ccq or freeze_ccq_gate):
+        is_gate = "ccq_" in name
+        if (is_gate and (not ccq or train_parts == "backbone")) or (not is_gate and train_parts == "ccq-gate"):
             param.requires_grad_(False)
             continue
         if param.ndim == 2 and "embed" not in name and "ccq_" not in name:
@@ -320,7 +326,7 @@ def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, di
     model = initial_model(spec, settings).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
-        trainable_groups(model, spec.ccq, settings.weight_decay, settings.freeze_ccq_gate), lr=settings.lr,
+        trainable_groups(model, spec.ccq, settings.weight_decay, settings.train_parts), lr=settings.lr,
         betas=(settings.beta1, settings.beta2), eps=1e-8,
     )
     tokens_per_step = settings.batch_size * settings.context
@@ -534,7 +540,8 @@ def gate_words(settings: TrainSettings) -> str:
     """How a continued CCQ twin's gate starts and trains, for its model card."""
     start = (f"at lambda = {settings.ccq_init_lambda:g} (lambda_max {2 * settings.ccq_init_lambda:g})"
              if settings.ccq_init_lambda is not None else "at its initial values")
-    return (f"its {settings.ccq_gate} gate {start}" + (", frozen" if settings.freeze_ccq_gate else ", trained"))
+    return (f"its {settings.ccq_gate} gate {start}" + {"all": ", trained with the backbone", "backbone": ", frozen (only the backbone trained)",
+                 "ccq-gate": ", trained alone (the backbone frozen)"}[settings.train_parts])
 
 
 def stage_line(number: int, record: dict) -> str:
@@ -558,6 +565,9 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
                 else "without CCQ (baseline)")
         fairness = (f"Its twin `{spec.twin}` shares the shape, initial backbone weights, data, seed, token budget, "
                     "context and optimiser; only the CCQ flag differs.")
+        if spec.ccq and settings.train_parts == "ccq-gate":
+            fairness = (f"Its backbone is its twin `{spec.twin}`'s, unchanged: only CCQ's gate was trained, so the "
+                        "two differ in the CCQ read alone.")
     else:
         what = "(softmax attention with a KV cache), the upper-bound reference row"
         fairness = ("It is trained with the same data stream, seed, steps, batch, context and optimiser as the "
@@ -611,8 +621,9 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         + (f" Smoke run: the first {settings.repeat} sequence(s) repeated every step." if settings.repeat else ""),
         *([*(stage_line(i + 1, record) for i, record in enumerate(stages)),
            f"- Stage {len(stages) + 1} (this run) continues from `{info['init']['checkpoint']}`"
-           + (f" with CCQ attached ({gate_words(settings)}), exactly as its twin continues without it"
-              if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
+           + ((f" with CCQ attached ({gate_words(settings)})" + (
+               f"; its twin `{spec.twin}` is that baseline, unchanged" if settings.train_parts == "ccq-gate"
+               else ", exactly as its twin continues without it")) if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
            f"{settings.max_questions} questions per recall document, the values' bytes weighted "
            f"{settings.answer_weight:g}x in the loss."] if info.get("init") else []),
         f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}"
@@ -816,8 +827,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ccq-gate", choices=("query", "constant"), default="query",
                         help="with --init-from: the CCQ twin's gate, lambda_max * sigmoid(a.q + b) or "
                              "lambda_max * sigmoid(b) (default query)")
-    parser.add_argument("--freeze-ccq-gate", action="store_true",
-                        help="keep the CCQ twin's gate at its initial values (not trained)")
+    parser.add_argument("--train", choices=TRAIN_PARTS, default="all",
+                        help="parameters to train: all (default); backbone (CCQ's gate frozen at its start); "
+                             "ccq-gate (only CCQ's gate, the backbone frozen; for a CCQ twin with --init-from)")
     parser.add_argument("--curriculum-share", type=float, default=tiny_data.CURRICULUM_SHARE,
                         help="share of the steps over which synthetic documents grow from short to the full "
                              f"context (default {tiny_data.CURRICULUM_SHARE}; 0 = no curriculum)")
@@ -874,7 +886,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
         ccq_init_lambda=args.ccq_init_lambda,
         ccq_gate=args.ccq_gate,
-        freeze_ccq_gate=args.freeze_ccq_gate,
+        train_parts=args.train,
         repeat=pick(args.repeat, 0, 2),
         log_every=pick(args.log_every, 50, 1),
         eval_windows=pick(args.eval_windows, 32, 3),
@@ -897,6 +909,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     if settings.ccq_init_lambda is not None and not (math.isfinite(settings.ccq_init_lambda)
                                                      and settings.ccq_init_lambda > 0):
         problems.append(f"--ccq-init-lambda must be a finite number > 0, got {settings.ccq_init_lambda}")
+    if settings.train_parts == "ccq-gate" and not settings.init_from:
+        problems.append("--train ccq-gate trains the gate of a CCQ twin continued with --init-from; give --init-from")
     if (settings.ccq_init_lambda is not None or settings.ccq_gate != "query") and not settings.init_from:
         problems.append("--ccq-init-lambda and --ccq-gate set the gate of a CCQ twin continued with --init-from; "
                         "give --init-from too")
@@ -929,6 +943,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         print(f"registered {', '.join(s.name for s in specs)} in {registry}")
         return {}
     settings = settings_from_args(args)
+    gateless = [spec.name for spec in specs if settings.train_parts == "ccq-gate" and not spec.ccq]
+    if gateless:
+        raise SystemExit(f"--train ccq-gate trains CCQ's gate alone, and {', '.join(gateless)} has none: train the CCQ "
+                         "twins only (their baselines stay as they are, which is their fair twin)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if settings.device.startswith("cuda"):

@@ -104,6 +104,16 @@ def truncation_info(adapter: Any) -> dict[str, Any] | None:
     return None
 
 
+def check_inputs_unchanged(unit: Unit) -> None:
+    """PlanError when a unit's checkpoint or data files are no longer the bytes planning hashed into its
+    spec: what was loaded or read is then not what unit.json would record."""
+    changed = run_plan.changed_since_planning(unit)
+    if changed:
+        raise run_plan.PlanError(
+            f"{unit.model} / {unit.task}: files changed after the run was planned ({changed}), so the unit "
+            f"was not stored; once they stay as they are, delete {unit.dir.path} and rerun the same command")
+
+
 class LmEvalUnitEvaluator:
     """Default unit evaluator: model -> adapter -> ResumableLM -> lm_eval.simple_evaluate.
 
@@ -140,6 +150,7 @@ class LmEvalUnitEvaluator:
         options = context.plan.options
         model, tokenizer = self._model(unit.model_source, context.plan.device, context.plan.dtype,
                                        unit.spec.get("ccq_attach"))
+        check_inputs_unchanged(unit)  # after loading: the weights in memory are the ones unit.json records
         adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
                                      options.cuda_graphs)
         batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)  # what the adapter chose
@@ -369,6 +380,11 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
     finally:
         cache.close()
     wall_time = time.time() - started
+    try:
+        check_inputs_unchanged(unit)  # the data files were read during the evaluation
+    except run_plan.PlanError as exc:
+        _failed(plan, unit, exc, report, summary)
+        return
     if not writes:
         summary.done.append(unit)
         return

@@ -13,6 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
 from test_cli_run import RUN_ARGS, TASK_NAME, fake_world, invoke  # noqa: F401
 from test_reliability import assert_one_line_error, finished_run, snapshot
 
@@ -112,3 +114,122 @@ def test_deleted_model_folder_does_not_come_back_from_the_tracker_copies(fake_wo
                                      or "lm_eval" in path}
     lm_eval_layout = invoke("table", "out/lm_eval", "--view", "tidy", "--format", "csv")  # asked for by name
     assert lm_eval_layout.exit_code == 0 and "tiny-weak" in lm_eval_layout.output, lm_eval_layout.output
+
+
+# 2 -------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_replaced_between_planning_and_loading_is_not_stored(fake_world, monkeypatch, tmp_path):
+    from safetensors.numpy import save_file
+    from test_cli_run import REGISTRY
+    from test_reliability import make_checkpoint
+
+    from ccq_eval.model import checkpoint
+    from ccq_eval.model import registry as model_registry
+
+    folder = make_checkpoint(tmp_path / "ckpt", 1.0)
+    registry = dict(REGISTRY, **{"tiny-strong": model_registry.ModelEntry("tiny-strong", str(folder), "", True)})
+    monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: registry)
+    plan_run = run_plan.plan_run
+
+    def plan_then_replace_the_weights(options):
+        planned = plan_run(options)
+        save_file({"w": np.full(1000, 2.0, dtype=np.float32)}, str(folder / "model.safetensors"))
+        return planned
+
+    monkeypatch.setattr(run_plan, "plan_run", plan_then_replace_the_weights)
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert_one_line_error(result, "tiny-strong / ccq_s_niah_fake: files changed after the run was planned "
+                          "(model.safetensors: planned ", "the unit was not stored", code=1)
+    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    assert not unit.is_finished() and snapshot(Path("out")) == {str(unit.spec): unit.spec.read_bytes()}
+    monkeypatch.setattr(run_plan, "plan_run", plan_run)
+    rerun = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")  # plans with the current weights
+    assert rerun.exit_code == 0, rerun.output
+    recorded = json.loads(unit.spec.read_text())["checkpoint"]["sha256"]["model.safetensors"]
+    assert unit.is_finished() and recorded == checkpoint.file_sha256(folder / "model.safetensors")
+
+
+# 7 -------------------------------------------------------------------------------------------
+
+LONGBENCH_TASK = "ccq_longbench_qasper"
+
+
+@pytest.fixture
+def longbench_world(fake_world, monkeypatch, tmp_path):
+    """The fake world with a LongBench-like task whose documents are read from --longbench-dir."""
+    from test_cli_run import TASK_YAML, FakeCatalog, FakeLM
+
+    tasks = tmp_path / "lb_tasks"
+    tasks.mkdir()
+    (tasks / "lb.yaml").write_text(TASK_YAML.replace(f"task: {TASK_NAME}", f"task: {LONGBENCH_TASK}")
+                                   .replace("fake_utils.make_docs", "lb_utils.read_docs")
+                                   .replace("fake_utils.score", "lb_utils.score"))
+    (tasks / "lb_utils.py").write_text(
+        "import json, pathlib, datasets\n"
+        "def read_docs(data_dir, **_other):\n"
+        "    lines = (pathlib.Path(data_dir) / 'qasper.jsonl').read_text().splitlines()\n"
+        "    return {'test': datasets.Dataset.from_list([json.loads(line) for line in lines])}\n"
+        "def score(doc, results):\n"
+        "    return {'acc': 100.0 * (doc['value'] in results[0]), 'acc_1024': 0.0, 'acc_2048': 0.0}\n")
+
+    class LongBenchCatalog(FakeCatalog):
+        def aliases(self):
+            return {"lb": "a LongBench-like task"}
+
+        def resolve(self, name):
+            return [LONGBENCH_TASK]
+
+    catalog = LongBenchCatalog(tasks)
+    monkeypatch.setattr(run_plan, "default_task_catalog", lambda: catalog)
+    monkeypatch.setattr(runner, "default_evaluator", lambda: runner.LmEvalUnitEvaluator(
+        load_model=lambda source, device, dtype: (Path(source).name, None),
+        make_adapter=lambda model, *settings: FakeLM(model, fake_world.calls), task_catalog=catalog))
+    data = tmp_path / "longbench"
+    data.mkdir()
+    write_records(data / "qasper.jsonl", ["111", "222", "333"])
+    return data
+
+
+def write_records(path: Path, values: list[str]) -> None:
+    path.write_text("".join(json.dumps({"input": f"needle={v} #{i}", "value": v}) + "\n"
+                            for i, v in enumerate(values)))
+
+
+def longbench_run(data: Path):
+    return invoke("run", "-m", "tiny-strong", "-t", "lb", "--longbench-dir", str(data), "--lm-eval-arg",
+                  "bootstrap_iters=0", "--quiet", "--output", "out")
+
+
+def test_edited_longbench_file_is_not_taken_for_the_one_a_unit_read(longbench_world):
+    result = longbench_run(longbench_world)
+    assert result.exit_code == 0, result.output
+    unit = results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK)
+    assert list(json.loads(unit.spec.read_text())["data_files"]) == ["qasper.jsonl"]
+    before = snapshot(Path("out"))
+    write_records(longbench_world / "qasper.jsonl", ["111", "222", "334"])
+    assert_one_line_error(longbench_run(longbench_world), str(unit.path), "different settings (data_files:",
+                          "use another --output")
+    assert snapshot(Path("out")) == before
+
+
+def test_longbench_file_edited_while_a_unit_runs_is_not_stored(longbench_world, fake_world, monkeypatch):
+    """The file changes after the model is loaded, before lm-eval reads the documents."""
+    make_evaluator = runner.default_evaluator
+
+    def evaluator_that_edits_the_data():
+        evaluator = make_evaluator()
+        make_adapter = evaluator._make_adapter
+
+        def edit_then_make_adapter(*args):
+            write_records(longbench_world / "qasper.jsonl", ["111", "222", "334"])
+            return make_adapter(*args)
+
+        evaluator._make_adapter = edit_then_make_adapter
+        return evaluator
+
+    monkeypatch.setattr(runner, "default_evaluator", evaluator_that_edits_the_data)
+    assert_one_line_error(longbench_run(longbench_world), "files changed after the run was planned (qasper.jsonl: "
+                          "planned ", "the unit was not stored", code=1)
+    assert any("needle=334" in prompt for _, prompt in fake_world.calls)  # the edited file was read
+    assert not results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK).is_finished()

@@ -235,16 +235,20 @@ def run(
     elsewhere = f", {len(summary.elsewhere)} finished by another worker" if summary.elsewhere else ""
     typer.echo(f"done: {len(summary.done)} evaluated, {len(summary.skipped)} skipped (already finished)"
                f"{elsewhere}, {len(summary.failed)} failed. Results in {output}", err=True)
-    if summary.failed:
-        raise typer.Exit(1)
     if report and leader:
         unfinished = [unit for unit in plan.units if not unit.dir.is_finished()]
-        if unfinished:
+        if not unfinished:  # a failed unit that stored a non-finite result is shown as failed
+            _write_report(output)
+        elif summary.failed:
+            typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished; fix the "
+                       f"failures above and rerun the same command, or run `ccq-eval table {output}` for a table "
+                       "of the finished units", err=True)
+        else:
             typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished yet (other "
                        f"shards); the worker that finishes last writes it, or run `ccq-eval table {output}`",
                        err=True)
-        else:
-            _write_report(output)
+    if summary.failed:
+        raise typer.Exit(1)
 
 
 def _write_report(results: Path) -> None:

@@ -372,6 +372,7 @@ def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     colors = model_colors(sorted(tidy["model"].unique()))
+    tidy = tidy[np.isfinite(tidy["value"])]  # a failed (NaN / inf) value has no point; the tables show it
     paths = []
     paths += sniah_heatmaps(tidy, out)
     paths += accuracy_curves(tidy, out, colors)

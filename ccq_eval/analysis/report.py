@@ -81,6 +81,9 @@ def missing_parts(root: Path, units: Sequence[StoredUnit]) -> list[str]:
                          f"rerun the `ccq-eval run` command to finish it")
     tasks_of: dict[str, set[str]] = defaultdict(set)
     for unit in units:
+        non_finite = results_store.non_finite_values(unit.results)
+        if non_finite:
+            notes.append(f"failed unit: {results_store.non_finite_message(unit.model, non_finite)}")
         for task in unit.leaf_tasks():
             tasks_of[unit.model].add(task)
             if task not in unit.samples_paths:
@@ -267,6 +270,8 @@ def comparisons_section(units: Sequence[StoredUnit], notes: list[str], n_boot: i
         parts.append(f'<section class="comparison"><h3>{_e(variant)} vs {_e(baseline)}</h3>'
                      f"{_html_table(stats.comparison_display(frame, baseline, variant), 3)}</section>")
     return ("".join(parts) + f'<p class="note">{_e(stats.comparison_note(alpha))}; '
+        if (frame["verdict"] == "failed").any():
+            notes.append(f"{variant} vs {baseline}: {tables.NON_FINITE_NOTE}")
             f"{n_boot} bootstrap resamples, seed {seed}.</p>")
 
 

@@ -324,6 +324,8 @@ def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[t
     if base.ndim == 2 and aggregation not in PAIR_STATISTICS:
         aggregation = "weighted_perplexity"  # lm-eval's (log-likelihood, count) pairs
     statistic = STATISTICS[aggregation]
+    if not (np.isfinite(base).all() and np.isfinite(var).all()):
+        return _failed_group(task, group, info, aggregation, base, var, pairing, unpaired)
     boot = paired_bootstrap(base, var, statistic, n_boot=n_boot, seed=seed)
     if base.ndim == 1 and aggregation == "mean" and is_binary(base, var):
         b, c, p_value = mcnemar_exact(base, var)
@@ -365,6 +367,18 @@ def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[t
     }
 
 
+def _failed_group(task: str, group: Any, info: tables.MetricInfo, aggregation: str, base: np.ndarray,
+                  var: np.ndarray, pairing: str, unpaired: int) -> dict:
+    """The row of a group where a model's per-sample values are not all finite (its unit failed): the
+    statistics as they come out (NaN or inf), no interval and no test."""
+    statistic = STATISTICS[aggregation]
+    baseline, variant = float(statistic(base[None])[0]), float(statistic(var[None])[0])
+    return {"task": task, "length": group, "metric": info.name, "statistic": aggregation, "n": len(base),
+            "baseline": baseline, "variant": variant, "delta": variant - baseline, "ci_low": math.nan,
+            "ci_high": math.nan, "p_value": math.nan, "test": "none: non-finite values", "sig": "",
+            "verdict": "failed", "pairing": pairing, "unpaired": unpaired}
+
+
 def ccq_pairs(models: Iterable[str]) -> list[tuple[str, str]]:
     """Every (NAME, NAME-ccq) pair among `models`, in name order: the comparisons `compare` and the
     report make when no baseline and variant are named."""
@@ -380,8 +394,11 @@ def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,
     shown["task"] = shown["task"].map(tables.display_task)
     shown = shown.rename(columns={"baseline": baseline, "variant": variant})
     level = f"{confidence * 100:g}%"
-    shown[f"{level} CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in zip(frame["ci_low"], frame["ci_high"])]
-    shown["p_value"] = [f"{p:.3g}" for p in frame["p_value"]]
+    shown[f"{level} CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else "-"
+                            for lo, hi in zip(frame["ci_low"], frame["ci_high"])]
+    shown["p_value"] = [f"{p:.3g}" if math.isfinite(p) else "-" for p in frame["p_value"]]
+    for column in (baseline, variant, "delta"):
+        shown[column] = [v if math.isfinite(v) else tables.failed_label(v) for v in shown[column]]
     columns = ["task", "length", "metric", "n", baseline, variant, "delta", f"{level} CI", "p_value", "sig",
                "verdict", "test"]
     return shown[columns].set_index(["task", "length"])
@@ -405,3 +422,5 @@ def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str
         raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
     heading = f"### {tables.markdown_escape(variant)} vs {tables.markdown_escape(baseline)}"
     return f"{heading}\n\n" + tables.to_markdown(table, 3) + f"\n\n_{note}_\n"
+    if (frame["verdict"] == "failed").any():
+        note += f"; {tables.NON_FINITE_NOTE}"

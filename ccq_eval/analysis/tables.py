@@ -439,14 +439,14 @@ def other_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
 def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
     pivots = []
     candidates = [
-        ("S-NIAH accuracy per length", sniah_pivot(tidy),
+        ("S-NIAH accuracy per length", sniah_pivot(shown),
          "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`"),
-        ("Perplexity per length (truncated-document sweep)", ppl_pivot(tidy), "lower is better"),
-        ("Perplexity per position bucket (position-bucketed protocol)", ppl_position_pivot(tidy),
+        ("Perplexity per length (truncated-document sweep)", ppl_pivot(shown), "lower is better"),
+        ("Perplexity per position bucket (position-bucketed protocol)", ppl_position_pivot(shown),
          "column = end of the bucket in tokens; lower is better"),
-        ("LongBench per dataset with category averages", longbench_pivot(tidy), ""),
-        ("LongBench-E per length bucket", longbench_e_pivot(tidy), ""),
-        ("Other tasks (overall values)", other_pivot(tidy), ""),
+        ("LongBench per dataset with category averages", _longbench_shown(tidy), ""),
+        ("LongBench-E per length bucket", longbench_e_pivot(shown), ""),
+        ("Other tasks (overall values)", other_pivot(shown), ""),
     ]
     for title, frame, note in candidates:
         if frame is not None and not frame.empty:
@@ -458,8 +458,51 @@ def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
 # Rendering: LaTeX through pandas' Styler; markdown by hand, because pytablewriter and tabulate pad
 # every cell to its column's width, which would change every committed table.md.
 
+# --------------------------------------------------------------------------------------------
+# Non-finite values: an evaluation that gave NaN or inf (a NaN weight, a lambda the model cannot take)
+# failed there; tables show such a value as failed, they never drop it.
+
+NON_FINITE_NOTE = ("NaN / inf (failed): the evaluation gave a non-finite value; `ccq-eval run` counts such a "
+                   "unit as failed")
+
+
+def failed_label(value: float) -> str:
+    """How tables show a non-finite value: 'NaN (failed)', 'inf (failed)' or '-inf (failed)'."""
+    return ("NaN" if math.isnan(value) else f"{value:g}") + " (failed)"
+
+
+def with_failures_shown(rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` with each non-finite value replaced by its failed_label (the column becomes object)."""
+    return rows.assign(value=pd.Series([v if math.isfinite(v) else failed_label(v) for v in rows["value"]],
+                                       index=rows.index, dtype=object))
+
+
+def has_failures(frame: pd.DataFrame) -> bool:
+    return any(isinstance(v, str) and v.endswith(" (failed)") for v in frame.to_numpy().ravel())
+
+
+def _longbench_shown(tidy: pd.DataFrame) -> pd.DataFrame | None:
+    """longbench_pivot with a model's failed datasets, and the averages over them, shown as failed."""
+    frame = longbench_pivot(tidy)
+    rows = tidy[(tidy["family"] == "longbench") & tidy["primary"] & tidy["length"].isna()
+                & tidy["bucket"].isna()]
+    failed = rows[~rows["value"].map(math.isfinite)]
+    if frame is None or failed.empty:
+        return frame
+    datasets = {longbench_dataset(task) for task in rows["task"]}
+    shown = frame.astype(object)
+    for model, task, value in failed[["model", "task", "value"]].itertuples(index=False):
+        for column in shown.columns:
+            cell = shown.at[model, column]
+            average_over_it = column not in datasets and isinstance(cell, float) and math.isnan(cell)
+            if column == longbench_dataset(task) or average_over_it:
+                shown.at[model, column] = failed_label(value)
+    return shown
+
+
 
 def _format_cell(value: Any, digits: int) -> str:
+    shown = with_failures_shown(tidy)
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return "-"
     if isinstance(value, float):
@@ -472,6 +515,8 @@ def _flat(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
     headers = [str(c) for c in flat.columns]
     return headers, flat.astype(object).values.tolist()
 
+            if has_failures(frame):
+                note = f"{note}; {NON_FINITE_NOTE}" if note else NON_FINITE_NOTE
 
 _MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;", "\n": " ", "\r": " "}
 
@@ -524,12 +569,14 @@ def render_tables(tidy: pd.DataFrame, fmt: str = "markdown", view: str = "paper"
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
     if view == "tidy":
-        frame = tidy.drop(columns=["source"])
+        frame = with_failures_shown(tidy.drop(columns=["source"]))
         if fmt != "csv":
             frame = frame.drop(columns=["family", "primary", "higher_is_better"])
         if fmt == "csv":
             return frame.to_csv(index=False)
-        return to_markdown(frame, digits) if fmt == "markdown" else to_latex(frame, digits, "All results")
+        if fmt == "latex":
+            return to_latex(frame, digits, "All results") + "\n"
+        return to_markdown(frame, digits) + (f"\n\n_{NON_FINITE_NOTE}_" if has_failures(frame) else "") + "\n"
     if view != "paper":
         raise ValueError(f"unknown view {view!r}; valid: paper, tidy")
     pivots = paper_pivots(tidy)

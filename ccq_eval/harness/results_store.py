@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import lzma
+import math
 import os
 import re
 import shutil
@@ -185,6 +186,25 @@ def task_hash(samples: Iterable[dict[str, Any]]) -> str:
         for s in samples
     )
     return hashlib.sha256(joined.encode("utf-8")).hexdigest()
+
+
+def non_finite_values(results: dict[str, Any]) -> list[str]:
+    """'task metric = value' for every NaN or infinite metric value in an lm-eval results dict: the
+    evaluation failed there (a NaN weight, a CCQ lambda the model cannot take), whatever lm-eval says."""
+    found = []
+    for task, values in sorted((results.get("results") or {}).items()):
+        for key, value in (values or {}).items() if isinstance(values, dict) else ():
+            if isinstance(value, float) and not math.isfinite(value):
+                found.append(f"{task} {key.partition(',')[0]} = {value}")
+    return found
+
+
+def non_finite_message(model: str, found: list[str]) -> str:
+    """The one line that says a stored unit failed with non-finite values, and what to look at."""
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"non-finite result of {model} ({shown}); the unit is stored, counted as failed and shown as "
+            "failed in the tables: look for NaN / inf weights in the checkpoint, or use a smaller "
+            "--ccq-attach lambda")
 
 
 # --------------------------------------------------------------------------------------------

@@ -278,6 +278,10 @@ def execute_plan(
     argv = list(options_command_line(plan.options) if command_line is None else command_line)
     kernels = gpu_kernel_settings()  # read (and a bad value refused) before any unit runs
     summary = RunSummary(skipped=[unit for unit in plan.units if unit.finished])
+    for unit in summary.skipped:  # a stored non-finite result stays a failure on every rerun
+        non_finite = results_store.non_finite_values(results_store.read_json(unit.dir.results))
+        if non_finite:
+            summary.failed.append((unit, results_store.non_finite_message(unit.model, non_finite)))
     report.run_start(plan)
     try:
         pending = plan.pending
@@ -418,5 +422,9 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
     if plan.lm_eval_loggers:
         log_to_wandb(plan.lm_eval_loggers, unit, outcome)
     unit.finished = True
+    non_finite = results_store.non_finite_values(outcome.results)
+    if non_finite:
+        _failed(plan, unit, ResultsError(results_store.non_finite_message(unit.model, non_finite)), report, summary)
+        return
     summary.done.append(unit)
     report.unit_end(unit, "done", f"{wall_time:.1f} s")

@@ -18,10 +18,53 @@ from test_cli_fakes import (
     variant_correct,
     write_sniah,
 )
-from test_cli_run import TASK_NAME, fake_world, invoke  # noqa: F401  (fake_world: a fixture)
+from test_cli_run import RUN_ARGS, TASK_NAME, TASK_UTILS, fake_world, invoke  # noqa: F401  (a fixture)
 from test_reliability import assert_one_line_error, finished_run, snapshot
 
 from ccq_eval.harness import results_store
+
+# 8 -------------------------------------------------------------------------------------------
+
+# The fake task's score, NaN where tiny-weak loses the needle at 2K (depths 0 and 50), as a perplexity is
+# NaN when one weight is.
+NAN_SCORE = TASK_UTILS.replace('    value = 100.0 * (doc["value"] in results[0])\n',
+                               '    value = 100.0 * (doc["value"] in results[0])\n'
+                               '    if "forgot" in results[0] and doc["length"] == 2048 and doc["depth"] != 100:\n'
+                               '        value = float("nan")\n')
+
+
+def test_non_finite_result_is_a_failure_shown_in_every_table(fake_world):
+    assert 'float("nan")' in NAN_SCORE
+    Path("tasks/fake_utils.py").write_text(NAN_SCORE)
+    run = [*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-weak", "--output", "out"]
+    stopped = invoke(*run[:-2], "--output", "stopped")
+    line = assert_one_line_error(stopped, "non-finite result of tiny-weak", f"{TASK_NAME} acc = nan",
+                                 "look for NaN / inf weights", code=1)
+    assert "tiny-strong" not in line
+    result = invoke(*run, "--keep-going")
+    assert result.exit_code == 1, result.output
+    assert "failed: tiny-weak" in result.output and "1 evaluated" in result.output and "1 failed" in result.output
+    stored = snapshot(Path("out"))
+    weak_row = [row for row in markdown_rows(Path("out/table.md").read_text()) if "tiny-weak" in row]
+    assert weak_row == [["S-NIAH-fake", "tiny-weak", "66.67", "NaN (failed)"]]
+    assert "non-finite value" in Path("out/table.md").read_text()
+    again = invoke(*run)  # the stored failure stays one on a rerun
+    assert again.exit_code == 1 and "2 skipped (already finished)" in again.output and "1 failed" in again.output
+    tidy = invoke("table", "out", "--view", "tidy")
+    assert tidy.exit_code == 0 and "non-finite value" in tidy.output
+    assert "| tiny-weak | ccq_s_niah_fake | 2048 | - | - | acc | none | NaN (failed) |" in tidy.output
+    assert "tiny-weak,ccq_s_niah_fake,s-niah,2048,,,acc,none,NaN (failed)," in invoke(
+        "table", "out", "--view", "tidy", "--format", "csv").output
+    compared = invoke("compare", "out", "--baseline", "tiny-strong", "--variant", "tiny-weak")
+    assert compared.exit_code == 0, compared.output
+    row_2k = next(row for row in markdown_rows(compared.output) if row[1] == "2048")
+    assert row_2k[5:9] == ["NaN (failed)", "NaN (failed)", "-", "-"] and row_2k[10] == "failed"
+    assert "non-finite value" in compared.output
+    assert invoke("report", "out").exit_code == 0
+    page = Path("out/report.html").read_text()
+    assert "NaN (failed)" in page and "failed unit: non-finite result of tiny-weak" in page
+    assert snapshot(Path("out")) == stored
+
 
 # 9 -------------------------------------------------------------------------------------------
 

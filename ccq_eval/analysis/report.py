@@ -269,9 +269,9 @@ def comparisons_section(units: Sequence[StoredUnit], notes: list[str], n_boot: i
             continue
         parts.append(f'<section class="comparison"><h3>{_e(variant)} vs {_e(baseline)}</h3>'
                      f"{_html_table(stats.comparison_display(frame, baseline, variant), 3)}</section>")
-    return ("".join(parts) + f'<p class="note">{_e(stats.comparison_note(alpha))}; '
         if (frame["verdict"] == "failed").any():
             notes.append(f"{variant} vs {baseline}: {tables.NON_FINITE_NOTE}")
+    return ("".join(parts) + f'<p class="note">{_e(stats.comparison_note(alpha))}; '
             f"{n_boot} bootstrap resamples, seed {seed}.</p>")
 
 

@@ -416,11 +416,11 @@ def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str
         return frame.to_csv(index=False)
     table = comparison_display(frame, baseline, variant, confidence)
     note = comparison_note(alpha)
+    if (frame["verdict"] == "failed").any():
+        note += f"; {tables.NON_FINITE_NOTE}"
     if fmt == "latex":
         return tables.to_latex(table, 3, f"{variant} vs {baseline}") + "\n"
     if fmt != "markdown":
         raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
     heading = f"### {tables.markdown_escape(variant)} vs {tables.markdown_escape(baseline)}"
     return f"{heading}\n\n" + tables.to_markdown(table, 3) + f"\n\n_{note}_\n"
-    if (frame["verdict"] == "failed").any():
-        note += f"; {tables.NON_FINITE_NOTE}"

@@ -436,28 +436,6 @@ def other_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
     return rows.pivot_table(index="model", columns="column", values="value", aggfunc="first")
 
 
-def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
-    pivots = []
-    candidates = [
-        ("S-NIAH accuracy per length", sniah_pivot(shown),
-         "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`"),
-        ("Perplexity per length (truncated-document sweep)", ppl_pivot(shown), "lower is better"),
-        ("Perplexity per position bucket (position-bucketed protocol)", ppl_position_pivot(shown),
-         "column = end of the bucket in tokens; lower is better"),
-        ("LongBench per dataset with category averages", _longbench_shown(tidy), ""),
-        ("LongBench-E per length bucket", longbench_e_pivot(shown), ""),
-        ("Other tasks (overall values)", other_pivot(shown), ""),
-    ]
-    for title, frame, note in candidates:
-        if frame is not None and not frame.empty:
-            pivots.append(Pivot(title, frame, note))
-    return pivots
-
-
-# --------------------------------------------------------------------------------------------
-# Rendering: LaTeX through pandas' Styler; markdown by hand, because pytablewriter and tabulate pad
-# every cell to its column's width, which would change every committed table.md.
-
 # --------------------------------------------------------------------------------------------
 # Non-finite values: an evaluation that gave NaN or inf (a NaN weight, a lambda the model cannot take)
 # failed there; tables show such a value as failed, they never drop it.
@@ -500,9 +478,33 @@ def _longbench_shown(tidy: pd.DataFrame) -> pd.DataFrame | None:
     return shown
 
 
+def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
+    pivots = []
+    shown = with_failures_shown(tidy)
+    candidates = [
+        ("S-NIAH accuracy per length", sniah_pivot(shown),
+         "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`"),
+        ("Perplexity per length (truncated-document sweep)", ppl_pivot(shown), "lower is better"),
+        ("Perplexity per position bucket (position-bucketed protocol)", ppl_position_pivot(shown),
+         "column = end of the bucket in tokens; lower is better"),
+        ("LongBench per dataset with category averages", _longbench_shown(tidy), ""),
+        ("LongBench-E per length bucket", longbench_e_pivot(shown), ""),
+        ("Other tasks (overall values)", other_pivot(shown), ""),
+    ]
+    for title, frame, note in candidates:
+        if frame is not None and not frame.empty:
+            if has_failures(frame):
+                note = f"{note}; {NON_FINITE_NOTE}" if note else NON_FINITE_NOTE
+            pivots.append(Pivot(title, frame, note))
+    return pivots
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering: LaTeX through pandas' Styler; markdown by hand, because pytablewriter and tabulate pad
+# every cell to its column's width, which would change every committed table.md.
+
 
 def _format_cell(value: Any, digits: int) -> str:
-    shown = with_failures_shown(tidy)
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return "-"
     if isinstance(value, float):
@@ -515,8 +517,6 @@ def _flat(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
     headers = [str(c) for c in flat.columns]
     return headers, flat.astype(object).values.tolist()
 
-            if has_failures(frame):
-                note = f"{note}; {NON_FINITE_NOTE}" if note else NON_FINITE_NOTE
 
 _MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;", "\n": " ", "\r": " "}
 

@@ -214,6 +214,25 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
     raise ModelLoadError(f"{folder} has no weights: expected one of {SAFE_WEIGHT_FILES}")
 
 
+def _check_loaded_keys(folder: Path, loading_info: Mapping[str, Any], *, gate_may_be_missing: bool) -> None:
+    """ModelLoadError unless the model took all and only the checkpoint's tensors: transformers would leave
+    a missing tensor random and drop a surplus one (a config edited to fewer layers, a CCQ checkpoint
+    labelled as plain GLA, which loses its gate) with no more than a log line. The one exception is CCQ
+    attached to a baseline checkpoint (gate_may_be_missing): its gate has none in the weights and starts at
+    its fixed initial values."""
+    missing = [key for key in loading_info.get("missing_keys") or []
+               if not (gate_may_be_missing and ".ccq_gate_" in key)]
+    unexpected = list(loading_info.get("unexpected_keys") or [])
+    fix = ("use the config.json saved with these weights (model_type, ccq and the layer count decide which "
+           "tensors a model takes), or re-save the checkpoint with model.save_pretrained(folder)")
+    if missing:
+        raise ModelLoadError(f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. "
+                             f"{', '.join(sorted(missing)[:3])}): {fix}")
+    if unexpected:
+        raise ModelLoadError(f"{folder}: the weights hold {len(unexpected)} tensors the config does not use (e.g. "
+                             f"{', '.join(sorted(unexpected)[:3])}), which would be dropped: {fix}")
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -248,13 +267,8 @@ def load_model(
         raise ModelLoadError(
             f"{folder}: config.json does not match the tensor shapes of its weights (the report above lists "
             "them); use the config.json saved with these weights") from None
-    # CCQ's gate, absent from a baseline checkpoint loaded with ccq=True, starts at its fixed initial
-    # values (no random numbers); any other missing tensor would be left random by transformers.
-    missing = [key for key in loading_info.get("missing_keys") or [] if ".ccq_gate_" not in key]
-    if missing:
-        raise ModelLoadError(
-            f"{folder}: the weights lack {len(missing)} tensors the config needs (e.g. {min(missing)}); "
-            "use the config.json saved with these weights, or re-save the checkpoint")
+    attaching_ccq = bool(getattr(config, "ccq", False)) and not getattr(read_config(folder), "ccq", False)
+    _check_loaded_keys(folder, loading_info, gate_may_be_missing=attaching_ccq)
     if ccq_lambda is not None and not any(key.endswith(".ccq_gate_bias")
                                           for key in loading_info.get("missing_keys") or []):
         raise ModelLoadError(f"cannot attach CCQ to {folder.name}: its weights hold a CCQ gate, which would replace "

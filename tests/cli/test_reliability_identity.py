@@ -233,3 +233,94 @@ def test_longbench_file_edited_while_a_unit_runs_is_not_stored(longbench_world, 
                           "planned ", "the unit was not stored", code=1)
     assert any("needle=334" in prompt for _, prompt in fake_world.calls)  # the edited file was read
     assert not results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK).is_finished()
+
+
+# 3 -------------------------------------------------------------------------------------------
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+def edited_checkpoint(tmp_path: Path, model: str, config_edit=None, drop_tensors: str | None = None) -> Path:
+    """A copy of an embedded checkpoint with its config.json edited and / or tensors removed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / f"{model}-edited"
+    shutil.copytree(MODELS / model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if config_edit is not None:
+        config_edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    if drop_tensors is not None:
+        tensors = load_file(folder / "model.safetensors")
+        save_file({k: v for k, v in tensors.items() if drop_tensors not in k}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    return folder
+
+
+def fewer_layers(config):
+    config["num_hidden_layers"] = 2
+
+
+def relabelled_plain(config):
+    config["model_type"] = "gla"
+    del config["ccq"]
+
+
+def tensor_names(model: str, keep) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(MODELS / model / "model.safetensors", "np") as weights:
+        return sorted(name for name in weights.keys() if keep(name))
+
+
+def in_layers_2_and_3(name: str) -> bool:
+    return name.startswith(("model.layers.2.", "model.layers.3."))
+
+
+def in_the_ccq_gate(name: str) -> bool:
+    return ".ccq_gate_" in name
+
+
+@pytest.mark.parametrize(("edit", "drop", "named", "wrong"), [
+    (fewer_layers, None, in_layers_2_and_3, "the weights hold {} tensors the config does not use"),
+    (relabelled_plain, None, in_the_ccq_gate, "the weights hold {} tensors the config does not use"),
+    (None, ".ccq_gate_", in_the_ccq_gate, "the weights lack {} tensors the config needs"),
+])
+def test_checkpoint_whose_weights_the_model_does_not_take_whole_is_refused(tmp_path, edit, drop, named, wrong):
+    from ccq_eval.model.loading import ModelLoadError, load_model
+
+    folder = edited_checkpoint(tmp_path, "tiny-gla-ccq", edit, drop)
+    with pytest.raises(ModelLoadError) as error:
+        load_model(str(folder))
+    message = str(error.value)
+    names = tensor_names("tiny-gla-ccq", named)
+    assert "\n" not in message and str(folder) in message and "use the config.json saved with these" in message
+    assert wrong.format(len(names)) in message and f"(e.g. {', '.join(names[:3])})" in message, message
+
+
+def test_baseline_with_ccq_attached_loads_without_gate_tensors():
+    from ccq_eval.model.loading import load_model
+
+    for name in ("tiny-gla", "tiny-gla-ccq"):
+        model, _ = load_model(name, ccq=True)
+        assert model.config.ccq
+    model, _ = load_model("tiny-gla", ccq_lambda=1.0)
+    assert model.config.ccq_gate == "constant"
+
+
+def test_run_stops_on_a_checkpoint_the_model_does_not_take_whole(fake_world, monkeypatch, tmp_path):
+    """Through `ccq-eval run`: the real loader, the fake model's answers."""
+    from test_cli_run import FakeLM
+
+    folder = edited_checkpoint(tmp_path, "tiny-gla-ccq", fewer_layers)
+    before = finished_run("out")
+    monkeypatch.setattr(runner, "default_evaluator", lambda: runner.LmEvalUnitEvaluator(
+        make_adapter=lambda model, *settings: FakeLM("tiny-strong", fake_world.calls),
+        task_catalog=run_plan.default_task_catalog()))
+    result = invoke(*RUN_ARGS, "--model", str(folder), "--output", "out")
+    surplus = tensor_names("tiny-gla-ccq", in_layers_2_and_3)
+    assert_one_line_error(result, str(folder), f"{len(surplus)} tensors the config does not use", code=1)
+    assert not results_store.unit_dir(Path("out"), folder.name, TASK_NAME).is_finished()
+    assert {k: v for k, v in snapshot(Path("out")).items() if folder.name not in k} == before

@@ -9,9 +9,10 @@
 - Exact sign test for other per-sample scores: the same binomial test on the signs of the
   non-zero paired differences.
 
-Samples are matched by lm-eval's doc_hash (a hash of the whole document) when both runs
-logged the same documents, else by prompt and target hash (same model input), else by
-doc_id (same position in the task); `pairing` in the output says which.
+Samples are paired only when they are the same document: by lm-eval's doc_hash (a hash of the
+whole document), or by prompt and target hash (the same model input) where that pairs more of
+them; `pairing` in the output says which, `unpaired` how many samples had no partner. Two runs
+without a document in common (another --seed) are refused, never paired by position.
 """
 
 from __future__ import annotations
@@ -225,25 +226,45 @@ def _sample_entries(unit: StoredUnit, task: str, info: tables.MetricInfo) -> dic
     return groups
 
 
-def _pairing_mode(base: list[dict], var: list[dict]) -> str:
-    """How to match samples: by document hash when both logs hold the same documents, else by
-    prompt (+ target) hash when the model inputs are the same (documents may differ in
-    bookkeeping fields such as the tokenizer path), else by doc_id (same position in the task)."""
-    for mode in ("doc_hash", "prompt_hash"):
-        base_keys = [s[mode] for s in base]
-        var_keys = [s[mode] for s in var]
-        unique = None not in base_keys and len(set(base_keys)) == len(base_keys) and len(set(var_keys)) == len(
-            var_keys)
-        if unique and set(base_keys) == set(var_keys):
-            return mode
-    return "doc_id"
+PAIRING_KEYS = ("doc_hash", "prompt_hash")
 
 
-def _pair(base: list[dict], var: list[dict], mode: str) -> tuple[list[tuple[dict, dict]], int]:
-    base_by = {s[mode]: s for s in base}
-    var_by = {s[mode]: s for s in var}
-    pairs = [(base_by[k], var_by[k]) for k in base_by if k in var_by]
-    return pairs, len(base) + len(var) - 2 * len(pairs)
+def _keyed(samples: list[dict], key: str) -> dict[tuple[str, int], dict]:
+    """Samples by (key, occurrence): a document logged twice pairs with the other model's second copy."""
+    seen: dict[str, int] = {}
+    keyed = {}
+    for sample in samples:
+        value = sample[key]
+        if value is not None:
+            keyed[(value, seen.get(value, 0))] = sample
+            seen[value] = seen.get(value, 0) + 1
+    return keyed
+
+
+def _pair(base: list[dict], var: list[dict]) -> tuple[list[tuple[dict, dict]], str, int]:
+    """(pairs, pairing key, unpaired count): samples are paired only when they are the same document, by
+    lm-eval's doc_hash (a hash of the whole document) or, where documents differ only in bookkeeping
+    fields such as the tokenizer path, by prompt and target hash (the same model input). Never by doc_id:
+    position k of two runs with other seeds or task settings is another document."""
+    best: tuple[list[tuple[dict, dict]], str] = ([], PAIRING_KEYS[0])
+    for key in PAIRING_KEYS:
+        base_by, var_by = _keyed(base, key), _keyed(var, key)
+        pairs = [(base_by[k], var_by[k]) for k in base_by if k in var_by]
+        if len(pairs) > len(best[0]):
+            best = (pairs, key)
+    pairs, key = best
+    return pairs, key, len(base) + len(var) - 2 * len(pairs)
+
+
+def _settings_difference(base: StoredUnit, var: StoredUnit) -> str:
+    """What differs between two units' seeds and task settings (from their meta.json), e.g. 'seed 0 vs 1'."""
+    def settings(unit: StoredUnit) -> dict[str, Any]:
+        spec = unit.meta.get("spec") if isinstance(unit.meta.get("spec"), dict) else {}
+        return {"seed": unit.meta.get("seed"), **(spec.get("task_metadata") or {})}
+
+    first, second = settings(base), settings(var)
+    return ", ".join(f"{name} {first.get(name)} vs {second.get(name)}" for name in sorted(set(first) | set(second))
+                     if first.get(name) != second.get(name))
 
 
 def _group_seed(seed: int, *parts: Any) -> int:
@@ -286,11 +307,17 @@ def compare_models(
         info = _comparison_metric(base_units[task], task, metric)
         base_groups = _sample_entries(base_units[task], task, info)
         var_groups = _sample_entries(var_units[task], task, info)
-        for group in base_groups:
-            if group not in var_groups:
-                continue
-            mode = _pairing_mode(base_groups[group], var_groups[group])
-            pairs, unpaired = _pair(base_groups[group], var_groups[group], mode)
+        shared_groups = [group for group in base_groups if group in var_groups]
+        paired = {group: _pair(base_groups[group], var_groups[group]) for group in shared_groups}
+        if shared_groups and not any(pairs for pairs, _, _ in paired.values()):
+            differ = _settings_difference(base_units[task], var_units[task])
+            raise ResultsError(
+                f"{baseline!r} and {variant!r} share no document of {task}"
+                + (f" (their settings differ: {differ})" if differ else "")
+                + ": paired statistics need the same documents; run both models with the same --seed and task "
+                "settings into one folder")
+        for group in shared_groups:
+            pairs, mode, unpaired = paired[group]
             if not pairs:
                 continue
             rows.append(_compare_group(task, group, info, pairs, mode, unpaired, n_boot,

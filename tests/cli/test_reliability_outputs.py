@@ -8,6 +8,8 @@ units are byte for byte what they were.
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,34 @@ def test_compare_on_a_folder_of_several_runs_names_them(tmp_path):
     result = invoke("compare", str(tmp_path / "reference"))  # one of them: compared as before
     assert result.exit_code == 0, result.output
     assert snapshot(tmp_path) == before
+
+
+# 10 ------------------------------------------------------------------------------------------
+
+
+def test_samples_of_other_documents_are_never_paired(fake_world, monkeypatch):
+    from test_cli_run import REGISTRY
+
+    from ccq_eval.harness import plan as run_plan
+    from ccq_eval.model import registry as model_registry
+
+    twin = model_registry.ModelEntry("tiny-strong-ccq", "/nonexistent/tiny-strong-ccq", "the CCQ twin")
+    monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: dict(REGISTRY, **{twin.name: twin}))
+    for model, seed, output in (("tiny-strong", "0", "mixed"), ("tiny-strong-ccq", "1", "mixed"),
+                                ("tiny-strong", "0", "same"), ("tiny-strong-ccq", "0", "same")):
+        result = invoke(*RUN_ARGS, "--model", model, "--seed", seed, "--output", output, "--no-report")
+        assert result.exit_code == 0, result.output
+    before = snapshot(Path("mixed"))
+    assert_one_line_error(invoke("compare", "mixed"), "'tiny-strong' and 'tiny-strong-ccq' share no document of "
+                          f"{TASK_NAME} (their settings differ: seed 0 vs 1", "run both models with the same --seed")
+    assert invoke("report", "mixed").exit_code == 0
+    page = Path("mixed/report.html").read_text()
+    assert "share no document" in page and 'class="comparison"' not in page
+    assert snapshot(Path("mixed")) == before
+    same = invoke("compare", "same", "--format", "csv")  # the same documents: paired by their hash
+    assert same.exit_code == 0, same.output
+    rows = list(csv.DictReader(io.StringIO(same.output)))
+    assert {row["pairing"] for row in rows} == {"doc_hash"} and {row["unpaired"] for row in rows} == {"0"}
 
 
 # 11 ------------------------------------------------------------------------------------------

@@ -120,13 +120,15 @@ class TruncationMixin:
 
     def _middle_at_characters(self, content: list[int], half: int) -> list[int]:
         """`content[:half] + content[-half:]` with the head ending and the tail starting on a character
-        boundary (up to 3 tokens fewer each): with a byte-level tokenizer the halves' partial bytes would
-        otherwise join into a character that is not in the source. The official script decodes each
-        half, which drops the same partial bytes. Cuts that round-trip nowhere nearby stay as they are."""
+        boundary (up to 3 tokens fewer each, down to an empty head or tail when the half is shorter than
+        a character): with a byte-level tokenizer the halves' partial bytes would otherwise join into a
+        character that is not in the source. The official script decodes each half, which drops the same
+        partial bytes. Cuts that round-trip nowhere nearby stay as they are."""
         n_tokens = len(content)
-        head = next((end for end in range(half, max(half - _CHARACTER_TOKENS, 0), -1)
+        head = next((end for end in range(half, max(half - _CHARACTER_TOKENS, -1), -1)
                      if self._whole_characters(content[:end])), half)
-        tail = next((start for start in range(n_tokens - half, min(n_tokens - half + _CHARACTER_TOKENS, n_tokens))
+        last_start = min(n_tokens - half + _CHARACTER_TOKENS - 1, n_tokens)
+        tail = next((start for start in range(n_tokens - half, last_start + 1)
                      if self._whole_characters(content[start:])), n_tokens - half)
         return content[:head] + content[tail:]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,29 @@ def test_archive_of_truncated_samples_writes_nothing(fake_world):
     assert_one_line_error(result, str(samples), "samples but results.json records")
     assert "archived" not in result.output and not Path("packed").exists()
     assert snapshot(Path("src")) == before
+
+
+# 13 ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [2, 3, 4, 5, 6, 7, 9])
+def test_middle_truncation_of_chinese_at_a_budget_of_a_few_tokens(budget):
+    import torch
+    from adapter_support import byte_tokenizer, tiny_model
+
+    from ccq_eval.harness.adapter import CCQEvalLM
+    from ccq_eval.tasks.longbench import utils as longbench
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "longbench" / "multifieldqa_zh.jsonl"
+    record = json.loads(fixture.read_text(encoding="utf-8").splitlines()[0])
+    prompt = longbench.doc_to_text(record | {"ccq_dataset": "multifieldqa_zh"})
+    assert prompt.startswith("阅读") and prompt.endswith("回答：")  # 3-byte characters at both ends
+    tokenizer = byte_tokenizer()
+    adapter = CCQEvalLM(model=tiny_model(tokenizer, dtype=torch.float32), tokenizer=tokenizer, max_length=68)
+    ids = adapter.tok_encode(prompt)
+    kept = adapter._fit(ids, budget, "middle", "ccq_longbench_multifieldqa_zh", f"a {budget}-token budget")
+    text = tokenizer.decode(kept, skip_special_tokens=False)
+    assert adapter.tok_encode(text) == kept and len(kept) <= budget  # whole characters only
+    half = budget // 2
+    assert len(kept) == 3 * (half // 3) * 2  # as many whole 3-byte characters as a half holds, at each end
+    assert prompt.startswith(text[: len(text) // 2]) and prompt.endswith(text[len(text) // 2:])

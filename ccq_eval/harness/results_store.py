@@ -314,7 +314,7 @@ class ResponseCache:
                 self._claim(identity)
         except sqlite3.DatabaseError as exc:
             self._conn.close()
-            raise ResultsError(unreadable_cache_message(self.path, exc)) from None
+            raise ResultsError(cache_error_message(self.path, exc)) from None
         except ResultsError:
             self._conn.close()
             raise
@@ -346,11 +346,14 @@ class ResponseCache:
         return found
 
     def put_many(self, items: list[tuple[str, Any]]) -> None:
-        with self._conn:  # one transaction: all of a batch or none of it
-            self._conn.executemany(
-                "INSERT OR REPLACE INTO responses (key, value) VALUES (?, ?)",
-                [(key, json.dumps(value, default=_json_default)) for key, value in items],
-            )
+        try:
+            with self._conn:  # one transaction: all of a batch or none of it
+                self._conn.executemany(
+                    "INSERT OR REPLACE INTO responses (key, value) VALUES (?, ?)",
+                    [(key, json.dumps(value, default=_json_default)) for key, value in items],
+                )
+        except sqlite3.OperationalError as exc:
+            raise ResultsError(cache_error_message(self.path, exc)) from None
 
     def __len__(self) -> int:
         return int(self._conn.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
@@ -362,6 +365,20 @@ class ResponseCache:
 def unreadable_cache_message(path: Path, exc: Exception) -> str:
     return (f"{path} is not a readable SQLite database ({exc}: truncated or corrupt); delete it to "
             "recompute this unit's answers (finished units are unaffected)")
+
+
+# sqlite's messages for a cache it could not write, as opposed to one it cannot read
+_UNWRITABLE = ("disk is full", "disk i/o error", "readonly database", "unable to open")
+
+
+def cache_error_message(path: Path, exc: Exception) -> str:
+    """The one line for a resume cache sqlite refused: a full disk or a folder that cannot be written
+    keeps the answers stored so far (the cache is valid; deleting it would lose them), anything else
+    is a damaged file."""
+    if isinstance(exc, sqlite3.OperationalError) and any(text in str(exc).lower() for text in _UNWRITABLE):
+        return (f"cannot write the resume cache {path} ({exc}); the answers it holds are kept: free disk space "
+                "(or make the folder writable) and rerun the same command to resume")
+    return unreadable_cache_message(path, exc)
 
 
 def answered_count(path: Path) -> int:
@@ -380,7 +397,7 @@ def answered_count(path: Path) -> int:
                 return 0
             return int(conn.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
     except sqlite3.DatabaseError as exc:
-        raise ResultsError(unreadable_cache_message(path, exc)) from None
+        raise ResultsError(cache_error_message(path, exc)) from None
 
 
 def spec_identity(spec: dict[str, Any]) -> str:
@@ -496,7 +513,8 @@ class StoredUnit:
         expected = counts.get("original") if isinstance(counts, dict) else None
         limit = (self.results.get("config") or {}).get("limit")
         if isinstance(expected, int) and isinstance(limit, (int, float)) and limit > 0:
-            expected = min(expected, int(limit) if limit >= 1 else int(limit * expected))
+            # lm-eval's rule (evaluator_utils.get_sample_size): a fraction is rounded up
+            expected = min(expected, int(limit) if limit >= 1 else math.ceil(limit * expected))
         if isinstance(expected, int) and len(records) != expected:
             raise ResultsError(f"{path} holds {len(records)} samples but {self.results_path.name} records {expected} "
                                f"(truncated, or from another run): {redo}")

@@ -229,3 +229,65 @@ def test_middle_truncation_of_chinese_at_a_budget_of_a_few_tokens(budget):
     half = budget // 2
     assert len(kept) == 3 * (half // 3) * 2  # as many whole 3-byte characters as a half holds, at each end
     assert prompt.startswith(text[: len(text) // 2]) and prompt.endswith(text[len(text) // 2:])
+
+
+# Unclear messages ----------------------------------------------------------------------------
+
+
+def test_full_disk_on_resume_keeps_the_cache_and_says_so(fake_world, monkeypatch):
+    import sqlite3
+
+    from test_cli_run import N_DOCS
+
+    fake_world.fail_after = 7
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 1
+    database = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).responses_db
+    kept = database.read_bytes()
+    connect = sqlite3.connect
+
+    class FullDisk:
+        """A connection on a full disk: reads work, the first write fails as sqlite's does."""
+
+        def __init__(self, *args, **kwargs):
+            self._conn = connect(*args, **kwargs)
+
+        def execute(self, sql, *args):
+            if sql.lstrip().upper().startswith(("CREATE", "DELETE", "INSERT")):
+                raise sqlite3.OperationalError("database or disk is full")
+            return self._conn.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._conn.__exit__(*exc)
+
+    monkeypatch.setattr(results_store.sqlite3, "connect", FullDisk)
+    fake_world.fail_after, fake_world.calls[:] = None, []
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    line = assert_one_line_error(result, f"cannot write the resume cache {database}", "database or disk is full",
+                                 "the answers it holds are kept", "free disk space", code=1)
+    assert "delete" not in line and "corrupt" not in line
+    assert database.read_bytes() == kept and fake_world.calls == []
+    monkeypatch.setattr(results_store.sqlite3, "connect", connect)
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
+    assert len(fake_world.calls) == N_DOCS - 7  # the kept answers were used
+
+
+def test_fractional_limit_is_rounded_up_as_lm_eval_does(tmp_path):
+    from test_cli_fakes import write_longbench
+
+    for model in ("tiny-gla", "tiny-gla-ccq"):  # --limit 0.3 of 4 records: lm-eval evaluates ceil(1.2) = 2
+        (unit,) = write_longbench(tmp_path / "out", model, {"qasper": [10.0, 30.0]})
+        results = json.loads((unit / "results.json").read_text())
+        results["n-samples"]["ccq_longbench_qasper"]["original"] = 4
+        results["config"]["limit"] = 0.3
+        (unit / "results.json").write_text(json.dumps(results))
+    before = snapshot(tmp_path)
+    for command in ("table", "compare"):
+        result = invoke(command, str(tmp_path / "out"))
+        assert result.exit_code == 0, result.output
+    assert snapshot(tmp_path) == before

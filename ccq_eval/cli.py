@@ -311,7 +311,8 @@ def table(
 def compare(
     results: ResultsArg,
     baseline: Annotated[str | None, typer.Option(
-        help="Model name of the baseline (as in the results); default: every CCQ pair NAME / NAME-ccq.")] = None,
+        help="Model name of the baseline (as in the results); default: every CCQ pair NAME / NAME-ccq and every "
+        "`run --ccq-attach` lambda against its plain model.")] = None,
     variant: Annotated[str | None, typer.Option(help="Model name of the variant.")] = None,
     metric: Annotated[str | None, typer.Option(help="Metric to compare (default: each task's first).")] = None,
     format: FormatOpt = TableFormat.markdown,
@@ -329,15 +330,16 @@ def compare(
     if not 0 < alpha < 1:
         _fail("--alpha must lie in (0, 1)")
     if (baseline is None) != (variant is None):
-        _fail("give both --baseline and --variant, or neither (then every CCQ pair NAME / NAME-ccq is compared)")
+        _fail("give both --baseline and --variant, or neither (then every CCQ pair NAME / NAME-ccq and every "
+              "--ccq-attach lambda against its plain model is compared)")
     try:
         units = results_store.load_results(results)
         if baseline is None:
-            names = {unit.model for unit in units}
-            pairs = stats.ccq_pairs(names)
+            pairs = stats.comparison_pairs(units)
             if not pairs:
-                _fail(f"{results} holds no CCQ pair NAME / NAME-ccq (models: {', '.join(sorted(names))}); "
-                      "name the two models with --baseline and --variant")
+                names = ", ".join(sorted({unit.model for unit in units}))
+                _fail(f"{results} holds no CCQ pair NAME / NAME-ccq and no --ccq-attach sweep with its plain model "
+                      f"(models: {names}); name the two models with --baseline and --variant")
         else:
             pairs = [(baseline, variant)]
         rendered = [stats.render_comparison(stats.compare_models(units, base, var, metric=metric, n_boot=n_boot,

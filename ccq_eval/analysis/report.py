@@ -254,11 +254,12 @@ def _markdown_code(text: str) -> str:
 
 def comparisons_section(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed: int,
                         alpha: float) -> str:
-    pairs = stats.ccq_pairs(unit.model for unit in units)
+    pairs = stats.comparison_pairs(units)
     if not pairs:
         models = ", ".join(sorted({unit.model for unit in units}))
-        return (f"<p>No CCQ pair NAME / NAME-ccq among the models ({_e(models)}); "
-                "<code>ccq-eval compare --baseline A --variant B</code> compares any two.</p>")
+        return (f"<p>No CCQ pair NAME / NAME-ccq and no <code>--ccq-attach</code> sweep with its baseline among "
+                f"the models ({_e(models)}); <code>ccq-eval compare --baseline A --variant B</code> compares any "
+                "two.</p>")
     parts = []
     for baseline, variant in pairs:
         try:

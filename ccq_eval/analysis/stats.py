@@ -407,10 +407,28 @@ def _failed_group(task: str, group: Any, info: tables.MetricInfo, aggregation: s
 
 
 def ccq_pairs(models: Iterable[str]) -> list[tuple[str, str]]:
-    """Every (NAME, NAME-ccq) pair among `models`, in name order: the comparisons `compare` and the
-    report make when no baseline and variant are named."""
+    """Every (NAME, NAME-ccq) pair among `models`, in name order: the CCQ twins."""
     names = set(models)
     return [(name, name + "-ccq") for name in sorted(names) if name + "-ccq" in names]
+
+
+def comparison_pairs(units: Iterable[StoredUnit]) -> list[tuple[str, str]]:
+    """The (baseline, variant) comparisons `compare` and the report make when none is named: every CCQ twin
+    pair NAME / NAME-ccq, then every --ccq-attach sweep's lambda = 0 (the plain model) against each of its
+    other lambdas in increasing order (tables.sweep_points: read from the units' specs, not their names)."""
+    units = list(units)
+    attachments = {}
+    for unit in units:
+        attach = tables.ccq_attachment(unit.meta)
+        if attach is not None:
+            attachments.setdefault(unit.model, attach)
+    pairs = ccq_pairs(unit.model for unit in units)
+    for _, members in tables.sweep_points(attachments, {unit.model for unit in units}).groupby("sweep", sort=True):
+        members = members.sort_values("lambda")
+        zero = members[members["lambda"] == 0]
+        if not zero.empty:
+            pairs += [(zero["model"].iloc[0], model) for model in members.loc[members["lambda"] > 0, "model"]]
+    return pairs
 
 
 def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,

@@ -332,21 +332,43 @@ def load_tidy(root: Path) -> pd.DataFrame:
     return tidy_table(results_store.load_results(root))
 
 
+def ccq_attachment(meta: Any) -> dict[str, Any] | None:
+    """The --ccq-attach entry of a unit's spec as its meta.json records it (sweep, lambda, fields and, for
+    runs that evaluate the plain model too, baseline: that model's name); None for other units."""
+    attach = ((meta.get("spec") or {}) if isinstance(meta, dict) else {}).get("ccq_attach")
+    if isinstance(attach, dict) and "sweep" in attach and _is_number(attach.get("lambda")):
+        return attach
+    return None
+
+
+def sweep_points(attachments: dict[str, dict[str, Any]], models: Iterable[str]) -> pd.DataFrame:
+    """The points of every --ccq-attach sweep: columns model, sweep and lambda, from each attached model's
+    entry (ccq_attachment) and the names of all models with results. A sweep's lambda = 0 is its attached
+    lambda-0 model where one was evaluated, else the plain model its entries name as their baseline, when
+    that has results; a plain model can be the lambda = 0 of several sweeps (one row each)."""
+    present = set(models)
+    rows = {(str(attach["sweep"]), model): float(attach["lambda"]) for model, attach in attachments.items()}
+    with_zero = {sweep for (sweep, _), lam in rows.items() if lam == 0}
+    for attach in attachments.values():
+        sweep, baseline = str(attach["sweep"]), attach.get("baseline")
+        if sweep not in with_zero and isinstance(baseline, str) and baseline in present:
+            rows[(sweep, baseline)] = 0.0
+    return pd.DataFrame([(model, sweep, lam) for (sweep, model), lam in sorted(rows.items(), key=lambda r: (r[0][0], r[1]))],
+                        columns=["model", "sweep", "lambda"])
+
+
 def ccq_sweep_points(tidy: pd.DataFrame) -> pd.DataFrame:
-    """The models of `ccq-eval run --ccq-attach` sweeps among the tidy frame's: columns model, sweep (the
-    swept checkpoint with its fixed CCQ fields, e.g. 'tiny-gla+ccq-order2') and lambda, read from the
-    spec each unit's meta.json records (the model names are not parsed)."""
-    points: dict[str, tuple[str, float]] = {}
+    """sweep_points of the models in the tidy frame, their entries read from the spec each unit's meta.json
+    records (the model names are not parsed)."""
+    attachments: dict[str, dict[str, Any]] = {}
     for model, source in tidy[["model", "source"]].drop_duplicates().itertuples(index=False):
         meta_path = Path(source).parent / results_store.META_FILE
         if Path(source).name != results_store.RESULTS_FILE or not meta_path.is_file():
             continue
-        meta = results_store.read_json(meta_path)
-        attach = ((meta.get("spec") or {}) if isinstance(meta, dict) else {}).get("ccq_attach")
-        if isinstance(attach, dict) and "sweep" in attach and _is_number(attach.get("lambda")):
-            points[model] = (str(attach["sweep"]), float(attach["lambda"]))
-    return pd.DataFrame([(model, sweep, lam) for model, (sweep, lam) in sorted(points.items())],
-                        columns=["model", "sweep", "lambda"])
+        attach = ccq_attachment(results_store.read_json(meta_path))
+        if attach is not None:
+            attachments[model] = attach
+    return sweep_points(attachments, tidy["model"].unique())
 
 
 # --------------------------------------------------------------------------------------------

@@ -245,9 +245,12 @@ def _parse_lambdas(text: str) -> tuple[float, ...]:
 
 
 def attached_models(models: list[ModelEntry], attach: CCQAttach) -> tuple[list[ModelEntry], dict[str, dict]]:
-    """--ccq-attach: each model once per lambda, named as CCQAttach.model_name says, and the ccq_attach
-    entry of each one's unit specs (the runner loads the model with it). The fields and every local
-    checkpoint are checked with the config classes first (imports torch and fla; loads no weights)."""
+    """--ccq-attach: each model itself under its own name (the sweep's lambda = 0: the real baseline, one
+    unit whether or not the model is also asked plainly) and once per lambda > 0, named as
+    CCQAttach.model_name says, with the ccq_attach entry of each attached model's unit specs (the runner
+    loads the model with it; "baseline" names the plain model that is the sweep's lambda = 0). The fields
+    and every local checkpoint are checked with the config classes first (imports torch and fla; loads no
+    weights)."""
     from ccq_eval.model import loading
 
     expanded, attachments = [], {}
@@ -259,9 +262,13 @@ def attached_models(models: list[ModelEntry], attach: CCQAttach) -> tuple[list[M
                 loading.check_ccq_attach_fields(attach.fields)
         except loading.ModelLoadError as exc:
             raise PlanError(f"--ccq-attach: {exc}") from None
+        expanded.append(model)
         for lam in attach.lambdas:
+            if lam == 0:  # the plain checkpoint computes it
+                continue
             name = attach.model_name(model.name, lam)
             expanded.append(ModelEntry(name=name, source=model.source,
                                        description=f"{model.name} with CCQ attached at lambda = {lam:g}"))
-            attachments[name] = {"sweep": attach.sweep_name(model.name), "lambda": lam, "fields": dict(attach.fields)}
+            attachments[name] = {"sweep": attach.sweep_name(model.name), "lambda": lam, "fields": dict(attach.fields),
+                                 "baseline": model.name}
     return expanded, attachments

@@ -38,6 +38,12 @@ DEFAULT_TASKS = ["s-niah", "ppl"]
 DEFAULT_LENGTHS = "1k,2k"
 DEFAULT_DEPTHS = "0,50,100"
 DEFAULT_SAMPLES_PER_CELL = 4
+# Beside the default models, the default run shows what CCQ does training-free: each default model that has
+# its CCQ twin NAME-ccq among the defaults is also evaluated with CCQ attached at these constant lambdas
+# (lambda = 0 is the model itself), on these tasks of the same grid (the same documents, so every lambda
+# pairs with the baseline sample by sample).
+DEFAULT_SWEEP_ATTACH = "lambda=1,2"
+DEFAULT_SWEEP_TASKS = ["s-niah-1", "s-niah-2", "ppl-sweep"]
 DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 
@@ -428,6 +434,9 @@ def plan_run(
     attachments: dict[str, dict[str, Any]] = {}  # model name -> its units' spec["ccq_attach"]
     if attach is not None:
         models, attachments = attached_models(models, attach)
+    sweep_only: set[str] = set()  # models of the default sweep: evaluated on DEFAULT_SWEEP_TASKS only
+    if not options.models and using_defaults and attach is None:
+        models, attachments, sweep_only = _with_default_sweep(models)
     by_folder: dict[str, str] = {}
     for model in models:
         try:
@@ -449,20 +458,9 @@ def plan_run(
     catalog = default_task_catalog() if task_catalog is None else task_catalog
     suite = SUITES[options.suite] if options.suite is not None else None
     task_names = [a for part in suite.parts for a in part.tasks] if suite else list(options.tasks or DEFAULT_TASKS)
-    resolved: list[tuple[str, str]] = []  # (lm-eval task, as the user wrote it)
-    for name in task_names:
-        try:
-            expanded = catalog.resolve(name)
-        except KeyError as exc:
-            message = str(exc)
-            if type(exc) is KeyError:  # a bare KeyError: list the choices ourselves
-                choices = ", ".join(sorted(catalog.aliases()))
-                message = (f"unknown task {name!r}; valid choices: {choices} (or an lm-eval task name "
-                           "from `lm-eval ls tasks`)")
-            raise PlanError(message) from None
-        for task in expanded:
-            if task not in [t for t, _ in resolved]:
-                resolved.append((task, name))
+    resolved = _resolve_tasks(task_names, catalog)  # (lm-eval task, as the user wrote it)
+    sweep_tasks = [pair for pair in _resolve_tasks(DEFAULT_SWEEP_TASKS, catalog) if pair[0] in dict(resolved)] \
+        if sweep_only else []
     notes: list[str] = []
     part_of: dict[str, SuitePart] = {}  # lm-eval task -> its suite part
     if suite is not None:
@@ -507,7 +505,7 @@ def plan_run(
     units = []
     for model in models:
         fingerprint = _checkpoint_fingerprint(model.source)
-        for task, requested_as in resolved:
+        for task, requested_as in (sweep_tasks if model.name in sweep_only else resolved):
             unit_metadata, unit_max_length = task_metadata, max_length
             if task in part_of and part_of[task].lengths:
                 unit_lengths = suite_lengths(part_of[task], model)
@@ -558,6 +556,42 @@ def plan_run(
         dtype=dtype,
         notes=notes,
     )
+
+
+def _resolve_tasks(names: list[str], catalog: TaskCatalog) -> list[tuple[str, str]]:
+    """Task aliases or lm-eval names -> (lm-eval task, the name it was asked by), each task once."""
+    resolved: list[tuple[str, str]] = []
+    for name in names:
+        try:
+            expanded = catalog.resolve(name)
+        except KeyError as exc:
+            message = str(exc)
+            if type(exc) is KeyError:  # a bare KeyError: list the choices ourselves
+                choices = ", ".join(sorted(catalog.aliases()))
+                message = (f"unknown task {name!r}; valid choices: {choices} (or an lm-eval task name "
+                           "from `lm-eval ls tasks`)")
+            raise PlanError(message) from None
+        for task in expanded:
+            if task not in [t for t, _ in resolved]:
+                resolved.append((task, name))
+    return resolved
+
+
+def _with_default_sweep(models: list[ModelEntry]) -> tuple[list[ModelEntry], dict[str, dict[str, Any]], set[str]]:
+    """The default models plus the default sweep: each model whose CCQ twin NAME-ccq is among them with CCQ
+    attached at DEFAULT_SWEEP_ATTACH's lambdas (the model itself is the sweep's lambda = 0, planned once).
+    Returns the models, the attachments (attached_models) and the names of the added models."""
+    names = {model.name for model in models}
+    baselines = [model for model in models if f"{model.name}-ccq" in names]
+    if not baselines:
+        return models, {}, set()
+    try:
+        expanded, attachments = attached_models(baselines, parse_ccq_attach(DEFAULT_SWEEP_ATTACH))
+    except PlanError as exc:
+        raise PlanError(f"the default run's CCQ sweep ({DEFAULT_SWEEP_ATTACH}): {exc}; run with --model to "
+                        "choose the models") from None
+    added = [model for model in expanded if model.name not in names]
+    return models + added, attachments, {model.name for model in added}
 
 
 def _suite_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, SuitePart],

@@ -56,7 +56,7 @@ def test_reference_report_holds_every_table_comparison_and_figure(page):
     for value in first_row.strip("| ").split(" | ")[2:]:
         assert f">{value}</td>" in page
     units = results_store.load_results(REFERENCE)
-    for baseline, variant in stats.ccq_pairs(u.model for u in units):
+    for baseline, variant in stats.comparison_pairs(units):
         assert f"<h3>{variant} vs {baseline}</h3>" in page
     figures = re.findall(r'<img src="data:image/png;base64,[A-Za-z0-9+/=]+" alt="([^"]+)"', page)
     assert sorted(figures) == sorted(p.stem for p in (REFERENCE / "figures").glob("*.png"))

@@ -17,6 +17,7 @@ from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store
 from ccq_eval.harness.options import PlanError, parse_ccq_attach
 from ccq_eval.model import loading
+from ccq_eval.model import registry as model_registry
 
 
 def _invoke(*args: str):
@@ -75,24 +76,59 @@ def test_bad_attachments_fail_in_one_line_before_any_model_loads(models, attach,
 
 
 def test_each_setting_is_its_own_unit_and_resumes_as_itself(tmp_path):
-    """The plan gives every lambda its own folder and a spec that records the attachment (so a resumed
-    or re-run unit is never another setting's), while the checkpoint fingerprint stays the plain one."""
+    """The plan gives every lambda > 0 its own folder and a spec that records the attachment (so a resumed
+    or re-run unit is never another setting's), while the checkpoint fingerprint stays the plain one; the
+    plain model is planned once under its own name as the sweep's lambda = 0, with the spec of a plain run."""
     options = run_plan.RunOptions(models=["tiny-gla"], tasks=["ppl-sweep"], lengths="640", output=tmp_path,
-                                  ccq_attach="lambda=0,4;decay=none")
+                                  ccq_attach="lambda=0,0.5,4;decay=none")
     plan = run_plan.plan_run(options)
-    assert [unit.model for unit in plan.units] == ["tiny-gla+ccq-decaynone-lambda0", "tiny-gla+ccq-decaynone-lambda4"]
+    assert [unit.model for unit in plan.units] == ["tiny-gla", "tiny-gla+ccq-decaynone-lambda0.5",
+                                                   "tiny-gla+ccq-decaynone-lambda4"]
     assert [unit.dir.path.parent.name for unit in plan.units] == [unit.model for unit in plan.units]
-    assert [unit.spec["ccq_attach"] for unit in plan.units] == [
-        {"sweep": "tiny-gla+ccq-decaynone", "lambda": lam, "fields": {"ccq_decay": "none"}} for lam in (0.0, 4.0)]
-    assert plan.units[0].spec["checkpoint"] == plan.units[1].spec["checkpoint"] is not None
+    assert [unit.spec.get("ccq_attach") for unit in plan.units] == [None] + [
+        {"sweep": "tiny-gla+ccq-decaynone", "lambda": lam, "fields": {"ccq_decay": "none"}, "baseline": "tiny-gla"}
+        for lam in (0.5, 4.0)]
+    plain = run_plan.plan_run(run_plan.RunOptions(models=["tiny-gla"], tasks=["ppl-sweep"], lengths="640",
+                                                  output=tmp_path))
+    assert [unit.spec for unit in plain.units] == [plan.units[0].spec]  # one unit, asked either way
+    assert plan.units[0].spec["checkpoint"] == plan.units[2].spec["checkpoint"] is not None
     assert "--ccq-attach" in run_plan.options_command_line(options)
     # A folder holding another setting's answers is refused, not resumed.
-    first = plan.units[0]
+    first = plan.units[1]
     first.dir.path.mkdir(parents=True)
-    results_store.atomic_write_json(first.dir.spec, plan.units[1].spec)
+    results_store.atomic_write_json(first.dir.spec, plan.units[2].spec)
     results_store.atomic_write_json(first.dir.results, {"results": {}})
     with pytest.raises(PlanError, match="different settings.*ccq_attach"):
         run_plan.plan_run(options)
+
+
+def test_the_default_run_adds_a_training_free_sweep_of_each_twin_s_baseline(tmp_path):
+    """`ccq-eval run` with no --model / --task: the default models on the default tasks, and each default
+    model that has its CCQ twin among the defaults once more per DEFAULT_SWEEP_ATTACH lambda, on
+    DEFAULT_SWEEP_TASKS with the same documents (task metadata) as its plain units."""
+    plan = run_plan.plan_run(run_plan.RunOptions(output=tmp_path))
+    registry = run_plan.load_model_registry()
+    defaults = model_registry.default_model_names(registry)
+    baselines = [name for name in defaults if f"{name}-ccq" in defaults]
+    assert baselines  # the embedded twins
+    lambdas = parse_ccq_attach(run_plan.DEFAULT_SWEEP_ATTACH).lambdas
+    sweep_tasks = [task for alias in run_plan.DEFAULT_SWEEP_TASKS for task in run_plan.default_task_catalog().resolve(alias)]
+    expected_sweep = {(f"{name}+ccq-lambda{lam:g}", task) for name in baselines for lam in lambdas if lam
+                      for task in sweep_tasks}
+    units = {(unit.model, unit.task): unit for unit in plan.units}
+    assert len(units) == len(plan.units)  # no unit planned twice: the baselines are the plain default models
+    plain = {key for key, unit in units.items() if "ccq_attach" not in unit.spec}
+    assert {model for model, _ in plain} == set(defaults)
+    assert set(units) - plain == expected_sweep
+    for model, task in expected_sweep:
+        attach = units[model, task].spec["ccq_attach"]
+        baseline = units[attach["baseline"], task]
+        assert attach["sweep"] == f"{attach['baseline']}+ccq" and attach["lambda"] > 0
+        assert units[model, task].spec["task_metadata"] == baseline.spec["task_metadata"]
+        assert units[model, task].spec["checkpoint"] == baseline.spec["checkpoint"]
+    # Naming models or tasks asks for exactly those: no sweep.
+    named = run_plan.plan_run(run_plan.RunOptions(models=defaults, output=tmp_path))
+    assert not [unit for unit in named.units if "ccq_attach" in unit.spec]
 
 
 @pytest.mark.parametrize("base", ["tiny-gla", "tiny-gdn"])
@@ -119,7 +155,7 @@ def test_unknown_values_of_a_passed_through_field_are_the_config_s_error(tmp_pat
 
 
 @pytest.mark.slow
-def test_sweep_on_the_embedded_models_matches_the_plain_model_at_lambda_zero(tmp_path):
+def test_sweep_on_the_embedded_models_evaluates_the_plain_model_once(tmp_path):
     import torch
 
     previous = torch.get_num_threads()
@@ -132,34 +168,40 @@ def test_sweep_on_the_embedded_models_matches_the_plain_model_at_lambda_zero(tmp
     try:
         result = _invoke(*sweep, "--no-report")
         assert result.exit_code == 0, result.output
-        assert "8 evaluated" in result.output
-        result = _invoke("run", *common)  # the plain checkpoints into the same folder
+        assert "8 evaluated" in result.output  # 2 checkpoints x (plain, lambda 4) x 2 tasks
+        result = _invoke("run", *common)  # the plain checkpoints asked again: the sweep computed them
         assert result.exit_code == 0, result.output
+        assert "0 evaluated, 4 skipped" in result.output, result.output
     finally:
         torch.set_num_threads(previous)
 
     tasks = ("ccq_s_niah_1", "ccq_ppl_sweep")
     for base in ("tiny-gla", "tiny-gdn"):
-        assert sorted(p.name for p in out.glob(f"{base}*")) == [base, f"{base}+ccq-lambda0", f"{base}+ccq-lambda4"]
+        assert sorted(p.name for p in out.glob(f"{base}*")) == [base, f"{base}+ccq-lambda4"]
         configs = set()
         for task in tasks:
-            plain, zero, four = (out / name / task for name in (base, f"{base}+ccq-lambda0", f"{base}+ccq-lambda4"))
+            plain, four = (out / name / task for name in (base, f"{base}+ccq-lambda4"))
             meta = json.loads((four / "meta.json").read_text())
-            assert meta["spec"]["ccq_attach"] == {"sweep": f"{base}+ccq", "lambda": 4.0, "fields": {}}
+            assert meta["spec"]["ccq_attach"] == {"sweep": f"{base}+ccq", "lambda": 4.0, "fields": {},
+                                                  "baseline": base}
+            assert "ccq_attach" not in json.loads((plain / "meta.json").read_text())["spec"]
             configs |= {json.loads((folder / "meta.json").read_text())["model_config_sha256"]
-                        for folder in (plain, zero, four)}
+                        for folder in (plain, four)}
             answers = {folder: [(s["doc_hash"], s["resps"], s["filtered_resps"]) for s in map(
-                json.loads, (folder / f"samples_{task}.jsonl").read_text().splitlines())] for folder in (plain, zero, four)}
-            scores = {folder: json.loads((folder / "results.json").read_text())["results"][task]
-                      for folder in (plain, zero, four)}
-            assert answers[zero] == answers[plain] and scores[zero] == scores[plain], (base, task)
+                json.loads, (folder / f"samples_{task}.jsonl").read_text().splitlines())] for folder in (plain, four)}
+            assert [a[0] for a in answers[four]] == [a[0] for a in answers[plain]]  # the same documents
             assert answers[four] != answers[plain], (base, task)  # CCQ at lambda = 4 reads differently
-        assert len(configs) == 3  # plain, lambda 0 and lambda 4 are three configurations
+        assert len(configs) == 2  # plain and lambda 4 are two configurations
 
-    # Re-running the sweep finds every setting finished; `figures` draws one score-vs-lambda figure per sweep.
+    # Re-running the sweep finds every setting finished; `figures` draws one score-vs-lambda figure per sweep,
+    # its lambda = 0 the plain model; `compare` pairs lambda 4 with it.
     result = _invoke(*sweep, "--no-report")
     assert result.exit_code == 0 and "0 evaluated, 8 skipped" in result.output, result.output
     result = _invoke("figures", str(out), "--output", str(tmp_path / "figures"))
     assert result.exit_code == 0, result.output
     drawn = sorted(p.name for p in (tmp_path / "figures").glob("ccq_sweep_*.png"))
     assert drawn == ["ccq_sweep_tiny-gdn_ccq.png", "ccq_sweep_tiny-gla_ccq.png"]
+    result = _invoke("compare", str(out), "--n-boot", "100")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.output.splitlines() if line.startswith("### ")] == [
+        "### tiny-gdn+ccq-lambda4 vs tiny-gdn", "### tiny-gla+ccq-lambda4 vs tiny-gla"]

@@ -66,7 +66,7 @@ def write_checkpoint(folder: Path, arch: str, ccq: bool, smoke: bool) -> int:
 
 def timed_run(checkpoint: Path, out: Path, cache: Path, smoke: bool, timeout: int) -> dict:
     """One `ccq-eval run` in a new process with `cache` as triton's cache: wall seconds and outcome."""
-    command = [sys.executable, str(REPO / "cli.py"), "run", "-m", str(checkpoint), "-t", "s-niah-1",
+    command = [sys.executable, "-m", "ccq_eval", "run", "-m", str(checkpoint), "-t", "s-niah-1",
                "--lengths", "1k" if smoke else "8k", "--depths", "0,100" if smoke else "0,25,50,75,100",
                "--samples-per-cell", "1" if smoke else "2", "-o", str(out)]
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join(

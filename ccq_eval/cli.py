@@ -494,8 +494,9 @@ def models() -> None:
                                           "help_option_names": []})
 def lm_eval_cli(ctx: typer.Context) -> None:
     """lm-eval's own CLI with the `ccq` model registered, e.g. `ccq-eval lm-eval run --model ccq
-    --model_args pretrained=tiny-gla-ccq,max_length=2048 --tasks ccq_s_niah_1 --include_path tasks/s_niah
-    --metadata '{"tokenizer": "models/tiny-gla-ccq", "lengths": [1024, 2048]}'`.
+    --model_args pretrained=tiny-gla-ccq,max_length=2048 --tasks ccq_s_niah_1 --include_path FOLDER
+    --metadata '{"tokenizer": "byt5", "lengths": [1024, 2048]}'`, FOLDER being that of the installed
+    package ccq_eval.tasks (`python -c 'import ccq_eval.tasks as t; print(t.__path__[0])'`).
 
     lm-eval has no plugin discovery, so its plain `lm-eval` command does not know the `ccq` model.
     """

@@ -20,7 +20,17 @@
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=/tmp/gpu
+VENV=/tmp/ccq-venv  # the checkout's editable install (install_checkout); its python3 comes first on PATH
 cmd=${1:-}
+
+# The checkout installed editable, as the README's set-up does, into a venv over the system Python and
+# /tmp/site: ccq_eval.tasks and ccq_eval.models are this tree's tasks/ and models/ only through the
+# install's mapping, which PYTHONPATH alone does not give. Run from the tree that the stages use.
+install_checkout() {
+  [ -x "$VENV/bin/python3" ] || python3 -m venv --without-pip --system-site-packages "$VENV"
+  "$VENV/bin/python3" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    >> "$WORK/logs/install.log" 2>&1 || stage "editable install of the checkout FAILED (logs/install.log)"
+}
 
 collect() {
   [ -n "${OUT:-}" ] || { echo "collect: OUT is not set"; return 1; }
@@ -33,7 +43,7 @@ collect() {
   # Results as `ccq-eval archive` writes them (xz samples, no resume caches): the raw folder is
   # hundreds of MB, over the 16 MiB a returned file may have.
   for r in results/*/; do
-    [ -d "$r" ] && (cd "$WORK/repo" && PYTHONPATH=/tmp/site:$PWD python3 cli.py archive "$WORK/$r" "$WORK/archive/$(basename "$r")" > /dev/null 2>&1)
+    [ -d "$r" ] && (cd "$WORK/repo" && PATH=$VENV/bin:$PATH PYTHONPATH=/tmp/site:$PWD python3 cli.py archive "$WORK/$r" "$WORK/archive/$(basename "$r")" > /dev/null 2>&1)
   done
   # Autotune winners (small JSON) go inside results.tgz: a call returns at most 8 files.
   find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$WORK/triton-autotune.tgz" -T - 2>/dev/null
@@ -76,6 +86,8 @@ pipeline() {
   stage "install wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     > "$WORK/logs/install.log" 2>&1 || stage "install FAILED"
+  install_checkout
+  export PATH=$VENV/bin:$PATH
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$WORK/logs/gpu.log" 2>&1
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     >> "$WORK/logs/gpu.log" 2>&1
@@ -177,6 +189,7 @@ case "$cmd" in
   eval)  # after `wait` saw training finish: the grid from this call's (newer) tree, then collect
     export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
       HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+    mkdir -p "$WORK/logs"; install_checkout; export PATH=$VENV/bin:$PATH
     evaluate; collect ;;
   *) echo "usage: $0 start|wait SECONDS|eval|collect"; exit 2 ;;
 esac

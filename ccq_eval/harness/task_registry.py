@@ -53,8 +53,8 @@ def tasks_dir() -> Path:
         return Path(override)
     folder = importlib.resources.files(TASKS_PACKAGE)
     if not isinstance(folder, Path):  # lm-eval reads YAML files from folders, not from an archive
-        raise FileNotFoundError(f"{TASKS_PACKAGE} is installed inside an archive ({folder}); install "
-                                "ccq-eval as a wheel or editable (pip install -e .) so its task folders are files")
+        raise FileNotFoundError(f"{TASKS_PACKAGE} is installed inside an archive ({folder}); install ccq-eval "
+                                "as a wheel or editable (pip install -e .) so its task folders are files")
     return folder
 
 
@@ -139,7 +139,8 @@ def _leaf_tasks(name: str, index: dict[str, Any], seen: set[str] | None = None) 
     seen.add(name)
     entry = index.get(name)
     if entry is None:
-        raise UnknownTaskError(f"task {name!r} is referenced by our task configs but not defined in {tasks_dir()}")
+        raise UnknownTaskError(f"task {name!r} is referenced by our task configs but not defined in "
+                               f"{tasks_dir()}")
     if entry.kind == Kind.GROUP:
         from lm_eval.tasks._yaml_loader import load_yaml
 

@@ -167,7 +167,8 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         default_truncation: policy for requests that name none (generation without
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
-        seed: for sampling when a task asks for do_sample.
+        seed: for sampling when a task asks for do_sample: each request draws from its own generator,
+            seeded by `seed` and the request's identity, so resuming or batching never changes an answer.
         max_batch_size and other lm-eval keyword arguments are accepted and ignored.
     """
 
@@ -251,7 +252,7 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         if default_truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"default_truncation={default_truncation!r}; valid: {', '.join(TRUNCATION_POLICIES)}")
         self.default_truncation = default_truncation
-        self._generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        self._seed = int(seed)  # with a request's identity, the seed of its sampling (generation.py)
 
         # Model-agnostic calling convention: fla reads `past_key_values`; transformers >= 5.2x
         # renamed it `cache`. Pick whichever the forward declares.

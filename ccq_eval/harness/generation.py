@@ -4,6 +4,7 @@ cache; prompts of any length decode together for purely recurrent fla models.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import defaultdict
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 from lm_eval.api.instance import Instance
 from tqdm import tqdm
+
+from ccq_eval.harness.resume import request_keys
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,16 @@ class GenerationMixin:
             "policy": gen_kwargs.get("ccq_truncation", self.default_truncation),
         }
 
-    def _next_tokens(self, logits: torch.Tensor, settings: dict[str, Any]) -> torch.Tensor:
+    def _sampling_generator(self, request_id: str) -> torch.Generator:
+        """The random numbers of one sampled request: seeded by the adapter's seed and the request's
+        identity (resume.request_keys: its arguments and repeat index), never by its place in the run, so a
+        resumed or differently batched run draws the same answers."""
+        digest = hashlib.sha256(f"{self._seed}:{request_id}".encode()).digest()
+        return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+    def _next_tokens(self, logits: torch.Tensor, settings: dict[str, Any],
+                     generators: list[torch.Generator] | None = None) -> torch.Tensor:
+        """The next token of each row: the argmax, or with do_sample a draw from each row's generator."""
         if not settings["do_sample"]:
             return logits.argmax(-1)
         scores = logits.float() / settings["temperature"]
@@ -94,9 +106,17 @@ class GenerationMixin:
             drop = cumulative - sorted_scores.softmax(-1) >= settings["top_p"]  # keep the first token always
             scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
         probs = scores.softmax(-1).cpu()
-        return torch.multinomial(probs, 1, generator=self._generator).squeeze(-1).to(logits.device)
+        drawn = [torch.multinomial(row, 1, generator=generator)
+                 for row, generator in zip(probs, generators or [], strict=True)]
+        return torch.cat(drawn).to(logits.device)
 
-    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False,
+                       request_ids: list[str] | None = None) -> list[str]:
+        """Answers of `requests`. request_ids (resume.request_keys of the whole unit's requests, from the
+        resuming wrapper) identify each request for its sampling seed; by default they are computed over
+        `requests`."""
+        if request_ids is None:
+            request_ids = request_keys("generate_until", requests)
         prepared: list[tuple[list[int], dict[str, Any]]] = []
         seen: set[int] = set()
         for request in requests:
@@ -130,7 +150,9 @@ class GenerationMixin:
         results: list[str | None] = [None] * len(requests)
         for batch in tqdm(batches, desc="ccq generate_until", disable=disable_tqdm or self.rank != 0):
             settings = prepared[batch[0]][1]
-            texts = self._generate([prepared[i][0] for i in batch], settings)
+            generators = ([self._sampling_generator(request_ids[i]) for i in batch] if settings["do_sample"]
+                          else None)
+            texts = self._generate([prepared[i][0] for i in batch], settings, generators)
             for index, text in zip(batch, texts, strict=True):
                 results[index] = text
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
@@ -151,8 +173,10 @@ class GenerationMixin:
         return graph
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], settings: dict[str, Any]) -> list[str]:
-        """Chunked prefill, then one token per step with the recurrent cache."""
+    def _generate(self, prompts: list[list[int]], settings: dict[str, Any],
+                  generators: list[torch.Generator] | None = None) -> list[str]:
+        """Chunked prefill, then one token per step with the recurrent cache; with do_sample each prompt
+        draws from its own generator."""
         eos_ids = self._eos_ids()
         stops = settings["until"]
         if len({len(p) for p in prompts}) == 1:
@@ -168,7 +192,7 @@ class GenerationMixin:
         done = [False] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
         for step in range(settings["max_gen_toks"]):
-            tokens = self._next_tokens(logits, settings)
+            tokens = self._next_tokens(logits, settings, generators)
             for row, token in enumerate(tokens.tolist()):
                 if done[row]:
                     continue

@@ -164,12 +164,16 @@ class ResumableLM(_lm_base()):  # type: ignore[misc]
         self.cached_count += done
         self._progress(done, len(requests), requests[pending[0]] if pending else None)
         model_method = getattr(self.inner, request_type)
-        quiet = {"disable_tqdm": True} if "disable_tqdm" in inspect.signature(model_method).parameters else {}
+        parameters = inspect.signature(model_method).parameters
+        quiet = {"disable_tqdm": True} if "disable_tqdm" in parameters else {}
         # Longest first, so a chunk holds prompts of similar length (scoring batches equal lengths).
         pending.sort(key=lambda i: -len(str(requests[i].args[0])))
         for start in range(0, len(pending), self.chunk_size):
             chunk = pending[start : start + self.chunk_size]
-            outputs = model_method([requests[i] for i in chunk], **quiet)
+            # A model that takes request_ids (the adapter's generate_until: its sampling seeds) gets each
+            # request's key in the whole call, which a chunk of a resumed run cannot recount.
+            ids = {"request_ids": [keys[i] for i in chunk]} if "request_ids" in parameters else {}
+            outputs = model_method([requests[i] for i in chunk], **quiet, **ids)
             if len(outputs) != len(chunk):
                 raise RuntimeError(
                     f"{type(self.inner).__name__}.{request_type} returned {len(outputs)} answers "

@@ -128,7 +128,8 @@ def test_checkpoint_replaced_between_planning_and_loading_is_not_stored(fake_wor
     from ccq_eval.model import registry as model_registry
 
     folder = make_checkpoint(tmp_path / "ckpt", 1.0)
-    registry = dict(REGISTRY, **{"tiny-strong": model_registry.ModelEntry("tiny-strong", str(folder), "", True)})
+    registry = dict(REGISTRY)
+    registry["tiny-strong"] = model_registry.ModelEntry("tiny-strong", str(folder), "", True)
     monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: registry)
     plan_run = run_plan.plan_run
 
@@ -229,8 +230,8 @@ def test_longbench_file_edited_while_a_unit_runs_is_not_stored(longbench_world, 
         return evaluator
 
     monkeypatch.setattr(runner, "default_evaluator", evaluator_that_edits_the_data)
-    assert_one_line_error(longbench_run(longbench_world), "files changed after the run was planned (qasper.jsonl: "
-                          "planned ", "the unit was not stored", code=1)
+    assert_one_line_error(longbench_run(longbench_world), "files changed after the run was planned "
+                          "(qasper.jsonl: planned ", "the unit was not stored", code=1)
     assert any("needle=334" in prompt for _, prompt in fake_world.calls)  # the edited file was read
     assert not results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK).is_finished()
 
@@ -288,7 +289,8 @@ def in_the_ccq_gate(name: str) -> bool:
     (relabelled_plain, None, in_the_ccq_gate, "the weights hold {} tensors the config does not use"),
     (None, ".ccq_gate_", in_the_ccq_gate, "the weights lack {} tensors the config needs"),
 ])
-def test_checkpoint_whose_weights_the_model_does_not_take_whole_is_refused(tmp_path, edit, drop, named, wrong):
+def test_checkpoint_whose_weights_the_model_does_not_take_whole_is_refused(tmp_path, edit, drop, named,
+                                                                            wrong):
     from ccq_eval.model.loading import ModelLoadError, load_model
 
     folder = edited_checkpoint(tmp_path, "tiny-gla-ccq", edit, drop)
@@ -296,7 +298,7 @@ def test_checkpoint_whose_weights_the_model_does_not_take_whole_is_refused(tmp_p
         load_model(str(folder))
     message = str(error.value)
     names = tensor_names("tiny-gla-ccq", named)
-    assert "\n" not in message and str(folder) in message and "use the config.json saved with these" in message
+    assert "\n" not in message and str(folder) in message and "use the config.json saved with" in message
     assert wrong.format(len(names)) in message and f"(e.g. {', '.join(names[:3])})" in message, message
 
 
@@ -313,14 +315,74 @@ def test_baseline_with_ccq_attached_loads_without_gate_tensors():
 def test_run_stops_on_a_checkpoint_the_model_does_not_take_whole(fake_world, monkeypatch, tmp_path):
     """Through `ccq-eval run`: the real loader, the fake model's answers."""
     from test_cli_run import FakeLM
+    from transformers.utils import logging as hf_logging
 
     folder = edited_checkpoint(tmp_path, "tiny-gla-ccq", fewer_layers)
     before = finished_run("out")
     monkeypatch.setattr(runner, "default_evaluator", lambda: runner.LmEvalUnitEvaluator(
         make_adapter=lambda model, *settings: FakeLM("tiny-strong", fake_world.calls),
         task_catalog=run_plan.default_task_catalog()))
-    result = invoke(*RUN_ARGS, "--model", str(folder), "--output", "out")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' load report would go to a stream an earlier invoke closed
+    try:
+        result = invoke(*RUN_ARGS, "--model", str(folder), "--output", "out")
+    finally:
+        hf_logging.set_verbosity(verbosity)
     surplus = tensor_names("tiny-gla-ccq", in_layers_2_and_3)
     assert_one_line_error(result, str(folder), f"{len(surplus)} tensors the config does not use", code=1)
     assert not results_store.unit_dir(Path("out"), folder.name, TASK_NAME).is_finished()
     assert {k: v for k, v in snapshot(Path("out")).items() if folder.name not in k} == before
+
+
+# 4 -------------------------------------------------------------------------------------------
+
+
+def sampled_requests():
+    """Six sampled prompts and one asked three times (lm-eval's repeats: the same Instance thrice)."""
+    from lm_eval.api.instance import Instance
+
+    sampling = {"until": [], "max_gen_toks": 12, "do_sample": True, "temperature": 1.0}
+    prompts = [Instance("generate_until", {}, (f"prompt {i}: ", sampling), i, metadata=("t", i, 1))
+               for i in range(6)]
+    repeated = Instance("generate_until", {}, ("asked three times: ", sampling), 6, metadata=("t", 6, 3))
+    return prompts + [repeated] * 3
+
+
+def sampling_adapter(seed: int, killed_after: int | None = None):
+    """The adapter on a tiny random model; killed_after=k: it dies once k requests were answered."""
+    import torch
+    from adapter_support import byte_tokenizer, tiny_model
+
+    from ccq_eval.harness.adapter import CCQEvalLM
+
+    class Killable(CCQEvalLM):
+        answered = 0
+
+        def generate_until(self, requests, disable_tqdm=False, request_ids=None):
+            if killed_after is not None and self.answered + len(requests) > killed_after:
+                raise RuntimeError("killed")
+            self.answered += len(requests)
+            ids = {} if request_ids is None else {"request_ids": request_ids}
+            return super().generate_until(requests, disable_tqdm, **ids)
+
+    tokenizer = byte_tokenizer()
+    return Killable(model=tiny_model(tokenizer, dtype=torch.float32), tokenizer=tokenizer, max_length=256,
+                    seed=seed)
+
+
+def test_sampled_unit_killed_and_resumed_gives_the_uninterrupted_answers(tmp_path):
+    from ccq_eval.harness.resume import ResumableLM
+
+    requests = sampled_requests()
+    cache = results_store.ResponseCache(tmp_path / "whole.sqlite")
+    uninterrupted = ResumableLM(sampling_adapter(7), cache, chunk_size=2).generate_until(requests)
+    assert len(set(uninterrupted[-3:])) == 3  # the repeats are three draws, not one
+    assert sampling_adapter(8).generate_until(requests) != uninterrupted  # the seed decides the draws
+
+    cache = results_store.ResponseCache(tmp_path / "killed.sqlite")
+    with pytest.raises(RuntimeError, match="killed"):
+        ResumableLM(sampling_adapter(7, killed_after=4), cache, chunk_size=2).generate_until(requests)
+    assert len(cache) == 4
+    resumed = ResumableLM(sampling_adapter(7), cache, chunk_size=3).generate_until(requests)
+    assert resumed == uninterrupted
+    assert sampling_adapter(7).generate_until(requests) == uninterrupted  # unwrapped, in one batch run

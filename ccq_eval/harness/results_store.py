@@ -288,6 +288,24 @@ def _write_tracker_files(unit: UnitDir, stored: dict[str, Any], samples: dict[st
             shutil.copyfile(unit.samples(task_name), tracker_samples)
     copy = stored | {TRACKER_UNIT_KEY: f"{unit.path.parent.name}/{unit.path.name}"}
     atomic_write_json(folder / f"results_{stamp}.json", copy)
+    _remove_stale_tracker_copies(folder, copy[TRACKER_UNIT_KEY], stamp)
+
+
+def _remove_stale_tracker_copies(folder: Path, unit_name: str, stamp: str) -> None:
+    """The tracker copies an earlier, unfinished write of the same unit left (a run killed, or a full
+    disk, between the copies and results.json): lm-eval's readers would see the unit twice."""
+    for path in folder.glob("results_*.json"):
+        match = _LMEVAL_RESULTS.match(path.name)
+        if match is None or match.group("stamp") == stamp:
+            continue
+        try:
+            stale = json.loads(path.read_text(encoding="utf-8")).get(TRACKER_UNIT_KEY) == unit_name
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            stale = False
+        if stale:
+            for samples in folder.glob(f"samples_*_{match.group('stamp')}.jsonl"):
+                samples.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -624,8 +642,22 @@ def load_results(root: Path) -> list[StoredUnit]:
                 samples_paths=_samples_for(path, results["results"].keys()),
             )
         )
+    units = _newest_tracker_copies(units)
     _check_one_file_per_unit(root, units)
     return units
+
+
+def _newest_tracker_copies(units: list[StoredUnit]) -> list[StoredUnit]:
+    """Of several tracker copies of one unit in one folder (left by a write that did not finish), the
+    newest: the others are not another result."""
+    newest: dict[tuple[Path, str], Path] = {}
+    for unit in units:
+        name = unit.results.get(TRACKER_UNIT_KEY)
+        if isinstance(name, str):
+            key = (unit.folder, name)
+            newest[key] = max(newest.get(key, unit.results_path), unit.results_path)
+    return [unit for unit in units if not isinstance(unit.results.get(TRACKER_UNIT_KEY), str)
+            or newest[(unit.folder, unit.results[TRACKER_UNIT_KEY])] == unit.results_path]
 
 
 def run_folder(results_path: Path) -> Path:
@@ -645,7 +677,9 @@ def _check_one_file_per_unit(root: Path, units: list[StoredUnit]) -> None:
             if first == unit.results_path:
                 continue
             folders = sorted({str(run_folder(u.results_path)) for u in units})
-            raise ResultsError(
-                f"{root} holds {len(folders)} result folders ({', '.join(folders)}) and model {unit.model!r} "
-                f"has results for task {task!r} in more than one file ({first}, {unit.results_path}); "
-                "point the command at one result folder")
+            files = (f"model {unit.model!r} has results for task {task!r} in more than one file ({first}, "
+                     f"{unit.results_path})")
+            if len(folders) == 1:
+                raise ResultsError(f"{files}; move the one that is not wanted out of {folders[0]}")
+            raise ResultsError(f"{root} holds {len(folders)} result folders ({', '.join(folders)}) and {files}; "
+                               "point the command at one result folder")

@@ -291,3 +291,28 @@ def test_fractional_limit_is_rounded_up_as_lm_eval_does(tmp_path):
         result = invoke(command, str(tmp_path / "out"))
         assert result.exit_code == 0, result.output
     assert snapshot(tmp_path) == before
+
+
+def test_a_write_cut_short_leaves_no_stale_lm_eval_copy(fake_world, monkeypatch):
+    write_json = results_store.atomic_write_json
+
+    def killed_before_results(path, obj):
+        if Path(path).name == results_store.RESULTS_FILE:
+            raise KeyboardInterrupt  # killed between the tracker copies and results.json
+        write_json(path, obj)
+
+    monkeypatch.setattr(results_store, "atomic_write_json", killed_before_results)
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 130
+    monkeypatch.setattr(results_store, "atomic_write_json", write_json)
+    tracker = Path("out/lm_eval/tiny-strong")
+    assert len(list(tracker.glob("results_*.json"))) == 1
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
+    (copy,) = tracker.glob("results_*.json")  # the rerun's copy replaced the stale one
+    assert len(list(tracker.glob("samples_*.jsonl"))) == 1
+    stale = tracker / "results_2000-01-01T00-00-00.json"  # one left by an earlier version: the newest counts
+    stale.write_text(copy.read_text())
+    before = snapshot(Path("out"))
+    tables = [invoke("table", path, "--view", "tidy") for path in ("out", "out/lm_eval")]
+    assert all(result.exit_code == 0 for result in tables), tables[1].output
+    assert markdown_rows(tables[0].output)[2:] and "tiny-strong" in tables[1].output
+    assert snapshot(Path("out")) == before

@@ -428,6 +428,9 @@ def inspect_command(
         help="Constant lambda of the CCQ read computed for baselines (default: the gate's initial value, "
         "ccq_lambda_max * sigmoid(ccq_gate_bias_init) = 2 for the default config).")] = None,
     seed: Annotated[int, typer.Option(help="S-NIAH seed (the task's default: 42).")] = 42,
+    mechanism_figure: Annotated[Path | None, typer.Option(
+        help="Also write one small PNG here (e.g. docs/ccq-mechanism.png): the needle share of the read per "
+        "layer, CCQ's read against the plain one (lambda = 0), one panel per model.")] = None,
 ) -> None:
     """What the read does on S-NIAH prompts, per layer and head: the gate lambda_t, the key covariance's
     spectrum, how far CCQ moves the query, and the needle's share of the read with CCQ on and off.
@@ -447,7 +450,7 @@ def inspect_command(
     options = InspectOptions(
         models=list(model), task=task, lengths=options_lengths, depths=options_depths, output=output,
         device=device, dtype="float32" if dtype.value == "auto" else dtype.value, positions=positions,
-        baseline_lambda=baseline_lambda, seed=seed)
+        baseline_lambda=baseline_lambda, seed=seed, mechanism_figure=mechanism_figure)
     try:
         written = run_inspect(options, progress=lambda message: typer.echo(message, err=True))
     except (InspectError, ModelLoadError) as exc:

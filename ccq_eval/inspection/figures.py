@@ -18,6 +18,8 @@
   the other tokens' lie along Sigma's top-16 eigen-directions at the answer position (mean squared
   projection): the analysis ccq.md cites from the CCQ paper. A needle off those directions is what a
   contraction along them leaves readable.
+- mechanism_figure (`inspect --mechanism-figure PATH`, not in draw_all): one small PNG for a README, the
+  needle share per layer with CCQ's read against the plain read r (lambda = 0), one panel per model.
 """
 
 from __future__ import annotations
@@ -228,6 +230,61 @@ def top_direction_energy(reads: pd.DataFrame, out: Path) -> list[Path]:
 
     return _per_model(models, out, "top_direction_energy", "layer",
                       "keys' energy on Sigma's top 16", draw)
+
+
+def _read_labels(rows: pd.DataFrame) -> tuple[str, str]:
+    """Legend labels of a model's two reads: the plain read r is lambda = 0; CCQ's read is the trained gate
+    or, for a baseline, the constant lambda inspect computed it with."""
+    if (rows["lambda_source"] == "gate").all():
+        return "CCQ read (trained gate)", "read with r (CCQ off)"
+    lambdas = sorted(rows["lambda_answer"].round(6).unique())
+    return f"CCQ read, lambda = {'/'.join(f'{lam:g}' for lam in lambdas)}", "plain read (lambda = 0)"
+
+
+def mechanism_figure(reads: pd.DataFrame, path: Path) -> Path:
+    """The needle share of the read at the answer position per layer (best head of the layer, mean over
+    prompts; whiskers: the prompts' range), CCQ's read against the plain one on the same weights and
+    state, one panel per model, with the needle's share of the tokens for scale and the relative change
+    written at each layer whose plain read takes at least 1% from the needle. Writes one PNG."""
+    models = list(dict.fromkeys(reads["model"]))
+    per_prompt = (reads.groupby(["model", "length", "depth", "sample", "layer"])
+                  [["needle_share_on", "needle_share_off", "needle_token_fraction"]].max().reset_index())
+    lengths = sorted(reads["length"].unique())
+    grid = (f"S-NIAH prompts of {', '.join(f'{n // 1024}K' if n % 1024 == 0 else str(n) for n in lengths)} "
+            f"tokens, {reads.groupby(['length', 'depth', 'sample']).ngroups} prompts")
+    with plt.rc_context(STYLE):
+        fig, axes = _panels(len(models), width=3.4, height=2.5, min_width=4.0)
+        for ax, model in zip(axes, models):
+            rows = per_prompt[per_prompt["model"] == model]
+            on_label, off_label = _read_labels(reads[reads["model"] == model])
+            stats = rows.groupby("layer")[["needle_share_on", "needle_share_off", "needle_token_fraction"]].agg(
+                ["mean", "min", "max"])
+            layers = stats.index.to_numpy()
+            for column, label, style, face in (("needle_share_off", off_label, OFF, "white"),
+                                               ("needle_share_on", on_label, ON, None)):
+                mean = stats[(column, "mean")]
+                spread = [mean - stats[(column, "min")], stats[(column, "max")] - mean]
+                ax.errorbar(layers, mean, yerr=spread, linestyle=style, marker="o", markerfacecolor=face,
+                            color="#0072B2" if column.endswith("on") else "#7f7f7f", capsize=2, label=label)
+            ax.plot(layers, stats[("needle_token_fraction", "mean")], linestyle=":", color="0.6",
+                    label="needle tokens / all tokens")
+            for layer in layers:  # the relative change where the plain read takes a visible share
+                on, off = stats.loc[layer, ("needle_share_on", "mean")], stats.loc[layer, ("needle_share_off", "mean")]
+                if off >= 0.01:
+                    ax.annotate(f"{on / off - 1:+.1%}", (layer, max(on, off)), textcoords="offset points",
+                                xytext=(-6, 8), ha="right", fontsize=8, color="#0072B2")
+            ax.set_xticks(layers)
+            ax.set_ylim(bottom=0)
+            ax.set_title(model)
+            ax.set_xlabel("layer")
+        axes[0].set_ylabel("needle share of the read\nat the answer (best head)")
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncol=2, frameon=False)
+        fig.suptitle(grid, fontsize=8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return path
 
 
 def draw_all(reads: pd.DataFrame, spectra: pd.DataFrame, positions: pd.DataFrame, out: Path) -> list[Path]:

@@ -6,7 +6,9 @@ measure.py per layer and head; then, in the output folder:
 - spectra.csv: Sigma's eigenvalues at the answer position (one row per eigenvalue);
 - positions.csv: lambda_t, the query's move and Sigma_t's effective rank at sampled positions;
 - inspect.json: the settings (models, task, grid, baseline lambda, device, dtype);
-- the figures of figures.py (PNG and PDF).
+- the figures of figures.py (PNG and PDF);
+- with `mechanism_figure`, one more PNG at that path (figures.mechanism_figure: CCQ's read against the
+  plain one per layer, for a README).
 Tables and figures are written only after every model has been read, so a failure leaves the folder
 as it was.
 """
@@ -40,6 +42,7 @@ class InspectOptions:
     baseline_lambda: float | None = None
     seed: int = 42
     samples_per_cell: int = 1
+    mechanism_figure: Path | None = None  # also write figures.mechanism_figure's PNG here
 
 
 def check_models(names: list[str]) -> dict[str, Path]:
@@ -116,6 +119,9 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
         raise InspectError(f"--output {options.output} is a file; give a folder for the tables and figures")
     if options.positions < 0:
         raise InspectError(f"--positions must be >= 0, got {options.positions}")
+    figure = options.mechanism_figure
+    if figure is not None and (figure.suffix.lower() != ".png" or figure.is_dir()):
+        raise InspectError(f"--mechanism-figure {figure}: give the path of a .png file (e.g. docs/ccq-mechanism.png)")
     if options.baseline_lambda is not None:
         from ccq_eval.harness.options import PlanError, check_ccq_lambda
 
@@ -144,4 +150,6 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
     from ccq_eval.inspection import figures
 
     written += figures.draw_all(frames["reads.csv"], frames["spectra.csv"], frames["positions.csv"], options.output)
+    if figure is not None:
+        written.append(figures.mechanism_figure(frames["reads.csv"], figure))
     return written

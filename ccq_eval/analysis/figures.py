@@ -326,6 +326,14 @@ def _sweep_panel_rows(rows: pd.DataFrame) -> pd.DataFrame:
     return per_length if not per_length.empty else rows
 
 
+def sweep_panels(tidy: pd.DataFrame, members: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """task -> the rows of one sweep's panel (members: its model and lambda points): the tasks evaluated at
+    two lambdas or more (a baseline's other tasks, with its lambda = 0 point only, draw no panel)."""
+    rows = tidy.merge(members[["model", "lambda"]], on="model")
+    panels = {task: _sweep_panel_rows(task_rows) for task, task_rows in rows.groupby("task", sort=True)}
+    return {task: task_rows for task, task_rows in panels.items() if task_rows["lambda"].nunique() >= 2}
+
+
 def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
     """One figure per --ccq-attach sweep with two or more lambdas: score vs lambda, a panel per task
     and a curve per context length (lambda = 0 is the plain checkpoint)."""
@@ -334,9 +342,7 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
     for sweep, members in points.groupby("sweep", sort=True):
         if members["lambda"].nunique() < 2:
             continue
-        rows = tidy.merge(members[["model", "lambda"]], on="model")
-        panels = {task: _sweep_panel_rows(task_rows) for task, task_rows in rows.groupby("task", sort=True)}
-        panels = {task: task_rows for task, task_rows in panels.items() if not task_rows.empty}
+        panels = sweep_panels(tidy, members)
         if not panels:
             continue
         lengths = sorted({int(x) for p in panels.values() for x in p["length"].dropna()})

@@ -7,17 +7,19 @@ import re
 
 import pytest
 from test_cli_fakes import (
+    BUCKETS_BASE,
     SWEEP_BASE,
     SWEEP_VAR,
     baseline_correct,
     variant_correct,
+    write_ppl_buckets,
     write_ppl_sweep,
     write_sniah,
 )
 from typer.testing import CliRunner
 
 from ccq_eval import cli
-from ccq_eval.analysis import report, stats, tables
+from ccq_eval.analysis import figures, report, stats, tables
 from ccq_eval.harness import results_store
 
 
@@ -40,6 +42,7 @@ def results(tmp_path):
     out = tmp_path / "results"
     write_sniah(out, "tiny-gla", baseline_correct)
     write_ppl_sweep(out, "tiny-gla", SWEEP_BASE)
+    write_ppl_buckets(out, "tiny-gla", BUCKETS_BASE)  # a task of the baseline only
     write_sniah(out, "tiny-gla-ccq", variant_correct)
     for lam, correct in ((1.0, variant_correct), (2.0, _never_right)):
         name = f"tiny-gla+ccq-lambda{lam:g}"
@@ -79,6 +82,10 @@ def test_the_plain_model_is_each_sweep_s_lambda_zero_in_figures_and_report(resul
         ("tiny-gdn+ccq-lambda0", "tiny-gdn+ccq", 0.0), ("tiny-gdn+ccq-lambda4", "tiny-gdn+ccq", 4.0),
         ("tiny-gla", "tiny-gla+ccq", 0.0), ("tiny-gla+ccq-lambda1", "tiny-gla+ccq", 1.0),
         ("tiny-gla+ccq-lambda2", "tiny-gla+ccq", 2.0)]
+    # tiny-gla's panels: the tasks run at two lambdas or more (its twin-only tasks draw none)
+    tidy = tables.load_tidy(results)
+    members = points[points["sweep"] == "tiny-gla+ccq"]
+    assert sorted(figures.sweep_panels(tidy, members)) == ["ccq_ppl_sweep", "ccq_s_niah_1"]
     page = report.write_report(results).read_text()
     for baseline, variant in EXPECTED_PAIRS:
         assert f"<h3>{variant} vs {baseline}</h3>" in page

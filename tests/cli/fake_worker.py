@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from test_cli_run import REGISTRY, TASK_NAME, TASK_UTILS, TASK_YAML, FakeCatalog, FakeLM  # noqa: E402
 

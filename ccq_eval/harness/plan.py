@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,16 +59,49 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+DEVICE_FORM = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
 def resolve_device(requested: str) -> str:
     """--device auto -> "cuda" when CUDA is present, else "cpu"; other values as given, except that
     under torchrun / accelerate launch with several processes "cuda" is this process's GPU
-    (cuda:LOCAL_RANK), so the processes do not all load their model onto the first GPU."""
+    (cuda:LOCAL_RANK), so the processes do not all load their model onto the first GPU. A device that
+    is not one of auto, cpu, mps, cuda, cuda:N, or CUDA on a machine without it, is a PlanError."""
+    if not DEVICE_FORM.match(str(requested)):
+        raise PlanError(f"--device {requested!r} is not a device; give auto, cpu, cuda or cuda:N (mps on a Mac)")
     device = requested
     if requested == "auto":
         device = "cuda" if cuda_available() else "cpu"
-    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    elif device.startswith("cuda") and not cuda_available():
+        raise PlanError(f"--device {requested}: torch sees no CUDA device on this machine; use --device cpu "
+                        "(or auto, which takes CUDA where there is one)")
+    if device == "cuda" and environment_int("WORLD_SIZE", 1) > 1:
+        return f"cuda:{environment_int('LOCAL_RANK', 0)}"
     return device
+
+
+def environment_int(name: str, default: int) -> int:
+    """A whole number >= 0 that torchrun / accelerate launch set in the environment (RANK, WORLD_SIZE,
+    LOCAL_RANK); `default` when it is unset."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise PlanError(f"environment variable {name}={text!r} is not a whole number >= 0: torchrun and "
+                        f"accelerate launch set it; outside them unset it (`unset {name}`)")
+    return int(text)
+
+
+def data_parallel_ranks() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) of this process, (0, 1) outside torchrun / accelerate launch. A RANK that is not
+    below WORLD_SIZE (a RANK=1 left in the shell, without the launcher's WORLD_SIZE) is a PlanError:
+    that process would evaluate and never write a result."""
+    rank, world_size = environment_int("RANK", 0), environment_int("WORLD_SIZE", 1)
+    if world_size < 1 or rank >= world_size:
+        raise PlanError(f"environment variables RANK={rank} and WORLD_SIZE={world_size}: the rank must lie "
+                        "below the world size; a RANK or WORLD_SIZE left from another launch? unset both "
+                        "(`unset RANK WORLD_SIZE`) or start the run with torchrun / accelerate launch")
+    return rank, world_size
 
 
 def resolve_dtype(requested: str | None, device: str) -> str:
@@ -356,6 +390,10 @@ def plan_run(
         raise PlanError("--batch-size must be a positive whole number")
     if options.max_length is not None and options.max_length <= 0:
         raise PlanError("--max-length must be a positive number of tokens")
+    if not 0 <= options.seed < 2**32:
+        raise PlanError(f"--seed {options.seed} is out of range: give a whole number from 0 to {2**32 - 1} "
+                        "(numpy's seed range, which lm-eval seeds too)")
+    data_parallel_ranks()
     if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
         raise PlanError(f"--dtype {options.dtype!r}: valid choices are {', '.join(DTYPE_CHOICES)}")
     if options.cuda_graphs and options.device != "auto" and not str(options.device).startswith("cuda"):

@@ -253,7 +253,7 @@ class RunSummary:
 def process_rank() -> int:
     """This process's rank under torchrun / accelerate launch (both set RANK), else 0. Only rank 0
     writes to the results folder; the others take their share of each unit's requests."""
-    return int(os.environ.get("RANK", "0"))
+    return run_plan.environment_int("RANK", 0)
 
 
 def default_evaluator() -> EvaluateUnit:
@@ -285,7 +285,7 @@ def execute_plan(
     report.run_start(plan)
     try:
         pending = plan.pending
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if run_plan.environment_int("WORLD_SIZE", 1) > 1:
             _execute_data_parallel(plan, pending, evaluate, report, argv, kernels, summary)
             pending = []
         # Units another worker holds are left for later; by then that worker has usually finished them.
@@ -320,7 +320,7 @@ def _execute_data_parallel(plan: RunPlan, pending: list[Unit], evaluate: Evaluat
 def _end_data_parallel() -> None:
     """In a data-parallel run, wait until rank 0 has stored every unit, then tear the process group
     down here rather than at interpreter exit, where gloo's threads can abort the process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if run_plan.environment_int("WORLD_SIZE", 1) <= 1:
         return
     from ccq_eval.harness.adapter import end_process_group  # the group the adapter set up
 

@@ -111,7 +111,7 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
 
 def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambda message: None) -> list[Path]:
     """Read every model on every prompt, then write the tables, inspect.json and the figures."""
-    from ccq_eval.harness.plan import resolve_device
+    from ccq_eval.harness.plan import PlanError, resolve_device
     from ccq_eval.harness.results_store import atomic_write_text
 
     resolve_task(options.task)
@@ -123,7 +123,7 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
     if figure is not None and (figure.suffix.lower() != ".png" or figure.is_dir()):
         raise InspectError(f"--mechanism-figure {figure}: give the path of a .png file (e.g. docs/ccq-mechanism.png)")
     if options.baseline_lambda is not None:
-        from ccq_eval.harness.options import PlanError, check_ccq_lambda
+        from ccq_eval.harness.options import check_ccq_lambda
 
         try:
             check_ccq_lambda(options.baseline_lambda, f"--baseline-lambda {options.baseline_lambda:g}",
@@ -131,7 +131,10 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
         except PlanError as exc:
             raise InspectError(str(exc)) from None
     folders = check_models(options.models)
-    device = resolve_device(options.device)
+    try:
+        device = resolve_device(options.device)
+    except PlanError as exc:
+        raise InspectError(str(exc)) from None
     tables = {name: [] for name in TABLES}
     for name, folder in folders.items():
         for table, part in zip(TABLES, inspect_model(name, folder, options, device, progress)):

@@ -316,3 +316,23 @@ def test_a_write_cut_short_leaves_no_stale_lm_eval_copy(fake_world, monkeypatch)
     assert all(result.exit_code == 0 for result in tables), tables[1].output
     assert markdown_rows(tables[0].output)[2:] and "tiny-strong" in tables[1].output
     assert snapshot(Path("out")) == before
+
+
+@pytest.mark.parametrize(("args", "environment", "fragments"), [
+    (["--seed", "-1"], {}, ["--seed -1 is out of range", "from 0 to 4294967295"]),
+    (["--seed", str(2**64)], {}, [f"--seed {2**64} is out of range"]),
+    ([], {"WORLD_SIZE": "abc"}, ["environment variable WORLD_SIZE='abc' is not a whole number", "unset WORLD_SIZE"]),
+    ([], {"RANK": "abc"}, ["environment variable RANK='abc'", "unset RANK"]),
+    ([], {"RANK": "1"}, ["RANK=1 and WORLD_SIZE=1", "unset RANK WORLD_SIZE"]),
+    (["--device", "bogus"], {}, ["--device 'bogus' is not a device", "auto, cpu, cuda or cuda:N"]),
+    (["--device", "cuda"], {}, ["--device cuda: torch sees no CUDA device", "use --device cpu"]),
+])
+def test_bad_seed_device_and_launcher_variables_fail_before_any_model_loads(fake_world, monkeypatch, args,
+                                                                           environment, fragments):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    finished = finished_run("out") if not environment else None  # the launcher check comes first
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", *args, "--output", "out")
+    assert_one_line_error(result, *fragments)
+    assert fake_world.loads == ([] if finished is None else ["/nonexistent/tiny-strong"])
+    assert finished is None or snapshot(Path("out")) == finished

@@ -319,9 +319,13 @@ def compare(
     n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
     seed: Annotated[int, typer.Option(help="Bootstrap seed.")] = 0,
     alpha: Annotated[float, typer.Option(help="Significance level.")] = 0.05,
+    summary: Annotated[bool, typer.Option(
+        help="One table, a row per comparison and a column per task: delta [CI], p over all of a task's samples "
+        "(perplexity: at the longest length).")] = False,
     output: OutputFileOpt = None,
 ) -> None:
     """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
+    output = _given_path(output)
     from ccq_eval.analysis import stats
     from ccq_eval.harness import results_store
 
@@ -342,22 +346,27 @@ def compare(
                       f"(models: {names}); name the two models with --baseline and --variant")
         else:
             pairs = [(baseline, variant)]
-        rendered = [stats.render_comparison(stats.compare_models(units, base, var, metric=metric, n_boot=n_boot,
-                                                                 seed=seed, alpha=alpha),
-                                            base, var, format.value, alpha=alpha) for base, var in pairs]
+        compared = [(base, var, stats.compare_models(units, base, var, metric=metric, n_boot=n_boot, seed=seed,
+                                                     alpha=alpha)) for base, var in pairs]
     except results_store.ResultsError as exc:
         _fail(str(exc))
-    _emit("\n".join(rendered), output)
+    if summary:
+        _emit(stats.render_summary(compared, format.value, alpha=alpha), output)
+    else:
+        _emit("\n".join(stats.render_comparison(frame, base, var, format.value, alpha=alpha)
+                         for base, var, frame in compared), output)
 
 
 @app.command()
 def figures(
     results: ResultsArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the PNG and PDF files.")]
+    output: Annotated[Path, typer.Option("--output", "-o", parser=_path_option, metavar="PATH",
+                                         help="Folder for the PNG and PDF files.")]
     = Path("figures"),
 ) -> None:
     """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars, and score vs
     lambda of each `run --ccq-attach` sweep."""
+    output = _given_path(output)
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
     from ccq_eval.harness.results_store import ResultsError

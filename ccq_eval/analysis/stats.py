@@ -431,6 +431,41 @@ def comparison_pairs(units: Iterable[StoredUnit]) -> list[tuple[str, str]]:
     return pairs
 
 
+def comparison_summary(comparisons: Iterable[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
+    """compare_models' frames of several (baseline, variant) pairs as one table: a row per pair, a column
+    per task, each cell "delta [CI low, CI high], p = P" and the significance mark, over all of the task's
+    paired samples (S-NIAH: every length pooled) or, where a task has no such group (the perplexity sweep:
+    one value per length), at its longest length ("@2048" in the column's name)."""
+    rows: dict[str, dict[str, str]] = {}
+    for baseline, variant, frame in comparisons:
+        cells = {}
+        tasks = sorted(frame["task"].unique(), key=lambda task: (tables.task_family(task) != "s-niah", task))
+        for task in tasks:  # S-NIAH first
+            group = frame[frame["task"] == task]
+            pooled = group[group["length"] == "all"]
+            row = pooled.iloc[0] if not pooled.empty else group.loc[group["length"].map(_group_order).idxmax()]
+            column = tables.display_task(task) + ("" if not pooled.empty else f" @{row['length']}")
+            cells[column] = (f"{row['delta']:+.3g} [{row['ci_low']:+.3g}, {row['ci_high']:+.3g}], "
+                             f"p = {row['p_value']:.2g}{row['sig']}")
+        rows[f"{variant} vs {baseline}"] = cells
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("comparison")
+
+
+def render_summary(comparisons: Iterable[tuple[str, str, pd.DataFrame]], fmt: str = "markdown",
+                   alpha: float = DEFAULT_ALPHA) -> str:
+    """comparison_summary as `compare --summary` prints it, with the note that says how to read it."""
+    table = comparison_summary(comparisons)
+    if fmt == "csv":
+        return table.to_csv()
+    if fmt == "latex":
+        return tables.to_latex(table, 3, "CCQ against its baseline") + "\n"
+    if fmt != "markdown":
+        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
+    note = (f"{comparison_note(alpha)}; S-NIAH: all lengths pooled; a column named @L: at length L only "
+            "(perplexity: lower is better)")
+    return tables.to_markdown(table, 3) + f"\n\n_{note}_\n"
+
+
 def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,
                        confidence: float = 0.95) -> pd.DataFrame:
     """compare_models' frame as printed: task display names, the models' names as column heads, the CI

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -74,6 +75,24 @@ def test_compare_without_names_finds_every_twin_and_sweep_pair(results):
     assert "| 33.333 |" in row and "b=0, c=4" in row
     assert any(line.startswith("| ppl_sweep | 2048 |") for line in lambda1.splitlines())
     assert not any(line.startswith("| ppl_sweep") for line in sections["### tiny-gla-ccq vs tiny-gla"].splitlines())
+
+
+def test_compare_summary_is_one_row_per_comparison(results):
+    """`compare --summary`: the README's table, a row per pair and a column per task (S-NIAH pooled over
+    lengths; the perplexity sweep at its longest length)."""
+    result = CliRunner().invoke(cli.app, ["compare", str(results), "--summary", "--n-boot", "200"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| comparison | S-NIAH-1 | ppl_sweep @2048 |"
+    cells = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[1:]]
+    rows = {row[0]: row[1:] for row in cells}
+    assert list(rows) == [f"{variant} vs {baseline}" for baseline, variant in EXPECTED_PAIRS]
+    # lambda 2 loses all 16 of the baseline's 24 right answers: McNemar b = 16, c = 0, p = 2 * 0.5^16
+    niah, ppl = rows["tiny-gla+ccq-lambda2 vs tiny-gla"]
+    assert niah.startswith("-66.7 [") and niah.endswith("p = 3.1e-05***")
+    # perplexity at 2K: exp(mean NLL 2.3) - exp(2.7), lower is better
+    assert ppl.startswith(f"{math.exp(2.3) - math.exp(2.7):+.3g} [")
+    assert rows["tiny-gla-ccq vs tiny-gla"][1] == "-"  # the twin has no perplexity unit
 
 
 def test_the_plain_model_is_each_sweep_s_lambda_zero_in_figures_and_report(results):

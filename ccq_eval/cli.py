@@ -325,7 +325,6 @@ def compare(
     output: OutputFileOpt = None,
 ) -> None:
     """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
-    output = _given_path(output)
     from ccq_eval.analysis import stats
     from ccq_eval.harness import results_store
 

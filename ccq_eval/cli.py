@@ -359,13 +359,11 @@ def compare(
 @app.command()
 def figures(
     results: ResultsArg,
-    output: Annotated[Path, typer.Option("--output", "-o", parser=_path_option, metavar="PATH",
-                                         help="Folder for the PNG and PDF files.")]
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the PNG and PDF files.")]
     = Path("figures"),
 ) -> None:
     """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars, and score vs
     lambda of each `run --ccq-attach` sweep."""
-    output = _given_path(output)
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
     from ccq_eval.harness.results_store import ResultsError

@@ -325,6 +325,7 @@ def compare(
     output: OutputFileOpt = None,
 ) -> None:
     """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
+    output = _given_path(output)
     from ccq_eval.analysis import stats
     from ccq_eval.harness import results_store
 
@@ -359,11 +360,13 @@ def compare(
 @app.command()
 def figures(
     results: ResultsArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the PNG and PDF files.")]
+    output: Annotated[Path, typer.Option("--output", "-o", parser=_path_option, metavar="PATH",
+                                         help="Folder for the PNG and PDF files.")]
     = Path("figures"),
 ) -> None:
     """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars, and score vs
     lambda of each `run --ccq-attach` sweep."""
+    output = _given_path(output)
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
     from ccq_eval.harness.results_store import ResultsError

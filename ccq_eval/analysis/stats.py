@@ -3,9 +3,10 @@
 - Paired bootstrap: resample sample indices with replacement (the same indices for both
   models), recompute each model's statistic, take percentiles of the difference.
   Seeded (numpy default_rng), so every number is reproducible.
-- Exact McNemar test for binary per-sample scores: two-sided binomial test
-  (scipy.stats.binomtest, p = 1/2) on the discordant pairs (b = baseline right / variant
-  wrong, c = the reverse); with p = 1/2 its p-value is min(1, 2 P[X <= min(b, c)]).
+- Exact McNemar test for binary per-sample scores: two-sided binomial test (p = 1/2, as
+  scipy.stats.binomtest) on the discordant pairs (b = baseline right / variant wrong, c = the
+  reverse); with p = 1/2 its p-value is min(1, 2 P[X <= min(b, c)]), computed here without scipy
+  (whose import alone takes seconds).
 - Exact sign test for other per-sample scores: the same binomial test on the signs of the
   non-zero paired differences.
 
@@ -119,13 +120,62 @@ def paired_bootstrap(
     return BootstrapResult(observed, float(low), float(high), n, n_boot, confidence)
 
 
-def _binomial_two_sided(k_small: int, total: int) -> float:
-    """P-value of the exact two-sided binomial test with p = 1/2; 1 when there is nothing to test."""
-    if total == 0:
-        return 1.0
-    from scipy.stats import binomtest  # lazy: scipy.stats takes a second to import
+_HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 
-    return float(binomtest(k_small, total, 0.5, alternative="two-sided").pvalue)
+
+def _stirling_error(n: int) -> float:
+    """log(n!) - log(sqrt(2 pi n) (n/e)^n): lgamma where it is small (n <= 15), else its asymptotic
+    series (Loader 2000, as R's dbinom), both accurate to a few ulps."""
+    if n <= 15:
+        return math.lgamma(n + 1) - (n + 0.5) * math.log(n) + n - _HALF_LOG_TWO_PI
+    inverse_square = 1.0 / (n * n)
+    return (1 / 12 - (1 / 360 - (1 / 1260 - (1 / 1680 - inverse_square / 1188) * inverse_square)
+                      * inverse_square) * inverse_square) / n
+
+
+def _deviance_term(x: int, mean: float) -> float:
+    """x log(x / mean) + mean - x without the cancellation of its direct form near x = mean (Loader)."""
+    if abs(x - mean) >= 0.1 * (x + mean):
+        return x * math.log(x / mean) + mean - x
+    ratio = (x - mean) / (x + mean)
+    total = (x - mean) * ratio
+    power = 2 * x * ratio
+    ratio_squared = ratio * ratio
+    for j in range(1, 1000):
+        power *= ratio_squared
+        updated = total + power / (2 * j + 1)
+        if updated == total:
+            break
+        total = updated
+    return total
+
+
+def _log_binomial_half_pmf(k: int, n: int) -> float:
+    """log P[X = k] for X ~ Binomial(n, 1/2), to a relative error of about 1e-15 for any n."""
+    if k in (0, n):
+        return -n * math.log(2)
+    mean = n / 2
+    return (_stirling_error(n) - _stirling_error(k) - _stirling_error(n - k)
+            - _deviance_term(k, mean) - _deviance_term(n - k, mean)
+            + 0.5 * math.log(n / (2 * math.pi * k * (n - k))))
+
+
+def _binomial_two_sided(k_small: int, total: int) -> float:
+    """P-value of the exact two-sided binomial test with p = 1/2: min(1, 2 P[X <= k_small]) for
+    X ~ Binomial(total, 1/2), 1 when there is nothing to test. The tail is P[X = k_small] (Loader's
+    saddle-point form) times 1 + r_k + r_k r_(k-1) + ..., r_i = P[X = i - 1] / P[X = i] = i / (total - i + 1),
+    summed until a term no longer changes the sum; this is scipy.stats.binomtest's p-value to about 1e-12
+    relative, for any total."""
+    k_small = min(k_small, total - k_small)  # the test is symmetric
+    if total == 0 or 2 * k_small >= total:
+        return 1.0
+    term, tail = 1.0, 1.0
+    for i in range(k_small, 0, -1):
+        term *= i / (total - i + 1)
+        if term < tail * 1e-17:
+            break
+        tail += term
+    return min(1.0, 2.0 * math.exp(_log_binomial_half_pmf(k_small, total)) * tail)
 
 
 def mcnemar_exact(baseline: np.ndarray, variant: np.ndarray) -> tuple[int, int, float]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -79,6 +81,37 @@ def test_mcnemar_agrees_with_scipy_binomtest():
         var = np.array([0] * b + [1] * c)
         expected = scipy_stats.binomtest(min(b, c), b + c, 0.5).pvalue
         assert stats.mcnemar_exact(base, var)[2] == pytest.approx(expected, rel=1e-12)
+
+
+# (n, k): small n, both tails, k = n/2 and (n-1)/2 (p = 1), far tails near underflow, and large n near the
+# centre, where many terms of the tail count
+BINOMIAL_CASES = [(1, 0), (2, 0), (2, 2), (5, 1), (11, 5), (20, 3), (20, 17), (101, 50), (1000, 1), (1000, 100),
+                  (1000, 469), (10**4, 3333), (10**4, 4900), (10**5, 49800), (10**6, 499000), (10**6, 500000),
+                  (10**7, 4990514)]
+
+
+@pytest.mark.parametrize(("total", "k"), BINOMIAL_CASES)
+def test_binomial_two_sided_equals_scipy_binomtest(total, k):
+    scipy_stats = pytest.importorskip("scipy.stats")
+    expected = scipy_stats.binomtest(k, total, 0.5, alternative="two-sided").pvalue
+    assert stats._binomial_two_sided(k, total) == pytest.approx(expected, rel=1e-11, abs=1e-300)
+
+
+def test_binomial_two_sided_by_exact_fractions():
+    # 2 * sum_{i <= k} C(n, i) / 2^n in exact integer arithmetic
+    for total in range(1, 60):
+        for k in range(total // 2 + 1):
+            exact = min(1.0, 2 * sum(math.comb(total, i) for i in range(k + 1)) / 2**total)
+            assert stats._binomial_two_sided(k, total) == pytest.approx(exact, rel=1e-13), (total, k)
+
+
+def test_comparisons_import_no_scipy():
+    # scipy.stats alone takes seconds to import; `ccq-eval compare` must not need it
+    code = ("import sys, numpy as np; from ccq_eval.analysis import stats; "
+            "stats.mcnemar_exact(np.array([1, 0, 1]), np.array([0, 0, 0])); stats.sign_test(np.array([1.0, -2.0]));"
+            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'scipy'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_sign_test_by_hand():

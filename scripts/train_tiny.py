@@ -25,21 +25,17 @@ run leaves no half-written checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from importlib import metadata
+from dataclasses import asdict
 from pathlib import Path
 
 # Deterministic cuBLAS needs this before CUDA initialises.
@@ -56,8 +52,16 @@ for _path in (str(SCRIPTS_DIR), str(REPO_ROOT)):
 import tiny_data
 import torch
 import torch.nn.functional as F
+from model_card import config_summary, describe, git_commit, hardware, model_card, software_versions
+from train_settings import (
+    MODEL_SPECS,
+    ModelSpec,
+    TrainSettings,
+    parse_args,
+    parse_models,
+    settings_from_args,
+)
 
-import ccq_eval  # the CCQ model classes prepare fla's CPU backend when they are built
 from ccq_eval.model.kernels import autotune
 from ccq_eval.model.modeling_ccq import (
     CCQGatedDeltaNetConfig,
@@ -68,8 +72,6 @@ from ccq_eval.model.modeling_ccq import (
 
 MAX_CHECKPOINT_BYTES = 8 * 1000 * 1000  # at most 8 MB of safetensors per checkpoint (the tracked tree's budget)
 VOCAB_SIZE = 384  # ByT5: 3 specials + 256 bytes + 125 extra ids
-CONTEXT = 2048
-DEFAULT_STEPS = 3000
 
 # Family shapes: fla's defaults for everything not listed (GLA: expand_k 0.5, expand_v 1; Gated
 # DeltaNet: expand_v 2; both: short convolution of width 4, MLP ratio 4, untied embeddings). GLA's
@@ -88,66 +90,6 @@ SMOKE_SHAPES = {
     "llama": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
               "intermediate_size": 96},
 }
-FAMILY_NAMES = {"gla": "GLA (gated linear attention)", "gdn": "Gated DeltaNet",
-                "llama": "softmax-attention Transformer (Llama architecture)"}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    family: str  # "gla" | "gdn" | "llama"
-    ccq: bool
-
-    @property
-    def twin(self) -> str | None:
-        """The model that differs from this one only in the CCQ flag (None for the Transformer)."""
-        if self.family == "llama":
-            return None
-        return self.name.removesuffix("-ccq") if self.ccq else self.name + "-ccq"
-
-
-MODEL_SPECS = {
-    spec.name: spec
-    for spec in (
-        ModelSpec("tiny-gla", "gla", False),
-        ModelSpec("tiny-gla-ccq", "gla", True),
-        ModelSpec("tiny-gdn", "gdn", False),
-        ModelSpec("tiny-gdn-ccq", "gdn", True),
-        ModelSpec("tiny-transformer", "llama", False),
-    )
-}
-
-
-@dataclass
-class TrainSettings:
-    steps: int
-    batch_size: int
-    context: int
-    lr: float
-    min_lr_ratio: float
-    warmup_steps: int
-    weight_decay: float
-    beta1: float
-    beta2: float
-    grad_clip: float
-    seed: int
-    synthetic_fraction: float
-    curriculum_share: float
-    repeat: int
-    log_every: int
-    eval_windows: int
-    recall_docs: int
-    device: str
-    save_dtype: str
-    smoke: bool
-    data_workers: int
-    code_commit: str | None = None
-    max_questions: int = tiny_data.MAX_QUESTIONS
-    answer_weight: float = 1.0
-    init_from: str | None = None  # folder of trained checkpoints to continue from (see initial_model)
-    ccq_init_lambda: float | None = None  # a continued CCQ twin's gate starts at this lambda (ccq_gate_fields)
-    ccq_gate: str = "query"
-    train_parts: str = "all"  # TRAIN_PARTS: which parameters the optimiser updates
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -184,11 +126,6 @@ def build_model(spec: ModelSpec, context: int, smoke: bool, seed: int):
 def count_parameters(model, ccq: bool) -> int:
     # A baseline is saved without the (unused) CCQ gate parameters, so they are not counted.
     return sum(p.numel() for n, p in model.named_parameters() if ccq or "ccq_" not in n)
-
-
-# --train: "all" parameters; the "backbone" with CCQ's gate frozen at its start; only CCQ's gate
-# ("ccq-gate", the backbone frozen: the read cannot be trained around, only its gate learned).
-TRAIN_PARTS = ("all", "backbone", "ccq-gate")
 
 
 def trainable_groups(model, ccq: bool, weight_decay: float, train_parts: str = "all"):
@@ -452,34 +389,6 @@ def heldout_metrics(model, settings: TrainSettings) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- saving
-def software_versions() -> dict:
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("flash-linear-attention", "fla-core", "transformers", "triton", "safetensors"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    versions["ccq-eval"] = ccq_eval.__version__
-    if torch.cuda.is_available():
-        versions["cuda"] = torch.version.cuda
-    return versions
-
-
-def hardware(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
-    return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "scripts", "ccq_eval"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-        return head + (" (with uncommitted changes in scripts/ or ccq_eval/)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
 
 
 def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
@@ -505,16 +414,6 @@ def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
     plain.save_pretrained(folder)  # transformers 5 writes safetensors only
 
 
-def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dict | None = None) -> str:
-    kind = ("with CCQ on the read" if spec.ccq else "baseline, no CCQ" if spec.twin
-            else "the upper-bound reference for the linear models")
-    text = (f"{FAMILY_NAMES[spec.family]}, {kind}; {params / 1e6:.1f}M parameters, byte-level, trained at "
-            f"{settings.context} tokens on the embedded corpora + synthetic recall (demonstration model)")
-    if metrics:
-        text += f"; held-out perplexity {metrics['heldout_perplexity']:.2f} per byte"
-    return text
-
-
 def init_record(spec: ModelSpec, settings: TrainSettings) -> dict | None:
     """What a continued run started from: the checkpoint's name and its own training record (settings,
     summary without the loss curve, held-out numbers, command, commit), kept for the model card."""
@@ -525,166 +424,6 @@ def init_record(spec: ModelSpec, settings: TrainSettings) -> dict | None:
     train = {k: v for k, v in log["train"].items() if k not in ("step_losses", "log")}
     return {"checkpoint": folder.name, "settings": log["settings"], "train": train, "heldout": log["heldout"],
             "command": log["command"], "git_commit": log["git_commit"], "init": log.get("init")}
-
-
-def earlier_stages(record: dict | None) -> list[dict]:
-    """The training runs a continued model went through before this one, the first first."""
-    stages = []
-    while record:
-        stages.insert(0, record)
-        record = record.get("init")
-    return stages
-
-
-def gate_words(settings: TrainSettings) -> str:
-    """How a continued CCQ twin's gate starts and trains, for its model card."""
-    start = (f"at lambda = {settings.ccq_init_lambda:g} (lambda_max {2 * settings.ccq_init_lambda:g})"
-             if settings.ccq_init_lambda is not None else "at its initial values")
-    return (f"its {settings.ccq_gate} gate {start}" + {"all": ", trained with the backbone", "backbone": ", frozen (only the backbone trained)",
-                 "ccq-gate": ", trained alone (the backbone frozen)"}[settings.train_parts])
-
-
-def stage_line(number: int, record: dict) -> str:
-    """One model-card line on an earlier training stage of a continued model."""
-    st, tr = record["settings"], record["train"]
-    return (f"- Stage {number} (`{record['checkpoint']}`'s run): {st['steps']} steps x {st['batch_size']} x "
-            f"{st['context']} tokens ({tr['tokens_seen']:,} tokens), synthetic fraction {st['synthetic_fraction']:g}, "
-            f"curriculum over {st.get('curriculum_share', 0):.0%} of the steps, {st.get('max_questions', 4)} "
-            f"questions at most per recall document, answer weight {st.get('answer_weight', 1.0):g}, lr {st['lr']:g}; "
-            f"{tr['train_seconds']:.0f} s; held-out perplexity {record['heldout']['heldout_perplexity']:.2f}. "
-            f"Command: `{record['command']}` (commit {record['git_commit']}).")
-
-
-def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
-    tm, mm = info["train"], info["heldout"]
-    stages = earlier_stages(info.get("init"))
-    fmt = info["config_summary"]
-    steady = tm["tokens_per_s_steady"]
-    if spec.twin:
-        what = ("with the Curvature-Conditioned Query (CCQ) on the state read" if spec.ccq
-                else "without CCQ (baseline)")
-        fairness = (f"Its twin `{spec.twin}` shares the shape, initial backbone weights, data, seed, token budget, "
-                    "context and optimiser; only the CCQ flag differs.")
-        if spec.ccq and settings.train_parts == "ccq-gate":
-            fairness = (f"Its backbone is its twin `{spec.twin}`'s, unchanged: only CCQ's gate was trained, so the "
-                        "two differ in the CCQ read alone.")
-    else:
-        what = "(softmax attention with a KV cache), the upper-bound reference row"
-        fairness = ("It is trained with the same data stream, seed, steps, batch, context and optimiser as the "
-                    "linear-attention models, at about the same size.")
-    if spec.family == "llama":
-        architecture = f"- Architecture: `{info['model_type']}` ({fmt}); rotary positions; plain transformers checkpoint"
-    else:
-        architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); CCQ: "
-                        + (f"on ({info['ccq_settings']})" if spec.ccq
-                           else "off; saved as a plain fla model (loads with fla alone; `ccq_eval` loads it with "
-                                "ccq off)"))
-    lines = [
-        f"# {spec.name}",
-        "",
-        (f"A small {FAMILY_NAMES[spec.family]} language model {what}, trained by this project as an embedded "
-         f"default for `ccq-eval`. {fairness}"),
-        "",
-        (f"**A demonstration model, not the paper's.** It has {info['parameters'] / 1e6:.1f}M parameters, reads "
-         "bytes, and was trained for minutes on a few megabytes of public-domain English. Numbers from it show how "
-         "the harness behaves and how CCQ compares with its baseline at this scale; they say nothing about 1.3B "
-         "models.")
-        + (" Smoke-test run: tiny shape, a few steps on repeated data; not a usable model." if settings.smoke
-           else ""),
-        "",
-        "## Model",
-        "",
-        architecture,
-        f"- Parameters: {info['parameters']:,}; weights stored in {settings.save_dtype} "
-        f"(model.safetensors, {info['weights_bytes'] / 1e6:.2f} MB)"
-        + ("; trained in fp32 master weights, rounded to bf16 on saving" if settings.save_dtype == "bf16" else ""),
-        ("- Tokenizer: byte-level ByT5 (`transformers.ByT5Tokenizer`, vocab 384: pad 0, eos 1, unk 2, byte b -> "
-         "b + 3); no BOS."),
-        (f"- Training context: {settings.context} tokens (bytes); `max_position_embeddings` records it."),
-        "",
-        "## Training",
-        "",
-        "- Data (scripts/tiny_data.py): a deterministic stream of sequences of "
-        f"{settings.context} + 1 byte tokens, each packed from whole documents (EOS after each, the last one cut). "
-        "Natural documents: spans of the train split of the embedded corpora sotu, kjv and austen. Synthetic "
-        f"in-context recall documents (drawn with probability {settings.synthetic_fraction:g}): 1-8 key-value "
-        "records hidden in train-split filler (or a repeated line of plain sentences), then up to "
-        f"{settings.max_questions} questions about distinct records, each followed by its answer "
-        "(e.g. `Record: the pass code for <key> equals <value>.` ... `What is the pass code for <key>? The pass "
-        "code for <key> is <value>.`). Values are mostly 7-digit numbers, also other numbers, UUIDs and words; "
-        "keys are word pairs from the train split. Distance curriculum: a synthetic document's size is "
-        f"log-uniform up to a cap that grows from {tiny_data.CURRICULUM_START} bytes to the full context over the "
-        f"first {settings.curriculum_share:.0%} of the steps. Held out: no RULER template, needle or "
-        "answer-prefix wording, none of S-NIAH's key words (tasks/s_niah/key_words.txt) in any training key, and "
-        "no eval-split text (S-NIAH's essay haystack) is ever trained on; tests check the stream for RULER's "
-        f"phrases. Synthetic share of the training tokens: {tm['synthetic_token_fraction']:.1%}."
-        + (f" Smoke run: the first {settings.repeat} sequence(s) repeated every step." if settings.repeat else ""),
-        *([*(stage_line(i + 1, record) for i, record in enumerate(stages)),
-           f"- Stage {len(stages) + 1} (this run) continues from `{info['init']['checkpoint']}`"
-           + ((f" with CCQ attached ({gate_words(settings)})" + (
-               f"; its twin `{spec.twin}` is that baseline, unchanged" if settings.train_parts == "ccq-gate"
-               else ", exactly as its twin continues without it")) if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
-           f"{settings.max_questions} questions per recall document, the values' bytes weighted "
-           f"{settings.answer_weight:g}x in the loss."] if info.get("init") else []),
-        f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}"
-        + (f" (with the earlier stages: {tm['tokens_seen'] + sum(r['train']['tokens_seen'] for r in stages):,})."
-           if stages else "."),
-        f"- Optimiser: AdamW (lr {settings.lr:g}, betas ({settings.beta1}, {settings.beta2}), eps 1e-8, weight decay "
-        f"{settings.weight_decay} on linear-layer matrices), {settings.warmup_steps} warmup steps then cosine to "
-        f"{settings.min_lr_ratio:g} x lr, gradient clipping at {settings.grad_clip}; "
-        + ("bf16 autocast with fp32 master weights" if settings.device.startswith("cuda") else "fp32")
-        + f"; seed {settings.seed}.",
-        (f"- Final train loss: {tm['final_train_loss']:.4f} nats/byte (mean of the last {tm['final_train_loss_steps']} "
-         f"steps; first step {tm['first_train_loss']:.4f})."),
-        f"- Wall time: {tm['train_seconds']:.1f} s training ({tm['tokens_per_s_overall']:,.0f} tokens/s overall"
-        + (f", {steady:,.0f} tokens/s after the first {settings.log_every} steps" if steady else "")
-        + f"), {info['total_seconds']:.1f} s in all with evaluation and saving.",
-        f"- Hardware: {info['hardware']}.",
-        "- Software: " + ", ".join(f"{k} {v}" for k, v in info["software"].items()) + ".",
-        f"- Code: commit {info['git_commit']}.",
-        "",
-        "## Held-out evaluation (the saved weights, fp32)",
-        "",
-        (f"- Held-out loss: {mm['heldout_nll_per_byte']:.4f} nats/byte ({mm['heldout_bits_per_byte']:.3f} bits/byte), "
-         f"perplexity {mm['heldout_perplexity']:.2f} per byte; a uniform byte model has 256. "
-         f"{settings.eval_windows} windows of {settings.context} + 1 bytes from the eval split of sotu, kjv and "
-         f"austen, spread evenly over each corpus, the same for every model ({mm['heldout_scored_bytes']:,} "
-         "scored bytes; list in train_log.json)."),
-        (f"- In-distribution recall: {mm['recall_exact_match']:.1%} of the {mm.get('recall_answers', mm['recall_docs'])} "
-         f"answers in {mm['recall_docs']} held-out synthetic recall documents (our training wording, eval-split "
-         f"filler, {settings.context} bytes long) have every byte of the value predicted correctly (teacher-forced "
-         f"argmax); value NLL {mm['recall_value_nll_per_byte']:.3f} nats/byte. This is not S-NIAH; S-NIAH's "
-         "numbers are in the project's results."),
-        "",
-        "## Reproduce",
-        "",
-        *(["Each stage in turn, `--init-from` naming the folder the stage before wrote (here `models`):", ""]
-          if stages else []),
-        "```",
-        *(record["command"] for record in stages),
-        "".join(f"{k}={v} " for k, v in info.get("environment", {}).items()) + info["command"],
-        "```",
-        "",
-        ("Same seed on the same hardware and software: identical data and initial weights; on CPU the losses are "
-         "bit-identical, on GPU fla's triton kernels (autotuned) may change the last bits. Full loss curve: "
-         "train_log.json."),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def config_summary(model) -> str:
-    c = model.config
-    if c.model_type == "llama":
-        return (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads of "
-                f"{c.hidden_size // c.num_attention_heads}, MLP {c.intermediate_size}")
-    parts = [f"hidden {c.hidden_size}", f"{c.num_hidden_layers} layers", f"{c.num_heads} heads"]
-    layer = model.model.layers[0].attn
-    parts.append(f"head_k {layer.head_k_dim}, head_v {layer.head_v_dim}")
-    parts.append(f"MLP {model.model.layers[0].mlp.intermediate_size}")
-    if getattr(c, "use_short_conv", False):
-        parts.append(f"short conv {c.conv_size}")
-    return ", ".join(parts)
 
 
 def replace_folder(tmp: Path, final: Path) -> None:
@@ -790,146 +529,6 @@ def register_models(out: Path, names: list[str], default: bool = True) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- CLI
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODEL_SPECS),
-                        help=f"comma-separated subset of {', '.join(MODEL_SPECS)} (default: all five, in turn)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for <name>/ checkpoints and registry.json (default: models/ of the repo; "
-                             "--smoke: a new temporary folder)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; --smoke: cpu)")
-    parser.add_argument("--steps", type=int, default=None, help=f"optimiser steps (default {DEFAULT_STEPS}; --smoke 8)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32; --smoke 2)")
-    parser.add_argument("--context", type=int, default=None,
-                        help=f"training context in tokens (default {CONTEXT}; --smoke 320)")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; --smoke 1e-2)")
-    parser.add_argument("--min-lr-ratio", type=float, default=0.1)
-    parser.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of the steps (at least 1)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--beta1", type=float, default=0.9)
-    parser.add_argument("--beta2", type=float, default=0.95)
-    parser.add_argument("--grad-clip", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--synthetic-fraction", type=float, default=tiny_data.SYNTHETIC_FRACTION,
-                        help="probability that a drawn document is a synthetic recall document "
-                             f"(default {tiny_data.SYNTHETIC_FRACTION}: about half of the tokens at ctx 2048)")
-    parser.add_argument("--max-questions", type=int, default=tiny_data.MAX_QUESTIONS,
-                        help=f"questions at most per synthetic recall document (default {tiny_data.MAX_QUESTIONS})")
-    parser.add_argument("--answer-weight", type=float, default=1.0,
-                        help="loss weight of the answers' value bytes relative to every other byte (default 1)")
-    parser.add_argument("--init-from", default=None,
-                        help="continue from the trained checkpoints in this folder: each twin from its family's "
-                             "baseline (<folder>/tiny-gla, <folder>/tiny-gdn), the Transformer from its own")
-    parser.add_argument("--ccq-init-lambda", type=float, default=None,
-                        help="with --init-from: the CCQ twin's gate starts at exactly this lambda (ccq_lambda_max "
-                             "= 2 x it, so a query gate learns within [0, 2 x it]); default: the config's gate")
-    parser.add_argument("--ccq-gate", choices=("query", "constant"), default="query",
-                        help="with --init-from: the CCQ twin's gate, lambda_max * sigmoid(a.q + b) or "
-                             "lambda_max * sigmoid(b) (default query)")
-    parser.add_argument("--train", choices=TRAIN_PARTS, default="all",
-                        help="parameters to train: all (default); backbone (CCQ's gate frozen at its start); "
-                             "ccq-gate (only CCQ's gate, the backbone frozen; for a CCQ twin with --init-from)")
-    parser.add_argument("--curriculum-share", type=float, default=tiny_data.CURRICULUM_SHARE,
-                        help="share of the steps over which synthetic documents grow from short to the full "
-                             f"context (default {tiny_data.CURRICULUM_SHARE}; 0 = no curriculum)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="cycle over the first N sequences only (default 0 = fresh data; --smoke: 2)")
-    parser.add_argument("--log-every", type=int, default=None, help="steps between log lines (default 50; --smoke 1)")
-    parser.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default 32; --smoke 3)")
-    parser.add_argument("--recall-docs", type=int, default=None,
-                        help="held-out recall documents (default 64; --smoke 2)")
-    parser.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16",
-                        help="dtype of the saved weights (default bf16: keeps every checkpoint under 10 MB)")
-    parser.add_argument("--data-workers", type=int, default=None,
-                        help="batch-building worker processes (default 2 on CUDA, 0 on CPU)")
-    parser.add_argument("--code-commit", default=None,
-                        help="commit to name in the model cards (default: git rev-parse HEAD, when in a checkout)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke mode: CPU, tiny shapes, a few steps on repeated data, temporary output")
-    parser.add_argument("--register", action=argparse.BooleanOptionalAction, default=None,
-                        help="write the trained models into <out>/registry.json (default: yes, except --smoke)")
-    parser.add_argument("--register-only", action="store_true",
-                        help="only (re)write <out>/registry.json entries and model cards for already trained --models")
-    return parser.parse_args(argv)
-
-
-def settings_from_args(args: argparse.Namespace) -> TrainSettings:
-    smoke = args.smoke
-
-    def pick(value, normal, smoke_value):
-        return value if value is not None else (smoke_value if smoke else normal)
-
-    device = pick(args.device, "cuda" if torch.cuda.is_available() else "cpu", "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but CUDA is not available here; use --device cpu")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise SystemExit(f"unknown --device {device!r}: use cuda, cuda:N or cpu")
-    steps = pick(args.steps, DEFAULT_STEPS, 8)
-    settings = TrainSettings(
-        steps=steps,
-        batch_size=pick(args.batch_size, 32, 2),
-        context=pick(args.context, CONTEXT, 320),
-        lr=pick(args.lr, 2e-3, 1e-2),
-        min_lr_ratio=args.min_lr_ratio,
-        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, steps // 20),
-        weight_decay=args.weight_decay,
-        beta1=args.beta1,
-        beta2=args.beta2,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
-        synthetic_fraction=args.synthetic_fraction,
-        curriculum_share=args.curriculum_share,
-        max_questions=args.max_questions,
-        answer_weight=args.answer_weight,
-        init_from=str(Path(args.init_from).resolve()) if args.init_from else None,
-        ccq_init_lambda=args.ccq_init_lambda,
-        ccq_gate=args.ccq_gate,
-        train_parts=args.train,
-        repeat=pick(args.repeat, 0, 2),
-        log_every=pick(args.log_every, 50, 1),
-        eval_windows=pick(args.eval_windows, 32, 3),
-        recall_docs=pick(args.recall_docs, 64, 2),
-        device=device,
-        save_dtype=args.save_dtype,
-        smoke=smoke,
-        data_workers=args.data_workers if args.data_workers is not None else (2 if device.startswith("cuda") else 0),
-        code_commit=args.code_commit,
-    )
-    problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}"
-                for name in ("steps", "batch_size", "log_every", "eval_windows", "recall_docs")
-                if getattr(settings, name) < 1]
-    if settings.max_questions < 1:
-        problems.append(f"--max-questions must be >= 1, got {settings.max_questions}")
-    if settings.answer_weight <= 0:
-        problems.append(f"--answer-weight must be > 0, got {settings.answer_weight}")
-    if not 0.0 <= settings.curriculum_share <= 1.0:
-        problems.append(f"--curriculum-share must be in [0, 1], got {settings.curriculum_share}")
-    if settings.ccq_init_lambda is not None and not (math.isfinite(settings.ccq_init_lambda)
-                                                     and settings.ccq_init_lambda > 0):
-        problems.append(f"--ccq-init-lambda must be a finite number > 0, got {settings.ccq_init_lambda}")
-    if settings.train_parts == "ccq-gate" and not settings.init_from:
-        problems.append("--train ccq-gate trains the gate of a CCQ twin continued with --init-from; give --init-from")
-    if (settings.ccq_init_lambda is not None or settings.ccq_gate != "query") and not settings.init_from:
-        problems.append("--ccq-init-lambda and --ccq-gate set the gate of a CCQ twin continued with --init-from; "
-                        "give --init-from too")
-    if settings.context < 64:
-        problems.append(f"--context must be >= 64, got {settings.context}")
-    if settings.warmup_steps < 1 or settings.warmup_steps > settings.steps:
-        problems.append(f"--warmup-steps must be between 1 and --steps ({settings.steps}), got {settings.warmup_steps}")
-    if problems:
-        raise SystemExit("; ".join(problems))
-    return settings
-
-
-def parse_models(text: str) -> list[ModelSpec]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in MODEL_SPECS]
-    if unknown or not names:
-        raise SystemExit(f"unknown model(s) {unknown or text!r}: choose from {', '.join(MODEL_SPECS)} "
-                         "(comma-separated)")
-    return [MODEL_SPECS[name] for name in dict.fromkeys(names)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:

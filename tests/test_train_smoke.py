@@ -15,6 +15,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import tiny_data
+import train_settings
 import train_tiny
 
 from ccq_eval.harness.corpora import load_corpus
@@ -125,7 +126,7 @@ def test_full_shapes_fit_the_checkpoint_limit():
     # backbone sizes.
     sizes = {}
     for name, spec in train_tiny.MODEL_SPECS.items():
-        model = train_tiny.build_model(spec, train_tiny.CONTEXT, smoke=False, seed=0)
+        model = train_tiny.build_model(spec, train_settings.CONTEXT, smoke=False, seed=0)
         sizes[name] = train_tiny.count_parameters(model, spec.ccq)
         assert sizes[name] * 2 < train_tiny.MAX_CHECKPOINT_BYTES - 100_000, (name, sizes[name])
         assert model.config.hidden_size == 256 and model.config.num_hidden_layers == 4

@@ -109,9 +109,11 @@ def check_inputs_unchanged(unit: Unit) -> None:
     spec: what was loaded or read is then not what unit.json would record."""
     changed = run_plan.changed_since_planning(unit)
     if changed:
-        raise run_plan.PlanError(
-            f"{unit.model} / {unit.task}: files changed after the run was planned ({changed}), so the unit "
-            f"was not stored; once they stay as they are, delete {unit.dir.path} and rerun the same command")
+        answered = results_store.answered_count(unit.dir.responses_db)
+        redo = (f"delete {unit.dir.path} (its {answered} answers may come from the old files) and rerun "
+                "the same command" if answered else "rerun the same command")
+        raise run_plan.PlanError(f"{unit.model} / {unit.task}: files changed after the run was planned "
+                                 f"({changed}), so the unit was not stored; once they stay as they are, {redo}")
 
 
 class LmEvalUnitEvaluator:

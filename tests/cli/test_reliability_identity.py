@@ -141,7 +141,8 @@ def test_checkpoint_replaced_between_planning_and_loading_is_not_stored(fake_wor
     monkeypatch.setattr(run_plan, "plan_run", plan_then_replace_the_weights)
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert_one_line_error(result, "tiny-strong / ccq_s_niah_fake: files changed after the run was planned "
-                          "(model.safetensors: planned ", "the unit was not stored", code=1)
+                          "(model.safetensors: planned ", "the unit was not stored; once they stay as they are, "
+                          "rerun the same command", code=1)
     unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     assert not unit.is_finished() and snapshot(Path("out")) == {str(unit.spec): unit.spec.read_bytes()}
     monkeypatch.setattr(run_plan, "plan_run", plan_run)
@@ -230,10 +231,12 @@ def test_longbench_file_edited_while_a_unit_runs_is_not_stored(longbench_world, 
         return evaluator
 
     monkeypatch.setattr(runner, "default_evaluator", evaluator_that_edits_the_data)
+    unit = results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK)
     assert_one_line_error(longbench_run(longbench_world), "files changed after the run was planned "
-                          "(qasper.jsonl: planned ", "the unit was not stored", code=1)
+                          "(qasper.jsonl: planned ", "the unit was not stored", f"delete {unit.path} (its 3 "
+                          "answers may come from the old files)", code=1)
     assert any("needle=334" in prompt for _, prompt in fake_world.calls)  # the edited file was read
-    assert not results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK).is_finished()
+    assert not unit.is_finished()
 
 
 # 3 -------------------------------------------------------------------------------------------

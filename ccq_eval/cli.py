@@ -47,6 +47,8 @@ def _one_line_errors(command):
             raise
         except KeyboardInterrupt:
             _fail("interrupted; rerun the command to finish (a run resumes where it stopped)", code=130)
+        except BrokenPipeError:
+            _stdout_closed()
         except Exception as exc:  # noqa: BLE001  (the point: no traceback for the user)
             if _debugging():
                 raise
@@ -54,6 +56,28 @@ def _one_line_errors(command):
                   code=1)
 
     return wrapper
+
+
+def _stdout_closed() -> None:
+    """The reader of stdout went away (`ccq-eval lm-eval ls | head`): stop quietly, as command-line tools
+    do; stdout goes to /dev/null so that Python's last flush does not report the closed pipe either."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise typer.Exit(1)
+
+
+def _path_option(text: str) -> Path | str:
+    """The value of a path option; an empty one stays "" (Path("") would be the current folder), which
+    _given_path refuses."""
+    return Path(text) if text.strip() else ""
+
+
+def _given_path(value: Path | str | None) -> Path | None:
+    if isinstance(value, str):
+        _fail("--output is empty; give a path, or leave the option out for its default")
+    return value
 
 
 class _App(typer.Typer):
@@ -95,7 +119,7 @@ SuiteName = Enum("SuiteName", {"paper": "paper"}, type=str)
 ResultsArg = Annotated[Path, typer.Argument(help="Results folder written by `ccq-eval run` (or lm-eval).")]
 FormatOpt = Annotated[TableFormat, typer.Option("--format", "-f", help="Output format.")]
 OutputFileOpt = Annotated[Path | None, typer.Option(
-    "--output", "-o", help="Write to this file (default: stdout).")]
+    "--output", "-o", parser=_path_option, metavar="PATH", help="Write to this file (default: stdout).")]
 # The filter that shows each warning once in this process (set by the app's callback).
 _warnings_once: logs.OncePerRun | None = None
 
@@ -132,6 +156,9 @@ def _emit(text: str, output: Path | None) -> None:
     else:
         from ccq_eval.harness.results_store import atomic_write_text
 
+        if output.is_dir():
+            _fail(f"--output {output} is a folder; give the path of a file to write")
+
         atomic_write_text(output, text)
         typer.echo(f"wrote {output}", err=True)
 
@@ -164,7 +191,8 @@ def run(
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Results folder.")] = Path("results/latest"),
+    output: Annotated[Path, typer.Option("--output", "-o", parser=_path_option, metavar="PATH",
+                                         help="Results folder.")] = Path("results/latest"),
     lm_eval_arg: Annotated[list[str], typer.Option(
         "--lm-eval-arg", help="Extra lm_eval.simple_evaluate argument as key=value (repeatable), "
         "e.g. bootstrap_iters=0.")] = [],  # noqa: B006
@@ -193,6 +221,7 @@ def run(
 
     Re-running the same command skips finished units and resumes an interrupted one without re-asking the model what it already answered.
     """
+    output = _given_path(output)
     from ccq_eval.harness import plan as run_plan
 
     options = run_plan.RunOptions(
@@ -206,7 +235,7 @@ def run(
         plan = run_plan.plan_run(options)
     except run_plan.PlanError as exc:
         _fail(str(exc))
-    done = len(plan.units) - len(plan.pending)
+    done = sum(unit.finished for unit in plan.units)  # with --shard, pending holds this shard's units only
     typer.echo(
         f"{len(plan.units)} units ({len({u.model for u in plan.units})} models x "
         f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}"
@@ -296,6 +325,9 @@ def table(
     output: OutputFileOpt = None,
 ) -> None:
     """Tables from results on disk: S-NIAH accuracy and perplexity per length, LongBench per dataset."""
+    output = _given_path(output)
+    if not 0 <= digits <= 15:
+        _fail(f"--digits {digits}: give a number of decimals from 0 to 15")
     from ccq_eval.analysis import tables
     from ccq_eval.harness.results_store import ResultsError
 
@@ -383,10 +415,12 @@ def figures(
 def report_command(
     results: ResultsArg,
     output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="HTML file to write (default: RESULTS/report.html).")] = None,
+        "--output", "-o", parser=_path_option, metavar="PATH",
+        help="HTML file to write (default: RESULTS/report.html).")] = None,
 ) -> None:
     """One self-contained HTML page (opens offline in any browser): the run's metadata, tables, CCQ
     comparisons, figures and a filterable browser of failed S-NIAH samples and worst perplexity documents."""
+    output = _given_path(output)
     from ccq_eval.analysis import report as report_module
     from ccq_eval.harness.results_store import ResultsError
 
@@ -427,7 +461,8 @@ def inspect_command(
     task: Annotated[str, typer.Option("--task", "-t", help="s-niah-1, s-niah-2 or s-niah-3.")] = "s-niah-1",
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, e.g. 1k,4k (k = 1024).")] = "1k",
     depths: Annotated[str, typer.Option(help="Needle depths in percent, e.g. 0,50,100.")] = "0,50,100",
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the tables and figures.")]
+    output: Annotated[Path, typer.Option("--output", "-o", parser=_path_option, metavar="PATH",
+                                         help="Folder for the tables and figures.")]
     = Path("inspect"),
     device: Annotated[str, typer.Option(help="Torch device: auto (CUDA when present), cpu, cuda.")] = "auto",
     dtype: Annotated[Dtype, typer.Option(help="Weights and compute dtype (auto: float32).")] = Dtype.auto,
@@ -446,6 +481,7 @@ def inspect_command(
 
     Writes reads.csv, spectra.csv, positions.csv, inspect.json and figures into --output.
     """
+    output = _given_path(output)
     from ccq_eval.harness.options import PlanError, parse_depths, parse_lengths
     from ccq_eval.inspection import InspectError
 

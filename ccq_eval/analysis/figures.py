@@ -376,6 +376,9 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
 def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
     """Every figure the results support, as PNG and PDF under `out`; returns their paths."""
     out = Path(out)
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ResultsError(f"--output {out}: {folder} is a file, not a folder; give a folder for the figures")
     out.mkdir(parents=True, exist_ok=True)
     colors = model_colors(sorted(tidy["model"].unique()))
     tidy = tidy[np.isfinite(tidy["value"])]  # a failed (NaN / inf) value has no point; the tables show it

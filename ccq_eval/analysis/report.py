@@ -580,6 +580,12 @@ def write_report(results: Path, output: Path | None = None, **options: Any) -> P
     results = Path(results)
     if output is None:
         output = (results if results.is_dir() else results.parent) / REPORT_FILE
+    if Path(output).is_dir():
+        raise ResultsError(f"--output {output} is a folder; give the path of the HTML file to write, e.g. "
+                           f"{Path(output) / REPORT_FILE}")
+    for folder in Path(output).parents:
+        if folder.exists() and not folder.is_dir():
+            raise ResultsError(f"--output {output}: {folder} is a file, not a folder; give another path")
     text = build_report(results, **options)
     results_store.atomic_write_text(Path(output), text)
     return Path(output)

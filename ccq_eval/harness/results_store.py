@@ -630,6 +630,10 @@ def load_results(root: Path) -> list[StoredUnit]:
             raise ResultsError(
                 f"{path} is not an lm-eval results file (no 'results' mapping). The file was left as it is."
             )
+        not_metrics = [task for task, values in results["results"].items() if not isinstance(values, dict)]
+        if not_metrics:
+            raise ResultsError(f"{path} is not an lm-eval results file: results.{not_metrics[0]} should map metric "
+                               "names to values. The file was left as it is: restore it from the run that wrote it")
         meta_path = path.parent / META_FILE
         meta = read_json(meta_path) if path.name == RESULTS_FILE and meta_path.is_file() else {}
         if not isinstance(meta, dict):

@@ -116,6 +116,20 @@ def check_inputs_unchanged(unit: Unit) -> None:
                                  f"({changed}), so the unit was not stored; once they stay as they are, {redo}")
 
 
+def quiet_git_commit_hash() -> str | None:
+    """lm-eval's get_git_commit_hash (the results' git_hash) without git's "fatal: not a git repository"
+    on stderr, which lm-eval's version prints once per unit outside a git checkout."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        from lm_eval.loggers.utils import get_commit_from_path
+
+        return get_commit_from_path(os.getcwd())
+
+
 class LmEvalUnitEvaluator:
     """Default unit evaluator: model -> adapter -> ResumableLM -> lm_eval.simple_evaluate.
 
@@ -163,6 +177,7 @@ class LmEvalUnitEvaluator:
         task_manager = catalog.make_task_manager(metadata)
         seed = options.seed
         kwargs = {"bootstrap_iters": 1000} | dict(context.plan.lm_eval_args)
+        evaluator.get_git_commit_hash = quiet_git_commit_hash  # what simple_evaluate calls, without the noise
         results = evaluator.simple_evaluate(
             model=wrapped,
             tasks=[unit.task],

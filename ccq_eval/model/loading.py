@@ -32,7 +32,7 @@ from ccq_eval.model.modeling_ccq import (
     prepare_runtime,
 )
 from ccq_eval.model.registry import MODEL_REGISTRY_PATH as REGISTRY_FILE
-from ccq_eval.model.registry import MODELS_DIR
+from ccq_eval.model.registry import MODELS_DIR, ModelEntry, RegistryError, load_model_registry
 
 
 # model_type in config.json -> (config class, model class, whether CCQ is on unless the user says;
@@ -54,14 +54,12 @@ class ModelLoadError(ValueError):
     """A checkpoint could not be loaded; the message says what was wrong and what to do."""
 
 
-def registered_models() -> dict[str, dict]:
-    """name -> entry of models/registry.json ({"path", "description", "default", ...})."""
-    if not REGISTRY_FILE.exists():
-        return {}
+def registered_models() -> dict[str, ModelEntry]:
+    """name -> entry of models/registry.json (registry.load_model_registry; its errors as ModelLoadError)."""
     try:
-        return json.loads(REGISTRY_FILE.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ModelLoadError(f"the model registry {REGISTRY_FILE} is not valid JSON: {error}") from error
+        return load_model_registry(REGISTRY_FILE)
+    except RegistryError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -78,7 +76,7 @@ def resolve_checkpoint(name_or_path: str) -> Path:
     """A registered name, a local folder, or a hub id (downloaded when the hub is reachable)."""
     registry = registered_models()
     if name_or_path in registry:
-        return (MODELS_DIR / registry[name_or_path]["path"]).resolve()
+        return (MODELS_DIR / registry[name_or_path].source).resolve()  # an absolute source stays as it is
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():

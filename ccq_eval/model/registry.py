@@ -47,14 +47,19 @@ def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:
     if isinstance(entries, dict):
         items = [dict(value, name=key) if isinstance(value, dict) else {"name": key, "path": value}
                  for key, value in entries.items()]
-    elif isinstance(entries, list):
+    elif isinstance(entries, list) and all(isinstance(item, dict) for item in entries):
         items = [dict(item) for item in entries]
     else:
         raise RegistryError(f"{path}: expected a JSON object or list of models")
     registry = {}
-    for item in items:
+    for number, item in enumerate(items, start=1):
+        if "name" not in item:
+            raise RegistryError(f"{path}: model entry {number} has no \"name\"; give every entry its name")
         name = str(item["name"])
-        source = item.get("path") or item.get("source") or item.get("checkpoint") or name
+        source = item.get("path") or item.get("source") or item.get("checkpoint")
+        if not source:
+            raise RegistryError(f"{path}: model {name!r} has no \"path\"; give its checkpoint folder (relative to "
+                                f"{path.parent}) or hub id as \"path\"")
         if not Path(str(source)).is_absolute() and (Path(path).parent / str(source)).exists():
             source = str((Path(path).parent / str(source)).resolve())
         registry[name] = ModelEntry(

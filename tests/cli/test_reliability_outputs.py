@@ -336,3 +336,63 @@ def test_bad_seed_device_and_launcher_variables_fail_before_any_model_loads(fake
     assert_one_line_error(result, *fragments)
     assert fake_world.loads == ([] if finished is None else ["/nonexistent/tiny-strong"])
     assert finished is None or snapshot(Path("out")) == finished
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["table", "out", "--digits", "-3"], ["--digits -3: give a number of decimals from 0 to 15"]),
+    (["table", "out", "-o", ""], ["--output is empty"]),
+    (["table", "out", "-o", "out"], ["--output out is a folder; give the path of a file"]),
+    (["compare", "out", "-o", ""], ["--output is empty"]),
+    (["report", "out", "-o", "out"], ["--output out is a folder; give the path of the HTML file"]),
+    (["report", "out", "-o", "afile/report.html"], ["afile is a file, not a folder"]),
+    (["figures", "out", "-o", "afile"], ["afile is a file, not a folder; give a folder for the figures"]),
+    (["figures", "out", "-o", ""], ["--output is empty"]),
+    (["run", "--model", "tiny-strong", "-o", ""], ["--output is empty"]),
+])
+def test_bad_output_options_are_one_line_errors(fake_world, args, fragments):
+    write_sniah(Path("out"), "tiny-gla", baseline_correct)
+    write_sniah(Path("out"), "tiny-gla-ccq", variant_correct)
+    Path("afile").write_text("not a folder")
+    before = snapshot(Path("."))
+    assert_one_line_error(invoke(*args), *fragments)
+    assert snapshot(Path(".")) == before and Path("afile").read_text() == "not a folder"
+    assert not list(Path(".").glob("*.html")) and not Path("figures").exists() and not Path("ccq_s_niah_fake").exists()
+
+
+def test_broken_results_file_and_registry_entry_are_named(fake_world, tmp_path):
+    from ccq_eval.model import registry as model_registry
+
+    finished_run("out")
+    results = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).results
+    results.write_text('{"results": {"x": 5}}')
+    assert_one_line_error(invoke("table", "out"), str(results), "results.x should map metric names to values")
+    registry = tmp_path / "registry.json"
+    registry.write_text('{"m": {"description": "no path"}}')
+    with pytest.raises(model_registry.RegistryError, match="model 'm' has no \"path\"; give its checkpoint folder"):
+        model_registry.load_model_registry(registry)
+    registry.write_text('[{"path": "somewhere"}]')
+    with pytest.raises(model_registry.RegistryError, match="model entry 1 has no \"name\""):
+        model_registry.load_model_registry(registry)
+
+
+def test_shard_on_an_empty_folder_counts_no_unit_as_finished(fake_world):
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-weak", "--shard", "1/2", "-o", "out")
+    assert result.exit_code == 0, result.output
+    assert "2 units (2 models x 1 tasks), 0 already finished" in result.output and "1 to run here" in result.output
+
+
+def test_no_git_noise_outside_a_repository(fake_world, capfd):
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-weak", "--output", "out").exit_code == 0
+    assert "not a git repository" not in capfd.readouterr().err
+
+
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    command = subprocess.Popen([sys.executable, "-m", "ccq_eval", "tasks"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=tmp_path)
+    command.stdout.close()  # `ccq-eval tasks | head -0`: the reader is gone before the first line
+    errors = command.stderr.read().decode()
+    command.wait()
+    assert "BrokenPipeError" not in errors and "Traceback" not in errors and "Error:" not in errors

@@ -41,6 +41,16 @@ MANAGED_LMEVAL_ARGS = {
 }
 
 
+# simple_evaluate arguments the runner cannot honour, when true, with the reason.
+UNSUPPORTED_LMEVAL_ARGS = {
+    "apply_chat_template": "the ccq adapter has no chat template support: the tasks' prompts go to the model "
+                           "as they are (our tasks are written for base LMs); leave it out",
+    "fewshot_as_multiturn": "it needs a chat template, which the ccq adapter does not apply; leave it out",
+    "check_integrity": "it runs lm-eval's own task tests, which an installed lm-eval does not ship; leave it "
+                       "out (`python -m pytest` runs this project's tests)",
+}
+
+
 class PlanError(Exception):
     """A bad command (unknown name, unparseable or conflicting options); nothing was loaded."""
 
@@ -131,6 +141,8 @@ def parse_lm_eval_args(pairs: Sequence[str]) -> dict[str, Any]:
             choices = ", ".join(sorted(allowed - set(MANAGED_LMEVAL_ARGS)))
             raise PlanError(f"--lm-eval-arg {key}: not an lm_eval.simple_evaluate argument; valid: {choices}")
         parsed[key] = handle_arg_string(value)
+        if key in UNSUPPORTED_LMEVAL_ARGS and parsed[key]:
+            raise PlanError(f"--lm-eval-arg {key}={value}: {UNSUPPORTED_LMEVAL_ARGS[key]}")
     return parsed
 
 

@@ -396,3 +396,17 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
     errors = command.stderr.read().decode()
     command.wait()
     assert "BrokenPipeError" not in errors and "Traceback" not in errors and "Error:" not in errors
+
+
+@pytest.mark.parametrize(("argument", "fragment"), [
+    ("apply_chat_template=true", "no chat template support"),
+    ("fewshot_as_multiturn=true", "needs a chat template"),
+    ("check_integrity=true", "runs lm-eval's own task tests"),
+])
+def test_lm_eval_arguments_the_adapter_cannot_honour_are_refused(fake_world, argument, fragment):
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--lm-eval-arg", argument, "--output", "out")
+    assert_one_line_error(result, f"--lm-eval-arg {argument}: ", fragment, "leave it out")
+    assert fake_world.loads == [] and not Path("out").exists()
+    plain = invoke(*RUN_ARGS, "--model", "tiny-strong", "--lm-eval-arg", argument.replace("true", "false"),
+                   "--output", "out")
+    assert plain.exit_code == 0, plain.output

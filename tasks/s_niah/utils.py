@@ -420,14 +420,20 @@ def load_tokenizer(spec: str) -> Any:
 
     if spec.lower() in ("byt5", "bytes", "byte"):
         return transformers.ByT5Tokenizer()
-    path = Path(spec)
+    from ccq_eval.model.loading import registered_models, resolve_checkpoint
+
+    path = resolve_checkpoint(spec) if spec in registered_models() else Path(spec)
     if path.is_file():  # e.g. .../tokenizer.model or tokenizer.json: load its folder
         path = path.parent
+    # Only a hub id (owner/name) is looked up on the hub: any other name would retry it for minutes.
+    hub_id = not path.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path) if path.exists() else spec)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path) if path.exists() else spec,
+                                                               local_files_only=not hub_id)
     except Exception as err:  # noqa: BLE001  (any loader failure gets the same advice)
+        reason = " ".join(str(err).split())
         raise SNiahError(
-            f"could not load tokenizer {spec!r} offline ({type(err).__name__}: {err}); pass metadata "
+            f"could not load tokenizer {spec!r} offline ({type(err).__name__}: {reason}); pass metadata "
             "tokenizer=<folder with tokenizer.json / tokenizer.model> or 'byt5'"
         ) from None
     probe = tokenizer.encode("The grass is green.", add_special_tokens=False)

@@ -410,3 +410,24 @@ def test_lm_eval_arguments_the_adapter_cannot_honour_are_refused(fake_world, arg
     plain = invoke(*RUN_ARGS, "--model", "tiny-strong", "--lm-eval-arg", argument.replace("true", "false"),
                    "--output", "out")
     assert plain.exit_code == 0, plain.output
+
+
+def test_sniah_tokenizer_by_registered_name_never_asks_the_hub(monkeypatch):
+    import transformers
+
+    from ccq_eval.tasks.s_niah import utils as sniah
+
+    asked = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def recording(name, **kwargs):
+        asked.append((str(name), kwargs.get("local_files_only")))
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    assert sniah.load_tokenizer("tiny-gla").encode("ab", add_special_tokens=False) == [100, 101]  # ByT5 bytes
+    with pytest.raises(sniah.SNiahError, match="could not load tokenizer 'no-such-model' offline") as error:
+        sniah.load_tokenizer("no-such-model")
+    assert "\n" not in str(error.value)
+    assert asked[0][0].endswith("tiny-gla") and asked[0][0] != "tiny-gla"  # the registered checkpoint folder
+    assert asked == [(asked[0][0], True), ("no-such-model", True)]  # neither is a hub id: never looked up there

@@ -11,8 +11,8 @@ it returns one summed number per document. This adapter instead
   logits nor their fp32 copy exist for a whole slice at once (other models: per slice);
 * returns per-token NLLs from loglikelihood_rolling (`TokenNLL`);
 * decodes with the recurrent cache (chunked prefill, then one token per step);
-* truncates prompts only by the policy a task names (`ccq_truncation` in its
-  generation_kwargs: "middle" | "left" | "error", default "error") and counts what it cut.
+* truncates prompts only by the policy a task names (`ccq_truncation` in its YAML metadata, or in
+  its generation_kwargs: "middle" | "left" | "error", default "error") and counts what it cut.
 
 BOS convention (all request types): when the tokenizer defines a BOS token it is prepended
 as unscored context, so every token of the text is scored. When it has none, the first
@@ -164,7 +164,7 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
             (the default): on exactly there, eager elsewhere; True refuses other models and devices.
             Graphs hold GPU memory, and scores differ from eager ones by rounding (other matrix
             shapes); False gives the eager path.
-        default_truncation: policy for requests that name none (generation without
+        default_truncation: policy for requests that name none (generation whose task declares no
             `ccq_truncation`, and loglikelihood). Default "error".
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
         seed: for sampling when a task asks for do_sample: each request draws from its own generator,

@@ -81,7 +81,7 @@ class GenerationMixin:
             "until": tuple(stops), "max_gen_toks": max_gen_toks, "do_sample": do_sample,
             "temperature": temperature, "top_k": int(gen_kwargs.get("top_k") or 0),
             "top_p": float(gen_kwargs.get("top_p") or 1.0),
-            "policy": gen_kwargs.get("ccq_truncation", self.default_truncation),
+            "policy": self._policy_of(gen_kwargs, task_name),
         }
 
     def _sampling_generator(self, request_id: str) -> torch.Generator:

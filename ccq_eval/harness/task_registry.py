@@ -157,6 +157,15 @@ def _leaf_tasks(name: str, index: dict[str, Any], seen: set[str] | None = None) 
     return [name]
 
 
+def task_truncation_policy(task_name: str | None) -> str | None:
+    """The `ccq_truncation` a task of ours declares in its YAML metadata: the ccq adapter's policy for a
+    prompt longer than the model's budget, kept out of generation_kwargs so that every lm-eval model can
+    run the task. None for a task that declares none or is not ours."""
+    entry = _our_index().get(task_name) if task_name else None
+    metadata = (entry.cfg or {}).get("metadata") if entry is not None else None
+    return metadata.get("ccq_truncation") if isinstance(metadata, dict) else None
+
+
 def our_task_names() -> list[str]:
     """Every task, group and tag name defined in our folders."""
     return sorted(_our_index())

@@ -1,8 +1,10 @@
 """Prompt truncation policies applied by the lm-eval adapter before generation.
 
-A task names its policy in ``generation_kwargs["ccq_truncation"]``; the adapter pops it, computes
-the prompt budget (model max length minus the task's max new tokens) and calls
-:func:`truncate_tokens` on the tokenised prompt.
+A task names its policy as ``ccq_truncation`` in its YAML ``metadata`` (our tasks: S-NIAH "error",
+LongBench "middle"), where other lm-eval models never see it; a request's
+``generation_kwargs["ccq_truncation"]``, where a task puts one, takes precedence. The adapter computes
+the prompt budget (model max length minus the task's max new tokens) and calls :func:`truncate_tokens`
+on the tokenised prompt.
 
 Policies
 --------
@@ -27,6 +29,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from ccq_eval.harness.task_registry import task_truncation_policy
+
 VALID_POLICIES: tuple[str, ...] = ("middle", "left", "error")
 
 
@@ -42,7 +46,7 @@ def truncate_tokens(token_ids: Sequence[int], budget: int, policy: str) -> tuple
     if policy not in VALID_POLICIES:
         raise ValueError(
             f"unknown truncation policy {policy!r}; valid policies are {', '.join(VALID_POLICIES)} "
-            "(set it in the task's generation_kwargs under 'ccq_truncation')"
+            "(set it as 'ccq_truncation' in the task's metadata)"
         )
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"truncation budget must be an int number of tokens, got {budget!r}")
@@ -61,7 +65,7 @@ def truncate_tokens(token_ids: Sequence[int], budget: int, policy: str) -> tuple
         raise ValueError(
             f"prompt is {n_tokens} tokens but the budget is {budget} tokens (model max length minus max "
             "new tokens) and the truncation policy is 'error'; evaluate with a larger max length, "
-            "shorten the input, or set generation_kwargs ccq_truncation to 'middle' or 'left'"
+            "shorten the input, or set the task's metadata ccq_truncation to 'middle' or 'left'"
         )
     if policy == "left":
         return ids[-budget:], True
@@ -132,6 +136,13 @@ class TruncationMixin:
                      if self._whole_characters(content[start:])), n_tokens - half)
         return content[:head] + content[tail:]
 
+    def _policy_of(self, gen_kwargs: dict[str, Any], task_name: str | None) -> str:
+        """The truncation policy of a generation request: its generation_kwargs' `ccq_truncation`, else its
+        task's metadata `ccq_truncation` (task_registry.task_truncation_policy), else default_truncation."""
+        if "ccq_truncation" in gen_kwargs:
+            return gen_kwargs["ccq_truncation"]
+        return task_truncation_policy(task_name) or self.default_truncation
+
     def _fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
              what: str, count: bool = True) -> list[int]:
         """Apply `policy` so that `content` fits `budget` tokens; count what was done (`count`
@@ -154,7 +165,7 @@ class TruncationMixin:
             raise ValueError(
                 f"task {task_name}: prompt of {len(content) + len(self.prefix)} tokens does not fit: {what}. "
                 f"Raise max_length (model_args max_length=...) or set ccq_truncation: middle|left in the "
-                f"task's generation_kwargs.")
+                f"task's metadata.")
         cut, truncated = truncate_tokens(content, budget, policy)
         if truncated and policy == "middle":
             cut = self._middle_at_characters(content, len(cut) // 2)

@@ -17,6 +17,11 @@ position fla's buckets use.
 
 Metric values per document are (nll_sum, n_tokens) pairs, so the aggregated perplexity is
 token-weighted (exp of total NLL over total tokens) and the per-sample log keeps the sums.
+
+Any lm-eval model runs both tasks. The ccq adapter returns per-token NLLs (its TokenNLL), which the
+position buckets need; another model (lm-eval's `hf`) returns one summed log-likelihood of every text
+token, which gives every metric except the buckets (README.md in this folder says how its numbers
+differ).
 """
 
 from __future__ import annotations
@@ -290,13 +295,20 @@ def count_of(items: list[int]) -> int:
     return sum(int(x) for x in items)
 
 
-def _token_nll(results: list[Any]) -> list[float]:
-    value = results[0]
-    token_nll = getattr(value, "token_nll", None)
-    if token_nll is None:
-        raise TypeError("ppl tasks need per-token NLLs: run them with the 'ccq' model adapter "
-                        "(ccq_eval.harness.adapter), whose loglikelihood_rolling returns TokenNLL values")
-    return list(token_nll)
+def _token_nll(results: list[Any]) -> list[float] | None:
+    """The per-token NLLs of the ccq adapter's TokenNLL; None for another model's plain float."""
+    token_nll = getattr(results[0], "token_nll", None)
+    return None if token_nll is None else list(token_nll)
+
+
+def _summed_nll(results: list[Any], doc: dict[str, Any]) -> tuple[float, int]:
+    """(NLL sum, scored tokens) of a plain loglikelihood_rolling float: another lm-eval model scores every
+    token of the document's text, n_text_tokens when its tokenizer is the task's."""
+    value = float(results[0])
+    if not math.isfinite(value):
+        raise ValueError(f"ppl: the model returned a log-likelihood of {value} for document "
+                         f"{doc.get('document', doc.get('block_index'))}; a finite number is needed")
+    return -value, int(doc["n_text_tokens"])
 
 
 def _metrics_for(name: str, nll: float, count: int) -> dict[str, Any]:
@@ -320,7 +332,10 @@ def bucket_results(token_nll: list[float], block_length: int, bucket_size: int) 
 
 
 def sweep_results(token_nll: list[float], length: int) -> dict[str, Any]:
-    nll, count = math.fsum(token_nll), len(token_nll)
+    return _sweep_metrics(math.fsum(token_nll), len(token_nll), length)
+
+
+def _sweep_metrics(nll: float, count: int, length: int) -> dict[str, Any]:
     out = _metrics_for(f"@{length}", nll, count)
     out[f"docs@{length}"] = 1
     # YaRN's script reports the mean over documents of each document's perplexity
@@ -365,7 +380,10 @@ class BucketPerplexityTask(_PerplexityTask):
         return [""] + [f"@{start}-{end}" for start, end in bucket_ranges(block_length, bucket_size)]
 
     def process_results(self, doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:
-        return bucket_results(_token_nll(results), int(doc["length"]), int(doc["bucket_size"]))
+        token_nll = _token_nll(results)
+        if token_nll is None:  # one sum, no positions: the whole block's metrics only
+            return _metrics_for("", *_summed_nll(results, doc))
+        return bucket_results(token_nll, int(doc["length"]), int(doc["bucket_size"]))
 
 
 class SweepPerplexityTask(_PerplexityTask):
@@ -380,4 +398,7 @@ class SweepPerplexityTask(_PerplexityTask):
         self._higher_is_better["doc_ppl" + suffix] = False
 
     def process_results(self, doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:
-        return sweep_results(_token_nll(results), int(doc["length"]))
+        token_nll = _token_nll(results)
+        if token_nll is None:
+            return _sweep_metrics(*_summed_nll(results, doc), int(doc["length"]))
+        return sweep_results(token_nll, int(doc["length"]))

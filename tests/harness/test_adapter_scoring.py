@@ -177,6 +177,26 @@ def test_truncation_policies() -> None:
     assert roomy.n_truncated == 0
 
 
+def test_truncation_policy_from_the_task_metadata() -> None:
+    # Our task YAMLs name the policy in their metadata (S-NIAH error, LongBench middle), not in the
+    # generation_kwargs every lm-eval model receives; a request's own ccq_truncation still wins.
+    tokenizer = byte_tokenizer()
+    lm = CCQEvalLM(model=tiny_model(tokenizer), tokenizer=tokenizer, max_length=48)
+    settings = {"until": [], "max_gen_toks": 8}
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    cut = lm.generate_until([_request("generate_until", (TEXT, dict(settings)), task="ccq_longbench_qasper")])
+    whole = lm.generate_until([_request("generate_until", (tokenizer.decode(ids[:20] + ids[-20:]),
+                                                           dict(settings)), task="t")])
+    assert cut == whole
+    assert lm.truncation_stats["by_task"]["ccq_longbench_qasper"] == {"policy": "middle", "n_requests": 1,
+                                                                      "n_truncated": 1}
+    with pytest.raises(ValueError, match="task ccq_s_niah_1: prompt of .* does not fit"):
+        lm.generate_until([_request("generate_until", (TEXT, dict(settings)), task="ccq_s_niah_1")])
+    left = lm.generate_until([_request("generate_until", (TEXT, {**settings, "ccq_truncation": "left"}),
+                                       task="ccq_s_niah_1")])
+    assert left == lm.generate_until([_request("generate_until", (tokenizer.decode(ids[-40:]), dict(settings)))])
+
+
 def test_unsupported_generation_kwargs_are_errors() -> None:
     tokenizer = byte_tokenizer()
     lm = CCQEvalLM(model=tiny_model(tokenizer), tokenizer=tokenizer)

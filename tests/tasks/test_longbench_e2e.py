@@ -113,8 +113,7 @@ def test_every_request_used_the_official_generation_settings(evaluation):
                     prompt_to_dataset[template.format(**record)] = dataset
     for prompt, gen_kwargs in requests:
         dataset = prompt_to_dataset[prompt]
-        assert gen_kwargs == {"until": [], "max_gen_toks": REFERENCE_MAXLEN[dataset], "do_sample": False,
-                              "ccq_truncation": "middle"}
+        assert gen_kwargs == {"until": [], "max_gen_toks": REFERENCE_MAXLEN[dataset], "do_sample": False}
 
 
 def test_dataset_scores(evaluation):

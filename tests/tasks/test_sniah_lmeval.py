@@ -78,7 +78,7 @@ def test_requests_are_the_prompts_with_ruler_generation_settings(gold_run):
         assert context in prompts  # the doc's prompt, answer prefix included, sent unchanged
         assert context.endswith("mentioned in the provided text is")
         assert gen_kwargs["max_gen_toks"] == 128 and gen_kwargs["do_sample"] is False
-        assert gen_kwargs["ccq_truncation"] == "error" and gen_kwargs["until"] == []
+        assert gen_kwargs == {"until": [], "do_sample": False, "temperature": 0.0, "max_gen_toks": 128}
 
 
 def test_perfect_retriever_scores_100_everywhere(gold_run):

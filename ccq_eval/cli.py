@@ -68,10 +68,10 @@ def _stdout_closed() -> None:
     raise typer.Exit(1)
 
 
-def _path_option(text: str) -> Path | str:
-    """The value of a path option; an empty one stays "" (Path("") would be the current folder), which
-    _given_path refuses."""
-    return Path(text) if text.strip() else ""
+def _path_option(text: str | Path) -> Path | str:
+    """The value of a path option (typer passes the default as it is); an empty one stays "" (Path("")
+    would be the current folder), which _given_path refuses."""
+    return Path(text) if isinstance(text, Path) or text.strip() else ""
 
 
 def _given_path(value: Path | str | None) -> Path | None:
@@ -177,7 +177,9 @@ def run(
         "LongBench / LongBench-E where --longbench-dir holds their data.")] = None,
     lengths: Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")] = None,
     depths: Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")] = None,
-    samples_per_cell: Annotated[int | None, typer.Option(help="Samples per (length, depth) cell.")] = None,
+    samples_per_cell: Annotated[int | None, typer.Option(
+        help="Samples per (length, depth) cell (perplexity: documents per length). Default: 4 on the default "
+        "grid (no --task); with --task, every document the task has.")] = None,
     limit: Annotated[float | None, typer.Option(
         help="lm-eval limit: first N documents of each task (a fraction if < 1). Not with --samples-per-cell.")]
     = None,

@@ -421,7 +421,7 @@ def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[t
     else:
         higher_is_better = bool(info.higher_is_better)
     mark = significance_mark(p_value, alpha)
-    verdict = ""
+    verdict = "not significant"
     if mark and boot.delta != 0:
         verdict = "variant better" if (boot.delta > 0) == higher_is_better else "variant worse"
     return {

@@ -523,6 +523,10 @@ def plan_run(
         )
 
     _check_longbench_data(longbench_tasks, options.longbench_dir)
+    ppl_tasks = [task for task, _ in resolved if task.startswith("ccq_ppl")]
+    if ppl_tasks and samples_per_cell is None and options.suite is None:
+        notes.append(f"note: {', '.join(ppl_tasks)} without --samples-per-cell scores every document of the eval "
+                     "split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick run")
 
     task_metadata: dict[str, Any] = {"seed": options.seed}
     if lengths is not None:

@@ -380,6 +380,13 @@ class ResponseCache:
         self._conn.close()
 
 
+def remove_resume_cache(unit: UnitDir) -> None:
+    """Delete a stored unit's resume cache (and sqlite's journal beside it): a finished unit is never
+    resumed, and the cache of a perplexity unit holds every token's log-likelihood."""
+    for path in (unit.responses_db, unit.responses_db.with_name(RESPONSES_DB + "-journal")):
+        path.unlink(missing_ok=True)
+
+
 def unreadable_cache_message(path: Path, exc: Exception) -> str:
     return (f"{path} is not a readable SQLite database ({exc}: truncated or corrupt); delete it to "
             "recompute this unit's answers (finished units are unaffected)")

@@ -436,6 +436,7 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
         "platform": platform.platform(),
     } | outcome.meta
     results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)
+    results_store.remove_resume_cache(unit.dir)  # the unit is stored: its answers are in its samples
     if plan.lm_eval_loggers:
         log_to_wandb(plan.lm_eval_loggers, unit, outcome)
     unit.finished = True

@@ -431,3 +431,28 @@ def test_sniah_tokenizer_by_registered_name_never_asks_the_hub(monkeypatch):
     assert "\n" not in str(error.value)
     assert asked[0][0].endswith("tiny-gla") and asked[0][0] != "tiny-gla"  # the registered checkpoint folder
     assert asked == [(asked[0][0], True), ("no-such-model", True)]  # neither is a hub id: never looked up there
+
+
+def test_finished_unit_keeps_no_resume_cache_and_compare_says_not_significant(fake_world):
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-other", "--output", "out").exit_code == 0
+    assert not list(Path("out").rglob("responses.sqlite*"))  # the README: it exists while the unit runs
+    result = invoke("compare", "out", "--baseline", "tiny-strong", "--variant", "tiny-other", "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(result.output)))
+    assert rows and {row["verdict"] for row in rows} == {"not significant"}  # the same answers: no difference
+
+
+def test_perplexity_without_samples_per_cell_says_it_scores_every_document(fake_world, monkeypatch):
+    from test_cli_run import FakeCatalog
+
+    from ccq_eval.harness import plan as run_plan
+
+    class Perplexity(FakeCatalog):
+        def resolve(self, name):
+            return ["ccq_ppl_sweep"]
+
+    monkeypatch.setattr(run_plan, "default_task_catalog", lambda: Perplexity(Path(".")))
+    options = dict(models=["tiny-strong"], tasks=["ppl"], lengths="1k", output=Path("out"))
+    plan = run_plan.plan_run(run_plan.RunOptions(**options))
+    assert any("ccq_ppl_sweep without --samples-per-cell scores every document" in note for note in plan.notes)
+    quick = run_plan.plan_run(run_plan.RunOptions(**options, samples_per_cell=4))
+    assert not any("--samples-per-cell" in note for note in quick.notes)

@@ -703,13 +703,25 @@ def check_against_disk(unit: Unit) -> None:
         )
         if differences and (finished or answered):
             detail = "; ".join(
-                f"{key}: stored {_short(stored.get(key))}, asked {_short(unit.spec.get(key))}" for key in differences
+                "{}: stored {}, asked {}".format(key, *map(_short, _differing(stored.get(key), unit.spec.get(key))))
+                for key in differences
             )
             raise PlanError(
                 f"{unit.dir.path} holds a run with different settings ({detail}). Nothing was changed: "
                 "use another --output, or delete that folder to redo it"
             )
     unit.finished = finished
+
+
+def _differing(stored: Any, asked: Any) -> tuple[Any, Any]:
+    """Two settings with the entries they share left out (nested mappings too), so that a message shows the
+    checkpoint file whose hash changed rather than the first one, which did not."""
+    if not (isinstance(stored, dict) and isinstance(asked, dict)):
+        return stored, asked
+    pairs = {key: _differing(stored.get(key), asked.get(key)) for key in stored.keys() | asked.keys()
+             if stored.get(key) != asked.get(key)}
+    return ({key: pair[0] for key, pair in pairs.items() if key in stored},
+            {key: pair[1] for key, pair in pairs.items() if key in asked})
 
 
 def _short(value: Any, limit: int = 120) -> str:

@@ -456,3 +456,16 @@ def test_perplexity_without_samples_per_cell_says_it_scores_every_document(fake_
     assert any("ccq_ppl_sweep without --samples-per-cell scores every document" in note for note in plan.notes)
     quick = run_plan.plan_run(run_plan.RunOptions(**options, samples_per_cell=4))
     assert not any("--samples-per-cell" in note for note in quick.notes)
+
+
+def test_edited_checkpoint_names_the_file_that_changed(fake_world, tmp_path):
+    from test_reliability import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "ckpt", 1.0)
+    assert invoke(*RUN_ARGS, "--model", str(folder), "--output", "out").exit_code == 0
+    before = snapshot(Path("out"))
+    make_checkpoint(folder, 2.0)  # new weights, the same config.json
+    line = assert_one_line_error(invoke(*RUN_ARGS, "--model", str(folder), "--output", "out"),
+                                 "different settings (checkpoint: stored {'sha256': {'model.safetensors': '")
+    assert "config.json" not in line
+    assert snapshot(Path("out")) == before

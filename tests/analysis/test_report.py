@@ -143,11 +143,13 @@ def test_empty_folder_is_a_one_line_error(tmp_path):
 
 def test_folder_of_unfinished_units_is_a_one_line_error(tmp_path):
     run = _copy_reference(tmp_path)
+    started = 0
     for results_file in run.rglob("results.json"):
         results_file.unlink()
+        started += 1
     result = invoke("report", run)
     assert result.exit_code == 2 and result.output.count("\n") == 1
-    assert "25 started units" in result.output and "none finished" in result.output
+    assert f"{started} started units" in result.output and "none finished" in result.output
 
 
 def test_partial_folder_report_says_what_is_missing(tmp_path):

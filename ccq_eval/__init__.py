@@ -6,7 +6,8 @@ results store, tasks and corpora) and `analysis` (tables, statistics, figures).
 
 Importing the package has no side effects and loads neither torch nor fla: the model loader and the
 lm-eval adapter prepare fla's CPU backend and register the model types when they are used
-(`ccq_eval.model.modeling_ccq.prepare_runtime`).
+(`ccq_eval.model.modeling_ccq.prepare_runtime`); `import ccq_eval.model.auto` registers the model
+types for transformers users.
 """
 
 from importlib.metadata import PackageNotFoundError, version

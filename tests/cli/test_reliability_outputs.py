@@ -395,7 +395,7 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
     command.stdout.close()  # `ccq-eval tasks | head -0`: the reader is gone before the first line
     errors = command.stderr.read().decode()
     command.wait()
-    assert "BrokenPipeError" not in errors and "Traceback" not in errors and "Error:" not in errors
+    assert errors == "" and command.returncode == 1  # no BrokenPipeError line, no traceback
 
 
 @pytest.mark.parametrize(("argument", "fragment"), [

@@ -94,6 +94,7 @@ app = _App(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wraps long option names instead of cutting them at 80 columns
 )
 
 

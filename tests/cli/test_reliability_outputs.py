@@ -469,3 +469,14 @@ def test_edited_checkpoint_names_the_file_that_changed(fake_world, tmp_path):
                                  "different settings (checkpoint: stored {'sha256': {'model.safetensors': '")
     assert "config.json" not in line
     assert snapshot(Path("out")) == before
+
+
+def test_help_at_80_columns_shows_every_option_name_whole():
+    from typer.testing import CliRunner
+
+    from ccq_eval import cli
+
+    output = CliRunner().invoke(cli.app, ["run", "--help"], env={"COLUMNS": "80"}).output
+    for name in ("--samples-per-cell", "--no-cuda-graphs", "--lm-eval-arg", "--longbench-dir", "--ccq-attach"):
+        assert name in output, name
+    assert "…" not in output and max(len(line) for line in output.splitlines()) <= 80

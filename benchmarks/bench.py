@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ccq_eval.model.modeling_ccq import prepare_runtime
 
-    prepare_runtime()  # fla's CPU backend and the CCQ model types
+    prepare_runtime()  # the CCQ model types in transformers' Auto classes
 
     bench = Bench(settings)
     started = dt.datetime.now(dt.UTC)

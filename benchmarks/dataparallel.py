@@ -84,7 +84,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     from ccq_eval.model.modeling_ccq import prepare_runtime
 
-    prepare_runtime()  # fla's CPU backend and the CCQ model types
+    prepare_runtime()  # the CCQ model types in transformers' Auto classes
     from ccq_eval.harness.adapter import CCQEvalLM
     from ccq_eval.harness.task_registry import make_task_manager
 

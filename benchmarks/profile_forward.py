@@ -46,7 +46,7 @@ def main() -> None:
         sys.exit("profile_forward.py needs a CUDA GPU")
     from ccq_eval.model.modeling_ccq import prepare_runtime
 
-    prepare_runtime()  # fla's CPU backend and the CCQ model types
+    prepare_runtime()  # the CCQ model types in transformers' Auto classes
 
     device = torch.device("cuda")
     model = workload.build_model(args.arch, workload.SHAPES_340M[args.arch], 32000, device, torch.bfloat16)

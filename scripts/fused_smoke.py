@@ -12,7 +12,7 @@ from ccq_eval.model.ccq import CCQGate, CCQState, ccq_read_chunk, ccq_read_keys,
 from ccq_eval.model.kernels.token_logprob import token_logprob
 from ccq_eval.model.modeling_ccq import prepare_runtime
 
-prepare_runtime()  # fla's CPU backend and the CCQ model types
+prepare_runtime()  # the CCQ model types in transformers' Auto classes
 
 
 def run(kernel, fn):

@@ -88,9 +88,12 @@ def test_smoke_folder_is_a_complete_loadable_checkpoint(smoke_run, name, model_t
 def test_baseline_is_a_plain_fla_checkpoint_with_the_same_logits(smoke_run):
     from fla.models import GLAForCausalLM
 
+    from ccq_eval.model.fla_cpu import use_torch_backend
+
     out, _ = smoke_run
     ours, _ = load_model(str(out / "tiny-gla"))
-    plain = GLAForCausalLM.from_pretrained(out / "tiny-gla", dtype=torch.float32).eval()
+    # fla's own class, given the CPU backend (fla's triton kernels need a GPU)
+    plain = use_torch_backend(GLAForCausalLM.from_pretrained(out / "tiny-gla", dtype=torch.float32)).eval()
     ids = torch.tensor([tiny_data.encode_bytes("Note for later: the lamp is lit.")])
     with torch.no_grad():
         assert torch.equal(ours(ids, use_cache=False).logits, plain(ids, use_cache=False).logits)

@@ -1,9 +1,9 @@
 """What a GLA / Gated DeltaNet layer reads, captured from one forward pass, and the read decomposed.
 
-Capture. `ReadRecorder` wraps, for the duration of a `with` block, the kernel names fla's layer
-modules call (fla.layers.gla.chunk_gla / fused_recurrent_gla, fla.layers.gated_deltanet.
-chunk_gated_delta_rule / fused_recurrent_gated_delta_rule: whatever serves them, fla's triton on
-CUDA or the project's torch backend on CPU) and, on CCQ layers, the layer's `ccq_query`. A forward
+Capture. `ReadRecorder` wraps, for the duration of a `with` block, the kernels the CCQ model classes'
+layers read with (ccq_eval.model.modeling_ccq.READ_KERNELS: chunk_gla / fused_recurrent_gla,
+chunk_gated_delta_rule / fused_recurrent_gated_delta_rule; fla's triton on CUDA, the project's torch
+backend on CPU) and, on CCQ layers, the layer's `ccq_query`. A forward
 pre-hook on each attention layer says which layer a call belongs to. Per layer it records the
 kernel's inputs as the kernel interprets them (Gated DeltaNet: q, k L2-normalised, beta = sigmoid,
 log decay g = -exp(A_log) softplus(a + dt_bias), as ccq_eval.model.fla_cpu.delta_rule applies
@@ -27,7 +27,6 @@ The key covariance (../../shared/design/ccq.md): with unit keys kappa and CCQ's 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,6 @@ from ccq_eval.inspection import InspectError
 
 GLA_KERNELS = ("chunk_gla", "fused_recurrent_gla")
 GDN_KERNELS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
-_KERNEL_MODULES = {"fla.layers.gla": GLA_KERNELS, "fla.layers.gated_deltanet": GDN_KERNELS}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,17 +168,24 @@ def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attention_layers(model) -> list:
-    """The GLA / Gated DeltaNet attention layers of an fla-style model, in order."""
+    """The GLA / Gated DeltaNet attention layers of a model loaded by ccq_eval.model.load_model (the
+    classes whose reads go through READ_KERNELS), in order."""
     from fla.layers.gated_deltanet import GatedDeltaNet
     from fla.layers.gla import GatedLinearAttention
 
+    from ccq_eval.model.modeling_ccq import CCQReadMixin
+
     blocks = getattr(getattr(model, "model", None), "layers", None) or []
     layers = [getattr(block, "attn", None) for block in blocks]
+    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     if not layers or not all(isinstance(x, (GatedLinearAttention, GatedDeltaNet)) for x in layers):
-        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise InspectError(
             f"inspect reads the recurrent state of GLA / Gated DeltaNet layers; this model ({kind}) has "
             "other layers (e.g. softmax attention): pass a GLA or Gated DeltaNet checkpoint")
+    if not all(isinstance(x, CCQReadMixin) for x in layers):
+        raise InspectError(
+            f"inspect reads the layers of models loaded by ccq-eval; this {kind} model was built by fla's own "
+            "classes: load it with ccq_eval.model.loading.load_model")
     return layers
 
 
@@ -218,22 +223,19 @@ class ReadRecorder:
 
     @contextlib.contextmanager
     def capture(self):
-        patched, hooks = [], []
+        from ccq_eval.model.modeling_ccq import READ_KERNELS
+
+        kernels, hooks = dict(READ_KERNELS), []
         try:
-            for module_name, names in _KERNEL_MODULES.items():
-                module = importlib.import_module(module_name)
-                for name in names:
-                    original = getattr(module, name)
-                    setattr(module, name, self._kernel_wrapper(name, original))
-                    patched.append((module, name, original))
+            for name in (*GLA_KERNELS, *GDN_KERNELS):
+                READ_KERNELS[name] = self._kernel_wrapper(name, kernels[name])
             for index, layer in enumerate(self.layers):
                 hooks.append(layer.register_forward_pre_hook(self._enter(index)))
                 if getattr(layer, "ccq_enabled", False):
                     layer.ccq_query = self._ccq_wrapper(index, layer.ccq_query)
             yield self
         finally:
-            for module, name, original in patched:
-                setattr(module, name, original)
+            READ_KERNELS.update(kernels)
             for hook in hooks:
                 hook.remove()
             for layer in self.layers:

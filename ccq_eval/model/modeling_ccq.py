@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import logging
 import tarfile
+from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange, repeat
-from fla.layers import gated_deltanet as fla_gdn_layer
-from fla.layers import gla as fla_gla_layer
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.layers.gla import GatedLinearAttention
-from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
+from fla.models.modeling_utils import FLAForCausalLM
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ccq_eval.model import fla_cpu
 from ccq_eval.model.ccq import CCQ_FORMS, CCQGate, CCQState, ccq_read_keys, sigma_passes
+from ccq_eval.model.fla_cpu.backend import rebind
 from ccq_eval.model.kernels import autotune
 from ccq_eval.model.kernels.l2norm_pair import l2norm_pair
 
@@ -155,30 +155,6 @@ class CCQReadMixin:
             if not getattr(self.ccq_gate_bias, "_is_hf_initialized", False):
                 self.ccq_gate_bias.fill_(self.ccq_gate_bias_init)
 
-    def short_conv_qkv(self, hidden_states, last_state, use_cache):
-        """q, k, v through the layer's short convolutions, continuing from the cached conv states."""
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        if last_state is None and not use_cache and _same_convolutions(convs):
-            # No state in or out: one depthwise convolution over the q, k, v channels side by side,
-            # as fla's GatedDeltaNet does for its baseline. Each channel is computed as with three
-            # calls; one call saves host time, which bounds the forward of mid-size models on a GPU.
-            projected = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states),
-                                   self.v_proj(hidden_states)], dim=-1)
-            weight = torch.cat([conv.weight.squeeze(1) for conv in convs], dim=0)
-            bias = None if convs[0].bias is None else torch.cat([conv.bias for conv in convs], dim=0)
-            mixed, _ = fla_cpu.causal_conv1d(x=projected, weight=weight, bias=bias,
-                                             activation=convs[0].activation, backend=convs[0].backend)
-            widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
-            return (*torch.split(mixed, widths, dim=-1), (None, None, None))
-        states = last_state["conv_state"] if last_state is not None else (None, None, None)
-        outputs, new_states = [], []
-        for proj, conv, state in zip((self.q_proj, self.k_proj, self.v_proj),
-                                     (self.q_conv1d, self.k_conv1d, self.v_conv1d), states):
-            x, state = conv(x=proj(hidden_states), cache=state, output_final_state=use_cache)
-            outputs.append(x)
-            new_states.append(state)
-        return (*outputs, tuple(new_states))
-
     def ccq_read_gate(self) -> CCQGate:
         """lambda_t = lambda_max * sigmoid(a_h . r_t + b_h) ("query") or lambda_max * sigmoid(b_h)."""
         weight = None if self.ccq_gate == "constant" else self.ccq_gate_weight
@@ -194,20 +170,39 @@ class CCQReadMixin:
                              initial_state=ccq_state, keys_unit=keys_unit, form=self.ccq_form)
 
 
-def _same_convolutions(convs) -> bool:
-    """Whether short convolutions can run as one over their concatenated channels (fla's condition for
-    its fused q, k, v convolution: the same backend, activation and kernel size, biases on all or none)."""
-    first = convs[0]
-    return all(conv.backend == first.backend and conv.activation == first.activation
-               and conv.kernel_size == first.kernel_size and (conv.bias is None) == (first.bias is None)
-               for conv in convs)
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        """fla's forward of the layer (`_fla_forward`), whose kernel calls read with q~ when CCQ is on."""
+        if self.ccq_enabled:
+            attention_mask = _without_trivial_mask(attention_mask)
+        token = _CCQ_LAYER.set(self if self.ccq_enabled else None)
+        try:
+            return self._fla_forward(hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
+                                     **kwargs)
+        finally:
+            _CCQ_LAYER.reset(token)
 
 
-def _split_state(last_state):
-    """(S, CCQState | None) from a layer cache entry written by a CCQ layer (or nothing yet)."""
-    if last_state is None or last_state.get("recurrent_state") is None:
+# The CCQ layer whose forward is running in this thread / task (None: a baseline layer, fla's read). The
+# layers run fla's own forward; the kernel names it calls are bound to the functions below, which take
+# the layer from here. Nothing in fla is changed.
+_CCQ_LAYER: ContextVar[CCQReadMixin | None] = ContextVar("ccq_layer", default=None)
+
+# What serves each kernel name fla's layer forwards call: fla's op on CUDA, the torch backend elsewhere.
+# A table so that ccq_eval.inspection can watch the reads for the length of a `with` block.
+READ_KERNELS: dict[str, Callable] = {
+    "chunk_gla": fla_cpu.chunk_gla,
+    "fused_recurrent_gla": fla_cpu.fused_recurrent_gla,
+    "chunk_gated_delta_rule": fla_cpu.chunk_gated_delta_rule,
+    "fused_recurrent_gated_delta_rule": fla_cpu.fused_recurrent_gated_delta_rule,
+}
+
+
+def _split_state(recurrent_state):
+    """(S, CCQState | None) from a recurrent state written by a CCQ layer (or nothing yet)."""
+    if recurrent_state is None:
         return None, None
-    S, P, m, n = last_state["recurrent_state"]
+    S, P, m, n = recurrent_state
     return S, CCQState(P, m, n)
 
 
@@ -227,76 +222,77 @@ def _reject_varlen(cu_seqlens):
         )
 
 
-class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
-    """fla's GatedLinearAttention, reading its state with q~. GLA's decay for CCQ: exp(mean_j gk[j])."""
+def _gla_read(name: str) -> Callable:
+    """GLA kernel `name` as a CCQ layer calls it: CCQ turns q into q~ and keeps (P, m, n) beside the
+    backbone state S in the layer's recurrent state. GLA's decay for CCQ: exp(mean_j gk[j]), the
+    geometric mean of the channel decays (a scalar keeps Sigma symmetric, ccq.md)."""
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, **kwargs):
-        if not self.ccq_enabled:
-            return GatedLinearAttention.forward(self, hidden_states, attention_mask, past_key_values, use_cache,
-                                                output_attentions, **kwargs)
-        batch_size, q_len, _ = hidden_states.shape
-        attention_mask = _without_trivial_mask(attention_mask)
-        mode = "fused_recurrent" if q_len <= 64 else self.mode
-        last_state = get_layer_cache(self, past_key_values)
-        hidden_states, indices, cu_seqlens = unpad_hidden_states(
-            hidden_states, kwargs.get("cu_seqlens"), attention_mask, q_len)
+    def read(*, q, k, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
+        kernel = READ_KERNELS[name]
+        layer = _CCQ_LAYER.get()
+        if layer is None:
+            return kernel(q=q, k=k, initial_state=initial_state, output_final_state=output_final_state,
+                          cu_seqlens=cu_seqlens, **kwargs)
         _reject_varlen(cu_seqlens)
+        S, ccq_state = _split_state(initial_state)
+        log_gate = kwargs["g"] if "g" in kwargs else kwargs["gk"]  # chunk_gla: g, fused_recurrent_gla: gk
+        q, ccq_state = layer.ccq_query(q, k, log_gate.mean(-1, dtype=torch.float32), ccq_state)
+        o, S = kernel(q=q, k=k, initial_state=S, output_final_state=output_final_state, **kwargs)
+        return o, ((S, *ccq_state) if output_final_state else None)
 
-        conv_states = None
-        if self.use_short_conv:
-            q, k, v, conv_states = self.short_conv_qkv(hidden_states, last_state, use_cache)
-        else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        gk = self.gk_proj(hidden_states)
+    read.__name__ = read.__qualname__ = name
+    return read
 
-        q = rearrange(q, "... (h d) -> ... h d", d=self.head_k_dim)
-        if self.num_kv_groups > 1:
-            k, gk = (repeat(x, "... (h d) -> ... (h g) d", g=self.num_kv_groups, d=self.head_k_dim) for x in (k, gk))
-            v = repeat(v, "... (h d) -> ... (h g) d", g=self.num_kv_groups, d=self.head_v_dim)
-        else:
-            k, gk = (rearrange(x, "... (h d) -> ... h d", d=self.head_k_dim) for x in (k, gk))
-            v = rearrange(v, "... (h d) -> ... h d", d=self.head_v_dim)
-        gk = F.logsigmoid(gk) / self.gate_logit_normalizer
-        if self.clamp_min is not None:
-            gk = torch.clamp_min(gk, self.clamp_min)
-        if self.feature_map_fn is not None:
-            q, k = map(self.feature_map_fn, (q, k))
 
-        S, ccq_state = _split_state(last_state)
-        # Geometric mean of the channel decays: a scalar keeps Sigma symmetric (ccq.md).
-        q, ccq_state = self.ccq_query(q, k, gk.mean(-1, dtype=torch.float32), ccq_state)
+def _gated_delta_read(name: str) -> Callable:
+    """Gated DeltaNet kernel `name` as a CCQ layer calls it. q and k are L2-normalised and the decay
+    g = -exp(A_log) softplus(a + dt_bias) computed here, as the kernel would, so that CCQ sees the query
+    the read uses and decays with the layer's own exp(g_t); the kernel then reads q~ without
+    normalising it again."""
 
-        # The module attributes, not imported names: the CPU backend patches them.
-        if mode == "fused_recurrent":
-            o, S = fla_gla_layer.fused_recurrent_gla(q=q, k=k, v=v, gk=gk, initial_state=S,
-                                                     output_final_state=use_cache, state_v_first=True)
-        else:
-            o, S = fla_gla_layer.chunk_gla(q=q, k=k, v=v, g=gk, initial_state=S,
-                                           output_final_state=use_cache, state_v_first=True)
+    def read(*, q, k, g, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+             cu_seqlens=None, **kwargs):
+        kernel = READ_KERNELS[name]
+        layer = _CCQ_LAYER.get()
+        if layer is None:
+            return kernel(q=q, k=k, g=g, initial_state=initial_state, output_final_state=output_final_state,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, **kwargs)
+        _reject_varlen(cu_seqlens)
+        if not (use_qk_l2norm_in_kernel and kwargs.get("use_gate_in_kernel")):
+            raise RuntimeError(
+                f"CCQ: fla's GatedDeltaNet calls {name} without use_qk_l2norm_in_kernel / use_gate_in_kernel; "
+                "the installed fla differs from the one ccq-eval was written against (pyproject.toml pins it).")
+        # q and k normalised together, read from their strided views (one Triton launch on CUDA, no
+        # torch.stack copy: ccq_eval/model/kernels/l2norm_pair.py); each comes out contiguous.
+        q, k = l2norm_pair(q, k)
+        A_log, dt_bias = kwargs["A_log"], kwargs["dt_bias"]
+        log_decay = -A_log.float().exp() * F.softplus(g.float() + dt_bias.float())
+        S, ccq_state = _split_state(initial_state)
+        q, ccq_state = layer.ccq_query(q, k, log_decay, ccq_state, keys_unit=True)
+        o, S = kernel(q=q, k=k, g=g, initial_state=S, output_final_state=output_final_state,
+                      use_qk_l2norm_in_kernel=False, **kwargs)
+        return o, ((S, *ccq_state) if output_final_state else None)
 
-        update_layer_cache(
-            self, past_key_values,
-            recurrent_state=(S, *ccq_state) if use_cache else None,
-            conv_state=conv_states,
-            offset=q_len,
-        )
-        if self.use_output_gate:
-            g = self.g_proj(hidden_states)
-            if self.fuse_norm_and_gate:
-                g = rearrange(g, "... (h d) -> ... h d", d=self.head_v_dim)
-                o = rearrange(self.g_norm_swish_gate(o, g), "... h d -> ... (h d)")
-            else:
-                o = rearrange(self.g_norm(o), "... h d -> ... (h d)") * self.gate_fn(g)
-        else:
-            o = rearrange(self.g_norm(o), "... h d -> ... (h d)")
-        o = repad_hidden_states(self.o_proj(o), indices, batch_size, q_len)
-        return o, None, past_key_values
+    read.__name__ = read.__qualname__ = name
+    return read
+
+
+class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
+    """fla's GatedLinearAttention, reading its state with q~ (fla's forward, CCQ in its kernel calls)."""
+
+    _fla_forward = rebind(GatedLinearAttention.forward, chunk_gla=_gla_read("chunk_gla"),
+                          fused_recurrent_gla=_gla_read("fused_recurrent_gla"))
 
 
 class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
-    """fla's GatedDeltaNet reading with q~. q and k are L2-normalised here (not in the kernel) so that
-    CCQ sees the query the read uses; CCQ's decay is the layer's own exp(g_t)."""
+    """fla's GatedDeltaNet reading with q~ (fla's forward, CCQ in its kernel calls)."""
+
+    _fla_forward = rebind(
+        GatedDeltaNet.forward,
+        chunk_gated_delta_rule=_gated_delta_read("chunk_gated_delta_rule"),
+        fused_recurrent_gated_delta_rule=_gated_delta_read("fused_recurrent_gated_delta_rule"),
+        causal_conv1d=fla_cpu.causal_conv1d,
+    )
 
     def attach_ccq(self, config) -> None:
         if self.num_v_heads != self.num_heads:
@@ -306,72 +302,15 @@ class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
             )
         super().attach_ccq(config)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, **kwargs):
-        if not self.ccq_enabled:
-            return GatedDeltaNet.forward(self, hidden_states, attention_mask, past_key_values, use_cache,
-                                         output_attentions, **kwargs)
-        batch_size, q_len, _ = hidden_states.shape
-        attention_mask = _without_trivial_mask(attention_mask)
-        if torch.is_grad_enabled() or self.training:
-            mode = "chunk"
-        elif q_len <= 64:
-            mode = "fused_recurrent"
-        else:
-            mode = self.mode
-        last_state = get_layer_cache(module=self, past_key_values=past_key_values)
-        hidden_states, indices, cu_seqlens = unpad_hidden_states(
-            hidden_states=hidden_states, cu_seqlens=kwargs.get("cu_seqlens"), attention_mask=attention_mask,
-            q_len=q_len)
-        _reject_varlen(cu_seqlens)
-
-        conv_states = None
-        if self.use_short_conv:
-            q, k, v, conv_states = self.short_conv_qkv(hidden_states, last_state, use_cache)
-        else:
-            q, k, v = (F.silu(proj(hidden_states)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = (rearrange(x, "... (h d) -> ... h d", d=self.head_k_dim) for x in (q, k))
-        v = rearrange(v, "... (h d) -> ... h d", d=self.head_v_dim)
-        # q and k normalised together, read from their strided views (one Triton launch on CUDA, no
-        # torch.stack copy: ccq_eval/model/kernels/l2norm_pair.py); each comes out contiguous.
-        q, k = l2norm_pair(q, k)
-
-        a = self.a_proj(hidden_states)
-        beta = self.b_proj(hidden_states)
-        # The kernel's own gate: g = -exp(A_log) * softplus(a + dt_bias), per head, fp32.
-        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-
-        S, ccq_state = _split_state(last_state)
-        q, ccq_state = self.ccq_query(q, k, log_decay, ccq_state, keys_unit=True)
-
-        kernel = (fla_gdn_layer.chunk_gated_delta_rule if mode == "chunk"
-                  else fla_gdn_layer.fused_recurrent_gated_delta_rule)
-        o, S = kernel(
-            q=q, k=k, v=v, g=a, beta=beta, initial_state=S, output_final_state=use_cache,
-            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=True,
-            allow_neg_eigval=self.allow_neg_eigval, state_v_first=True,
-            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-        )
-        update_layer_cache(
-            module=self, past_key_values=past_key_values,
-            recurrent_state=(S, *ccq_state) if use_cache else None,
-            conv_state=conv_states,
-            offset=q_len,
-        )
-        if self.use_gate:
-            g = rearrange(self.g_proj(hidden_states), "... (h d) -> ... h d", d=self.head_v_dim)
-            o = self.o_norm(o, g)
-        else:
-            o = self.o_norm(o)
-        o = self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
-        o = repad_hidden_states(hidden_states=o, indices=indices, batch_size=batch_size, q_len=q_len)
-        return o, None, past_key_values
-
 
 class CCQCausalLMMixin:
-    """Turns the fla layers of a freshly built model into CCQ layers, and fixes generate()'s cache name."""
+    """Turns the fla layers of a freshly built model into CCQ layers and its other fla modules into ones
+    that also run on CPU (fla_cpu.use_torch_backend), and fixes generate()'s cache name."""
 
     _ccq_layer_types: dict[type, type] = {}
+
+    # fla's loss computation, building its fused losses as classes that also run on CPU
+    _compute_logits_and_loss = fla_cpu.backend.loss_on_any_device(FLAForCausalLM._compute_logits_and_loss)
 
     def _attach_ccq_layers(self, config) -> None:
         for block in self.model.layers:
@@ -381,6 +320,7 @@ class CCQCausalLMMixin:
                 # The fla layer keeps its submodules and parameter names; only its class changes.
                 layer.__class__ = ccq_type
                 layer.attach_ccq(config)
+        fla_cpu.use_torch_backend(self)
 
     def _initialize_missing_keys(self, *args, **kwargs):
         # fla's _init_weights (run per sub-model, so not overridable here) does not know the CCQ
@@ -403,7 +343,7 @@ class CCQGLAForCausalLM(CCQCausalLMMixin, GLAForCausalLM):
     _ccq_layer_types = {GatedLinearAttention: CCQGatedLinearAttention}
 
     def __init__(self, config: CCQGLAConfig):
-        prepare_runtime()  # fla's layers read its activation table when built
+        prepare_runtime()
         super().__init__(config)
         self._attach_ccq_layers(config)
 
@@ -432,8 +372,8 @@ _winners_seeded = False  # prepare_runtime copies the shipped autotune winners o
 def prepare_runtime() -> None:
     """Make this process ready for the CCQ models (idempotent): the cap on triton's autotuning
     (CCQ_EVAL_AUTOTUNE_CONFIGS) and, with CUDA, the shipped autotune winners in triton's cache
-    (kernels/autotune.py), fla's CPU backend (`fla_cpu.install`) and the model types in
-    transformers' Auto classes. The loader, the lm-eval adapter and the models' constructors call
+    (kernels/autotune.py) and the model types in transformers' Auto classes. fla is left as it is:
+    the CCQ classes run on CPU through their own modules (fla_cpu.use_torch_backend). The loader, the lm-eval adapter and the models' constructors call
     it; importing ccq_eval does not.
     """
     autotune.install_limit_from_env()
@@ -444,5 +384,4 @@ def prepare_runtime() -> None:
         except (OSError, tarfile.TarError) as error:  # a read-only cache: kernels autotune as usual
             logger.warning("could not copy the shipped autotune winners into triton's cache: %s", error)
         _winners_seeded = True
-    fla_cpu.install()
     register()

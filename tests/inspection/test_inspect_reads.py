@@ -163,19 +163,22 @@ def embedded(request):
 @pytest.mark.parametrize("length", [40, 150])  # fla's layers: recurrent kernels up to 64 tokens, chunked above
 def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded, length):
     """One forward with the recorder: for every layer and head the decomposition reproduces the kernel's
-    own output at the answer position, CCQ models' q~ is the one rebuilt from Sigma, and the kernel names
-    are restored afterwards."""
+    own output at the answer position, CCQ models' q~ is the one rebuilt from Sigma, and the read kernels
+    are restored afterwards (fla's own names are never touched)."""
     import fla.layers.gla as fla_gla
 
+    from ccq_eval.model.modeling_ccq import READ_KERNELS
+
     _, model = embedded
-    before = fla_gla.chunk_gla
+    before, kernels_before = fla_gla.chunk_gla, dict(READ_KERNELS)
     ids = torch.randint(3, 259, (1, length), generator=torch.Generator().manual_seed(0))
     needle = (length // 3, length // 3 + 12)
     prompt = NeedlePrompt("synthetic", length, 50.0, 0, ids[0].tolist(), needle=needle, value=(needle[0] + 4, needle[1]))
     recorder = ReadRecorder(model)
     with torch.no_grad(), recorder.capture():
         model(input_ids=ids, use_cache=False)
-    assert fla_gla.chunk_gla is before and "ccq_query" not in vars(recorder.layers[0])
+    assert fla_gla.chunk_gla is before and READ_KERNELS == kernels_before
+    assert "ccq_query" not in vars(recorder.layers[0])
     reads = recorder.ordered()
     assert len(reads) == model.config.num_hidden_layers
     settings = CCQSettings(model.config)

@@ -17,7 +17,7 @@ from ccq_eval.model.ccq import _FusedOrder1, ccq_read_reference, unit_keys  # no
 from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward  # noqa: E402
 from ccq_eval.model.modeling_ccq import prepare_runtime  # noqa: E402
 
-prepare_runtime()  # fla's CPU backend, as in every other test
+prepare_runtime()  # the autotune cap and the CCQ model types, as in every other test
 
 
 def inputs(B, T, H, K, seed, dtype=torch.float32):

@@ -1,5 +1,5 @@
 """fla_cpu.torch_chunk_bwd_dqkwg (fla's chunk_bwd_dqkwg in torch, the fla #640 workaround) against
-autograd through an independent per-step recurrence, and the install-time patch of fla's callers.
+autograd through an independent per-step recurrence, and the routing between fla and it.
 
 The reference runs S <- exp(g_t) S + k_t v_t^T, o_t = scale * S^T q_t token by token in float64;
 the state at the end of every chunk is kept (retain_grad), so h[n] (state at the start of chunk n)
@@ -171,19 +171,7 @@ def test_varlen_not_supported():
         call(ref, cu_seqlens=torch.tensor([0, 100, T]))
 
 
-# ---------------------------------------------------------------- install / routing
-
-
-def test_install_patches_fla_callers():
-    from fla.ops.common import chunk_o
-    from fla.ops.gated_delta_rule import chunk as gdn_chunk
-    from fla.ops.simple_gla import chunk as simple_chunk
-
-    fla_cpu.install()
-    fla_cpu.install()  # idempotent: still wraps fla's function, not our earlier wrapper
-    for module in (gdn_chunk, simple_chunk):
-        assert module.chunk_bwd_dqkwg is not chunk_o.chunk_bwd_dqkwg
-        assert module.chunk_bwd_dqkwg._ccq_original is chunk_o.chunk_bwd_dqkwg
+# ---------------------------------------------------------------- routing
 
 
 def test_wrapper_routing(monkeypatch):

@@ -260,7 +260,6 @@ def test_losses():
 
 @pytest.mark.parametrize("family", ["gla", "gdn"])
 def test_tiny_model_cuda_matches_cpu(family):
-    fla_cpu.install()
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
 
     if family == "gla":
@@ -273,6 +272,7 @@ def test_tiny_model_cuda_matches_cpu(family):
                 hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=64, vocab_size=256
             )
         )
+    fla_cpu.use_torch_backend(model)
     ids = torch.randint(0, 256, (2, 200))
     with torch.no_grad():
         cpu = model.eval()(ids, use_cache=False).logits

@@ -1,5 +1,6 @@
-"""Tiny fla GLA / Gated DeltaNet models on CPU through ccq_eval.model.fla_cpu: training step, loss,
-chunked prefill + decoding against one full forward, padded batches, long inputs."""
+"""Tiny fla GLA / Gated DeltaNet models (fla's own classes) on CPU through ccq_eval.model.fla_cpu's
+use_torch_backend: training step, loss, chunked prefill + decoding against one full forward, padded
+batches, long inputs."""
 
 import time
 
@@ -16,9 +17,6 @@ from fla.models.utils import Cache
 
 from ccq_eval.model import fla_cpu
 
-# before any model is built: layers read fla's ACT2FN table when they are constructed
-fla_cpu.install()
-
 VOCAB = 256
 
 
@@ -32,7 +30,7 @@ def tiny_gla(**overrides):
         "intermediate_size": 128,
     }
     config.update(overrides)
-    return GLAForCausalLM(GLAConfig(**config))
+    return fla_cpu.use_torch_backend(GLAForCausalLM(GLAConfig(**config)))
 
 
 def tiny_gdn(**overrides):
@@ -45,7 +43,7 @@ def tiny_gdn(**overrides):
         "intermediate_size": 128,
     }
     config.update(overrides)
-    return GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**config))
+    return fla_cpu.use_torch_backend(GatedDeltaNetForCausalLM(GatedDeltaNetConfig(**config)))
 
 
 BUILDERS = {

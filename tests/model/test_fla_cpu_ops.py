@@ -479,8 +479,8 @@ def test_causal_conv1d_prefill_state_and_decode(activation):
 def test_short_convolution_module_paths():
     from fla.modules import ShortConvolution
 
-    fla_cpu.install()
-    conv = ShortConvolution(hidden_size=6, kernel_size=4, bias=True, activation="silu").double()
+    conv = fla_cpu.use_torch_backend(ShortConvolution(hidden_size=6, kernel_size=4, bias=True, activation="silu"))
+    conv = conv.double()
     x = randn(2, 9, 6)
     weight = conv.weight.detach().squeeze(1)
     with torch.no_grad():
@@ -503,9 +503,8 @@ def test_short_convolution_module_paths():
 def test_rms_norms_and_gates():
     from fla.modules import FusedRMSNormGated, RMSNorm
 
-    fla_cpu.install()
     x, r, g = randn(3, 4, 8), randn(3, 4, 8), randn(3, 4, 8)
-    norm = RMSNorm(8, eps=1e-5).double()
+    norm = fla_cpu.use_torch_backend(RMSNorm(8, eps=1e-5)).double()
     with torch.no_grad():
         norm.weight.copy_(randn(8))
     w = norm.weight
@@ -521,7 +520,7 @@ def test_rms_norms_and_gates():
     y, resid = norm.float()(xb, None, True, True)
     assert resid is not None and resid.dtype == torch.float32
     for activation, gate in (("swish", g * torch.sigmoid(g)), ("sigmoid", torch.sigmoid(g))):
-        gated = FusedRMSNormGated(8, eps=1e-5, activation=activation).double()
+        gated = fla_cpu.use_torch_backend(FusedRMSNormGated(8, eps=1e-5, activation=activation)).double()
         with torch.no_grad():
             gated.weight.copy_(w)
         torch.testing.assert_close(gated(x, g), rms(x) * gate, **TOL)
@@ -531,16 +530,17 @@ def test_rms_norms_and_gates():
 
 def test_activations_swiglu_and_losses():
     from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss, GatedMLP
-    from fla.modules.activations import ACT2FN
 
-    fla_cpu.install()
     x, y = randn(4, 6), randn(4, 6)
-    torch.testing.assert_close(ACT2FN["swish"](x), x * torch.sigmoid(x), **TOL)
-    torch.testing.assert_close(ACT2FN["sigmoid"](x), torch.sigmoid(x), **TOL)
-    torch.testing.assert_close(ACT2FN["logsigmoid"](x), torch.log(torch.sigmoid(x)), **TOL)
+    torch.testing.assert_close(fla_cpu.swish(x), x * torch.sigmoid(x), **TOL)
+    torch.testing.assert_close(fla_cpu.sigmoid(x), torch.sigmoid(x), **TOL)
+    torch.testing.assert_close(fla_cpu.logsigmoid(x), torch.log(torch.sigmoid(x)), **TOL)
     torch.testing.assert_close(fla_cpu.swiglu(x, y), x * torch.sigmoid(x) * y, **TOL)
 
-    mlp = GatedMLP(hidden_size=8, intermediate_size=16, fuse_swiglu=True).double()
+    def backend(module):
+        return fla_cpu.use_torch_backend(module)
+
+    mlp = backend(GatedMLP(hidden_size=8, intermediate_size=16, fuse_swiglu=True)).double()
     h = randn(2, 3, 8)
     expected = mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
     torch.testing.assert_close(mlp(h), expected, **TOL)
@@ -550,9 +550,10 @@ def test_activations_swiglu_and_losses():
     logits, target = randn(10, 7, requires_grad=True), torch.randint(0, 7, (10,))
     target[3] = -100
     for smoothing in (0.0, 0.1):
-        loss = FusedCrossEntropyLoss(label_smoothing=smoothing)(logits, target)
+        loss = backend(FusedCrossEntropyLoss(label_smoothing=smoothing))(logits, target)
         torch.testing.assert_close(loss, F.cross_entropy(logits, target, label_smoothing=smoothing), **TOL)
-    summed = FusedCrossEntropyLoss(reduction="sum", lse_square_scale=1e-2, return_z_loss=True)(logits, target)
+    summed = backend(FusedCrossEntropyLoss(reduction="sum", lse_square_scale=1e-2, return_z_loss=True))(
+        logits, target)
     lse = torch.logsumexp(logits, -1)[target != -100]
     z_expected = 1e-2 * (lse**2).sum()
     torch.testing.assert_close(
@@ -562,7 +563,7 @@ def test_activations_swiglu_and_losses():
 
     hidden, weight = randn(2, 5, 8, requires_grad=True), randn(7, 8, requires_grad=True)
     tgt = torch.randint(0, 7, (2, 5))
-    fused = FusedLinearCrossEntropyLoss()(hidden, tgt, weight)
+    fused = backend(FusedLinearCrossEntropyLoss())(hidden, tgt, weight)
     plain = F.cross_entropy(hidden.reshape(-1, 8) @ weight.T, tgt.reshape(-1))
     torch.testing.assert_close(fused, plain, **TOL)
     gf = torch.autograd.grad(fused, (hidden, weight))
@@ -570,19 +571,3 @@ def test_activations_swiglu_and_losses():
     for a, b in zip(gf, gp, strict=True):
         torch.testing.assert_close(a, b, **TOL)
 
-
-def test_install_is_idempotent_and_patches_layer_names():
-    import fla.layers.gated_deltanet as gdn_layer
-    import fla.layers.gla as gla_layer
-    from fla.modules import RMSNorm
-
-    fla_cpu.install()
-    first = RMSNorm.forward
-    fla_cpu.install()
-    assert RMSNorm.forward._ccq_original is first._ccq_original
-    assert fla_cpu.is_installed()
-    assert gla_layer.chunk_gla is fla_cpu.chunk_gla
-    assert gla_layer.fused_recurrent_gla is fla_cpu.fused_recurrent_gla
-    assert gdn_layer.chunk_gated_delta_rule is fla_cpu.chunk_gated_delta_rule
-    assert gdn_layer.fused_recurrent_gated_delta_rule is fla_cpu.fused_recurrent_gated_delta_rule
-    assert gdn_layer.causal_conv1d is fla_cpu.causal_conv1d

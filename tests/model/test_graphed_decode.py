@@ -17,7 +17,7 @@ from ccq_eval.model.modeling_ccq import (
     prepare_runtime,
 )
 
-prepare_runtime()  # fla's CPU backend and the CCQ model types
+prepare_runtime()  # the CCQ model types in transformers' Auto classes
 
 MODELS = {  # head dim 64: CCQ's torch recurrence decodes; 128: the fused decoding kernel (ccq_triton)
     "gla": lambda ccq: CCQGLAForCausalLM(CCQGLAConfig(

@@ -4,7 +4,9 @@ models run on CPU (fla 0.6). CUDA tensors keep fla's kernels.
 - `linear_attention`, `delta_rule`, `modules`, `dqkwg`: the torch implementations, one op family
   each (`torch_*`, device-agnostic, also used by the GPU tests as references).
 - `dispatch`: one table (`OPS`) and the dispatchers with fla's names and signatures.
-- `install`: patches fla's layers and modules to call the dispatchers (`install()`, idempotent).
+- `backend`: `use_torch_backend(model)` makes one model's fla modules call the dispatchers (subclasses
+  of fla's classes, fla's forward code with our op names); fla itself is never patched, so any other
+  fla model in the process behaves as without ccq-eval.
 
 Numerics: every op computes in float32 or wider (float64 inputs stay float64) and casts its output
 to the dtype fla's kernel would return; recurrent states come back in the compute dtype. The
@@ -14,6 +16,7 @@ sequences run in segments of SEGMENT_TOKENS, each checkpointed under autograd.
 Algorithms follow the GLA and Gated DeltaNet papers (Yang et al. 2023 / 2024); the code is ours.
 """
 
+from ccq_eval.model.fla_cpu.backend import rebind, torch_backend_class, use_torch_backend
 from ccq_eval.model.fla_cpu.common import CHUNK_SIZE, SEGMENT_TOKENS
 from ccq_eval.model.fla_cpu.delta_rule import (
     torch_chunk_gated_delta_rule,
@@ -39,8 +42,7 @@ from ccq_eval.model.fla_cpu.dispatch import (
     swiglu_linear,
     swish,
 )
-from ccq_eval.model.fla_cpu.dqkwg import install_hopper_dqkwg_fix, torch_chunk_bwd_dqkwg
-from ccq_eval.model.fla_cpu.install import install, is_installed
+from ccq_eval.model.fla_cpu.dqkwg import hopper_safe_op, torch_chunk_bwd_dqkwg
 from ccq_eval.model.fla_cpu.linear_attention import (
     torch_chunk_gla,
     torch_chunk_simple_gla,
@@ -72,17 +74,17 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_gla",
     "fused_recurrent_simple_gla",
-    "install",
-    "install_hopper_dqkwg_fix",
-    "is_installed",
+    "hopper_safe_op",
     "l2norm",
     "logsigmoid",
+    "rebind",
     "rms_norm",
     "rms_norm_gated",
     "sigmoid",
     "swiglu",
     "swiglu_linear",
     "swish",
+    "torch_backend_class",
     "torch_causal_conv1d",
     "torch_causal_conv1d_update",
     "torch_chunk_bwd_dqkwg",
@@ -101,4 +103,5 @@ __all__ = [
     "torch_swiglu",
     "torch_swiglu_linear",
     "torch_swish",
+    "use_torch_backend",
 ]

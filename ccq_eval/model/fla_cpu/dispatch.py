@@ -1,5 +1,6 @@
 """fla's ops as device-dispatching functions: a call whose first tensor lives on CUDA goes to fla's
-own function (triton, unchanged), anything else to the torch implementation of this package.
+own function (triton, unchanged; on a machine hit by fla #640 the gated ops' backward avoids the kernel
+fla refuses there, see dqkwg.py), anything else to the torch implementation of this package.
 
 One table, `OPS`, says for every op which fla module defines it and which torch function serves it
 on CPU. The torch functions take fla's argument names, so a CPU call is bound against fla's
@@ -24,6 +25,8 @@ from ccq_eval.model.fla_cpu.delta_rule import (
     torch_fused_recurrent_gated_delta_rule,
     torch_l2norm,
 )
+from ccq_eval.model.fla_cpu.dqkwg import DQKWG_CALLERS as HOPPER_SAFE_OPS
+from ccq_eval.model.fla_cpu.dqkwg import hopper_safe_op, hopper_triton_affected
 from ccq_eval.model.fla_cpu.linear_attention import (
     torch_chunk_gla,
     torch_chunk_simple_gla,
@@ -122,13 +125,21 @@ def _call_torch(name: str, args: tuple, kwargs: dict):
     return op.torch_impl(**call)
 
 
+def _cuda_function(name: str) -> Callable:
+    """What serves op `name` on CUDA: fla's function, or on a machine hit by fla #640 the same op with a
+    backward that works there (dqkwg.hopper_safe_op)."""
+    if name in HOPPER_SAFE_OPS and hopper_triton_affected():
+        return hopper_safe_op(name)
+    return fla_original(name)
+
+
 def _dispatcher(name: str) -> Callable:
     first = next(iter(inspect.signature(OPS[name].torch_impl).parameters))
 
     def op(*args, **kwargs):
         tensor = args[0] if args else kwargs[first]
         if tensor.is_cuda:
-            return fla_original(name)(*args, **kwargs)
+            return _cuda_function(name)(*args, **kwargs)
         return _call_torch(name, args, kwargs)
 
     op.__name__ = op.__qualname__ = name

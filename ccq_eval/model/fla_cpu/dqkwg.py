@@ -1,10 +1,11 @@
-"""fla's chunk_bwd_dqkwg in torch, and the patch that routes fla's gated backward to it where fla refuses
-the call (fla #640: on Hopper with 3.4.0 <= Triton < 3.7.1 its kernel gives wrong results and fla raises).
+"""fla's chunk_bwd_dqkwg in torch, and the fla ops whose backward uses it where fla refuses the call
+(fla #640: on Hopper with 3.4.0 <= Triton < 3.7.1 its kernel gives wrong results and fla raises).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -123,22 +124,18 @@ def torch_chunk_bwd_dqkwg(
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dw, dg
 
 
-# The fla modules whose backward calls chunk_bwd_dqkwg by its module-level name and that our
-# models reach (fla.ops.gla's backward has its own kernels and never calls it).
-_DQKWG_CALLERS = ("fla.ops.gated_delta_rule.chunk", "fla.ops.simple_gla.chunk")
-
-
 def _hits_fla_640(q: torch.Tensor, g: torch.Tensor | None) -> bool:
     """The guard in fla's chunk_bwd_dqkwg, on CUDA tensors: it raises exactly then."""
+    return q.is_cuda and g is not None and hopper_triton_affected()
+
+
+@cache
+def hopper_triton_affected() -> bool:
+    """Whether this machine is one where fla refuses chunk_bwd_dqkwg (fla #640: an NVIDIA Hopper GPU with
+    3.4.0 <= Triton < 3.7.1, where its kernel gives wrong results)."""
     from fla.ops.common import chunk_o
 
-    return (
-        q.is_cuda
-        and g is not None
-        and chunk_o.IS_NVIDIA_HOPPER
-        and chunk_o.TRITON_ABOVE_3_4_0
-        and not chunk_o.TRITON_ABOVE_3_7_1
-    )
+    return chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1
 
 
 def _hopper_dqkwg(original: Callable) -> Callable:
@@ -152,23 +149,41 @@ def _hopper_dqkwg(original: Callable) -> Callable:
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
         )
 
-    chunk_bwd_dqkwg._ccq_original = original
     return chunk_bwd_dqkwg
 
 
-def install_hopper_dqkwg_fix() -> None:
-    """Route fla's gated chunk_bwd_dqkwg to torch_chunk_bwd_dqkwg where fla refuses it.
+# op -> (its module, the autograd Function it applies, the backward function that calls chunk_bwd_dqkwg):
+# the fla ops our models reach whose backward calls it (fla.ops.gla's backward has its own kernels).
+DQKWG_CALLERS = {
+    "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule.chunk", "ChunkGatedDeltaRuleFunction",
+                               "chunk_gated_delta_rule_bwd"),
+    "chunk_simple_gla": ("fla.ops.simple_gla.chunk", "ChunkSimpleGLAFunction", "chunk_simple_gla_bwd"),
+}
 
-    fla #640: on Hopper with 3.4.0 <= Triton < 3.7.1 chunk_bwd_kernel_dqkwg gives wrong results and
-    fla 0.6.0 raises instead, which breaks the backward of chunk_gated_delta_rule / chunk_simple_gla
-    on such GPUs (an H200, for instance). Patches the name in _DQKWG_CALLERS; everything else still
-    calls fla (idempotent).
+
+@cache
+def hopper_safe_op(name: str) -> Callable:
+    """fla's op `name` (a key of DQKWG_CALLERS) with its backward's chunk_bwd_dqkwg served by
+    torch_chunk_bwd_dqkwg where fla refuses it (fla #640); everything else is fla's code.
+
+    Built from fla's functions without changing them (backend.rebind): a copy of the backward function
+    that calls our chunk_bwd_dqkwg, a subclass of fla's autograd Function whose backward (fla's code,
+    fla's decorators) calls that copy, and a copy of the op's entry point that applies the subclass.
+    The entry point skips fla's backend registry, so callers use it only on affected machines.
     """
     import importlib
+    import inspect
 
     from fla.ops.common import chunk_o
+    from fla.utils import autocast_custom_bwd, input_guard
 
-    for module_name in _DQKWG_CALLERS:
-        # wrap fla's own function (from its defining module, never patched): idempotent
-        module = importlib.import_module(module_name)
-        module.chunk_bwd_dqkwg = _hopper_dqkwg(chunk_o.chunk_bwd_dqkwg)
+    from ccq_eval.model.fla_cpu.backend import rebind
+
+    module_name, function_name, bwd_name = DQKWG_CALLERS[name]
+    module = importlib.import_module(module_name)
+    bwd = rebind(getattr(module, bwd_name), chunk_bwd_dqkwg=_hopper_dqkwg(chunk_o.chunk_bwd_dqkwg))
+    function = getattr(module, function_name)
+    backward = rebind(inspect.unwrap(function.backward), **{bwd_name: bwd})
+    safe_function = type(function_name, (function,), {
+        "backward": staticmethod(input_guard(autocast_custom_bwd(backward))), "__module__": __name__})
+    return torch.compiler.disable(rebind(inspect.unwrap(getattr(module, name)), **{function_name: safe_function}))

@@ -1,0 +1,49 @@
+"""ccq-eval leaves fla as it is: after CCQ models were built and run in a process, every attribute of fla's
+modules is the object it was, and a plain fla model computes what it computes in a process that never
+imported ccq-eval (each side in its own fresh process, tests/model/_fla_untouched_checks.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CHECKS = Path(__file__).with_name("_fla_untouched_checks.py")
+
+
+def _checks(mode: str, device: str, env: dict | None = None) -> dict:
+    done = subprocess.run([sys.executable, str(CHECKS), mode, device], capture_output=True, text=True,
+                          check=False, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu():
+    """On CPU plain fla stops at its first triton kernel: everything it computes before that must have the
+    same bits, and it must stop with the same error (ccq-eval's CPU backend must not have reached it)."""
+    fresh = _checks("plain", "cpu")
+    after = _checks("after-ccq", "cpu")
+    assert not fresh["ccq_eval_imported"] and after["ccq_eval_imported"]
+    assert torch.isfinite(torch.tensor(after["ccq_logits_sum"])), "the CCQ models did not run"
+    assert after["changed"] == [], "ccq-eval changed fla's modules:\n" + "\n".join(after["changed"])
+    assert len(fresh["plain"]["module_outputs"]) >= 2  # at least the embedding and the first norm ran
+    assert after["plain"] == fresh["plain"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_unchanged_and_plain_model_bit_identical_cuda(tmp_path):
+    """The same on CUDA, where the plain model runs through: its logits have the same bits. Both processes
+    share one triton cache (the fresh one tunes first, the other reuses its winners) and autotune over
+    every candidate (CCQ_EVAL_AUTOTUNE_CONFIGS=all): ccq-eval's cap on triton's autotuning is a setting of
+    its own, and a kernel tuned over other candidates may round differently."""
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "CCQ_EVAL_AUTOTUNE_CONFIGS": "all"}
+    fresh = _checks("plain", "cuda", env)
+    after = _checks("after-ccq", "cuda", env)
+    assert fresh["plain"]["error"] is None, fresh["plain"]["error"]
+    assert torch.isfinite(torch.tensor(after["ccq_logits_sum"])), "the CCQ models did not run"
+    assert after["changed"] == [], "ccq-eval changed fla's modules:\n" + "\n".join(after["changed"])
+    assert after["plain"] == fresh["plain"]

@@ -68,11 +68,14 @@ def test_mechanism_figure_is_one_small_png(tmp_path):
 
 
 def test_a_mechanism_figure_path_that_is_no_png_is_refused_before_reading(tmp_path, monkeypatch):
-    from ccq_eval.inspection import InspectError
+    from typer.testing import CliRunner
+
+    from ccq_eval import cli
     from ccq_eval.inspection import run as inspect_run
 
     monkeypatch.setattr(inspect_run, "inspect_model", lambda *a, **k: pytest.fail("a model was read"))
-    with pytest.raises(InspectError, match=r"--mechanism-figure .*mechanism\.pdf: give the path of a \.png file"):
-        run_inspect(InspectOptions(models=["tiny-gdn"], output=tmp_path / "out",
-                                   mechanism_figure=tmp_path / "mechanism.pdf"))
-    assert not (tmp_path / "out").exists()
+    result = CliRunner().invoke(cli.app, ["inspect", "-m", "tiny-gdn", "--baseline-lambda", "1", "-o",
+                                          str(tmp_path / "out"), "--mechanism-figure", str(tmp_path / "mechanism.pdf")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"--mechanism-figure {tmp_path / 'mechanism.pdf'}: give the path of a .png file" in result.output
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())

@@ -224,16 +224,13 @@ def test_lambda_zero_model_equals_fla_logits(kind, tmp_path):
     """A plain fla checkpoint attached with the resolvent read and lambda = 0 computes fla's logits."""
     fla_model = _fla_model(kind)
     folder = _save(fla_model, tmp_path / kind)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type=f"ccq_{kind}", ccq=True, ccq_form="resolvent", ccq_solve_steps=5,
-                  ccq_gate="constant")
-    (folder / "config.json").write_text(json.dumps(config))
-    model, _ = load_model(str(folder), dtype="float64")
-    assert model.config.ccq_form == "resolvent"
+    model, _ = load_model(str(folder), dtype="float64", ccq_lambda=2.0,
+                          ccq_fields={"ccq_form": "resolvent", "ccq_solve_steps": 5})
+    assert model.config.ccq_form == "resolvent" and model.config.ccq_gate == "constant"
     x = _tokens(150)
     with torch.no_grad():
         expected = fla_model(x).logits
-        assert not torch.allclose(model(x).logits, expected, atol=1e-6)  # lambda_max / 2 acts
+        assert not torch.allclose(model(x).logits, expected, atol=1e-6)  # lambda = 2 acts
         for name, param in model.named_parameters():
             if name.endswith("ccq_gate_bias"):
                 param.fill_(float("-inf"))

@@ -126,7 +126,9 @@ class CCQGatedDeltaNetConfig(CCQConfigMixin, GatedDeltaNetConfig):
 
 
 class CCQReadMixin:
-    """What both CCQ layers add to their fla layer: the gate parameters and the read q -> q~."""
+    """What both CCQ layers add to their fla layer: the gate parameters, the read q -> q~, and a forward
+    that runs fla's own (the class's `_fla_forward`, fla's code with its kernel names bound to the
+    CCQ reads below) with this layer as the one reading."""
 
     def attach_ccq(self, config: CCQConfigMixin) -> None:
         self.ccq_enabled = config.ccq
@@ -168,7 +170,6 @@ class CCQReadMixin:
         order = sigma_passes(self.ccq_form, self.ccq_order, self.ccq_solve_steps)
         return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=order, centered=self.ccq_centered,
                              initial_state=ccq_state, keys_unit=keys_unit, form=self.ccq_form)
-
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 output_attentions=False, **kwargs):

@@ -168,7 +168,7 @@ def test_chunk_gla_backward():
 
 
 def test_chunk_gated_delta_rule_backward():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    chunk_gated_delta_rule = fla_cpu.chunk_gated_delta_rule  # on CUDA: fla's op (Hopper-safe where needed)
 
     B, T, H, K, V = 1, 200, 2, 32, 32
     tensors = [
@@ -186,8 +186,9 @@ def test_chunk_gated_delta_rule_backward():
         "A_log": torch.zeros(H, device="cuda"),
         "dt_bias": torch.zeros(H, device="cuda"),
     }
-    # On Hopper with Triton 3.4-3.7.0 fla refuses this backward (its issue #640); the backend's
-    # torch chunk_bwd_dqkwg stands in for the broken kernel there, so it must run and match.
+    # On Hopper with Triton 3.4-3.7.0 fla refuses this backward (its issue #640); the dispatcher then
+    # serves fla's op with the torch chunk_bwd_dqkwg standing in for the broken kernel, so it must run
+    # and match.
     errors = backward_errors(
         chunk_gated_delta_rule,
         fla_cpu.torch_chunk_gated_delta_rule,

@@ -225,6 +225,8 @@ def run(
     Re-running the same command skips finished units and resumes an interrupted one without re-asking the model what it already answered.
     """
     output = _given_path(output)
+    if quiet:
+        logs.silence_progress_bars()  # before lm-eval and transformers are imported
     from ccq_eval.harness import plan as run_plan
 
     options = run_plan.RunOptions(

@@ -77,6 +77,24 @@ def configure(verbosity: str = "WARNING") -> OncePerRun:
     return once
 
 
+def silence_progress_bars() -> None:
+    """`run --quiet`: no progress bars from lm-eval, transformers or datasets. tqdm (>= 4.66) takes
+    TQDM_DISABLE as its default when it is imported, and huggingface_hub / transformers read
+    HF_HUB_DISABLE_PROGRESS_BARS then, so this runs before the command imports any of them; a tqdm
+    imported earlier gets the same default (disable=True, which a caller can still override)."""
+    import functools
+    import os
+
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    std = sys.modules.get("tqdm.std")
+    init = std.tqdm.__dict__.get("__init__") if std is not None else None
+    if isinstance(init, functools.partialmethod):  # the defaults tqdm read from the environment at import
+        std.tqdm.__init__ = functools.partialmethod(init.func, *init.args, **{**init.keywords, "disable": True})
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def hand_over_to_lm_eval(once: OncePerRun) -> None:
     """Before lm-eval's own CLI runs: let it set up its log handler (it would add a second one), with
     `once` on it; ccq-eval's handler stays on ccq_eval's records."""

@@ -480,3 +480,25 @@ def test_help_at_80_columns_shows_every_option_name_whole():
     for name in ("--samples-per-cell", "--no-cuda-graphs", "--lm-eval-arg", "--longbench-dir", "--ccq-attach"):
         assert name in output, name
     assert "…" not in output and max(len(line) for line in output.splitlines()) <= 80
+
+
+def test_quiet_run_prints_no_progress_bar(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import fake_worker
+
+    fake_worker.write_tasks(tmp_path / "tasks")
+    here = Path(__file__).resolve().parent
+    command = ["run", "-m", "tiny-strong", "-t", TASK_NAME, "--lengths", "1k", "--depths", "0,100",
+               "--samples-per-cell", "2", "--lm-eval-arg", "bootstrap_iters=0", "--no-report", "-o", "out"]
+    outputs = []
+    for quiet in ([], ["--quiet"]):
+        done = subprocess.run([sys.executable, str(here / "fake_worker.py"), str(tmp_path), str(tmp_path / "log"),
+                               "0", *command, *quiet, "-o", f"out{len(quiet)}"], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(here.parents[1])))
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout + done.stderr)
+    assert "it/s]" in outputs[0]  # lm-eval's bar, so the check below can fail
+    assert "it/s]" not in outputs[1] and "%|" not in outputs[1]

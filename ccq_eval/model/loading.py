@@ -11,6 +11,7 @@ softmax-attention reference) load as they are; they have no CCQ.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -212,6 +213,19 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
     raise ModelLoadError(f"{folder} has no weights: expected one of {SAFE_WEIGHT_FILES}")
 
 
+@contextlib.contextmanager
+def _transformers_errors_only():
+    """transformers' own log shows errors only inside the block (its previous level after it)."""
+    from transformers.utils import logging as transformers_logging
+
+    before = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(before)
+
+
 def _check_loaded_keys(folder: Path, loading_info: Mapping[str, Any], *, gate_may_be_missing: bool) -> None:
     """ModelLoadError unless the model took all and only the checkpoint's tensors: transformers would leave
     a missing tensor random and drop a surplus one (a config edited to fewer layers, a CCQ checkpoint
@@ -257,10 +271,13 @@ def load_model(
     use_safetensors = _check_weights(folder, allow_pickle)
     _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]  # the CCQ class of either family
     try:
-        model, loading_info = model_cls.from_pretrained(
-            folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
-            trust_remote_code=trust_remote_code, local_files_only=True, output_loading_info=True,
-        )
+        # Attaching CCQ, the gate is missing from the weights by design: transformers' load report would call
+        # it "newly initialized"; _check_loaded_keys below judges the keys in every case.
+        with _transformers_errors_only() if ccq_lambda is not None else contextlib.nullcontext():
+            model, loading_info = model_cls.from_pretrained(
+                folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
+                trust_remote_code=trust_remote_code, local_files_only=True, output_loading_info=True,
+            )
     except RuntimeError:  # transformers: tensor shapes of the weights differ from the config's
         raise ModelLoadError(
             f"{folder}: config.json does not match the tensor shapes of its weights (the report above lists "

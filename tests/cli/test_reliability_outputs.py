@@ -502,3 +502,15 @@ def test_quiet_run_prints_no_progress_bar(tmp_path):
         outputs.append(done.stdout + done.stderr)
     assert "it/s]" in outputs[0]  # lm-eval's bar, so the check below can fail
     assert "it/s]" not in outputs[1] and "%|" not in outputs[1]
+
+
+def test_ccq_attach_prints_no_newly_initialized_report(capfd):
+    import logging
+
+    from ccq_eval.model.loading import load_model
+
+    level = logging.getLogger("transformers").level
+    model, _ = load_model("tiny-gla", device="cpu", dtype="float32", ccq_lambda=1.0, ccq_fields={})
+    errors = capfd.readouterr().err
+    assert "MISSING" not in errors and "newly initialized" not in errors
+    assert model.config.ccq and logging.getLogger("transformers").level == level  # the level is given back

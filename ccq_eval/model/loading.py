@@ -214,7 +214,7 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
 
 
 @contextlib.contextmanager
-def _transformers_errors_only():
+def transformers_errors_only():
     """transformers' own log shows errors only inside the block (its previous level after it)."""
     from transformers.utils import logging as transformers_logging
 
@@ -273,7 +273,7 @@ def load_model(
     try:
         # Attaching CCQ, the gate is missing from the weights by design: transformers' load report would call
         # it "newly initialized"; _check_loaded_keys below judges the keys in every case.
-        with _transformers_errors_only() if ccq_lambda is not None else contextlib.nullcontext():
+        with transformers_errors_only() if ccq_lambda is not None else contextlib.nullcontext():
             model, loading_info = model_cls.from_pretrained(
                 folder, config=config, use_safetensors=use_safetensors, dtype=torch_dtype or torch.float32,
                 trust_remote_code=trust_remote_code, local_files_only=True, output_loading_info=True,

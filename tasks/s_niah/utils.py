@@ -420,7 +420,7 @@ def load_tokenizer(spec: str) -> Any:
 
     if spec.lower() in ("byt5", "bytes", "byte"):
         return transformers.ByT5Tokenizer()
-    from ccq_eval.model.loading import registered_models, resolve_checkpoint
+    from ccq_eval.model.loading import registered_models, resolve_checkpoint, transformers_errors_only
 
     path = resolve_checkpoint(spec) if spec in registered_models() else Path(spec)
     if path.is_file():  # e.g. .../tokenizer.model or tokenizer.json: load its folder
@@ -428,8 +428,11 @@ def load_tokenizer(spec: str) -> Any:
     # Only a hub id (owner/name) is looked up on the hub: any other name would retry it for minutes.
     hub_id = not path.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path) if path.exists() else spec,
-                                                               local_files_only=not hub_id)
+        # transformers reads the checkpoint's config.json on the way and warns that a model type it does not
+        # know (gla, ccq_gla) instantiates a config of type ``: noise for a tokenizer
+        with transformers_errors_only():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path) if path.exists() else spec,
+                                                                   local_files_only=not hub_id)
     except Exception as err:  # noqa: BLE001  (any loader failure gets the same advice)
         reason = " ".join(str(err).split())
         raise SNiahError(

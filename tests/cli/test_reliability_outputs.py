@@ -433,6 +433,14 @@ def test_sniah_tokenizer_by_registered_name_never_asks_the_hub(monkeypatch):
     assert asked == [(asked[0][0], True), ("no-such-model", True)]  # neither is a hub id: never looked up there
 
 
+def test_sniah_tokenizer_of_a_gla_folder_loads_without_a_model_type_warning(capfd):
+    from ccq_eval.tasks.s_niah import utils as sniah
+
+    capfd.readouterr()
+    sniah.load_tokenizer("tiny-gla")  # config.json says model_type gla, which transformers does not know
+    assert "to instantiate a model of type" not in capfd.readouterr().err
+
+
 def test_finished_unit_keeps_no_resume_cache_and_compare_says_not_significant(fake_world):
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-other", "--output", "out").exit_code == 0
     assert not list(Path("out").rglob("responses.sqlite*"))  # the README: it exists while the unit runs

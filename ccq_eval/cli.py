@@ -94,7 +94,7 @@ app = _App(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # click's plain help: wraps long option names instead of cutting them at 80 columns
+    rich_markup_mode=None,  # click's plain help: wraps long option names instead of cutting them off
 )
 
 
@@ -274,9 +274,9 @@ def run(
         if not unfinished:  # a failed unit that stored a non-finite result is shown as failed
             _write_report(output)
         elif summary.failed:
-            typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished; fix the "
-                       f"failures above and rerun the same command, or run `ccq-eval table {output}` for a table "
-                       "of the finished units", err=True)
+            typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished; fix "
+                       f"the failures above and rerun the same command, or run `ccq-eval table {output}` for "
+                       "a table of the finished units", err=True)
         else:
             typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished yet (other "
                        f"shards); the worker that finishes last writes it, or run `ccq-eval table {output}`",

@@ -90,7 +90,8 @@ def silence_progress_bars() -> None:
     std = sys.modules.get("tqdm.std")
     init = std.tqdm.__dict__.get("__init__") if std is not None else None
     if isinstance(init, functools.partialmethod):  # the defaults tqdm read from the environment at import
-        std.tqdm.__init__ = functools.partialmethod(init.func, *init.args, **{**init.keywords, "disable": True})
+        defaults = {**init.keywords, "disable": True}
+        std.tqdm.__init__ = functools.partialmethod(init.func, *init.args, **defaults)
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
 

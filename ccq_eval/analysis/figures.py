@@ -378,7 +378,8 @@ def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
     out = Path(out)
     for folder in (out, *out.parents):
         if folder.exists() and not folder.is_dir():
-            raise ResultsError(f"--output {out}: {folder} is a file, not a folder; give a folder for the figures")
+            raise ResultsError(f"--output {out}: {folder} is a file, not a folder; give a folder for the "
+                               "figures")
     out.mkdir(parents=True, exist_ok=True)
     colors = model_colors(sorted(tidy["model"].unique()))
     tidy = tidy[np.isfinite(tidy["value"])]  # a failed (NaN / inf) value has no point; the tables show it

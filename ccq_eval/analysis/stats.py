@@ -313,8 +313,8 @@ def _settings_difference(base: StoredUnit, var: StoredUnit) -> str:
         return {"seed": unit.meta.get("seed"), **(spec.get("task_metadata") or {})}
 
     first, second = settings(base), settings(var)
-    return ", ".join(f"{name} {first.get(name)} vs {second.get(name)}" for name in sorted(set(first) | set(second))
-                     if first.get(name) != second.get(name))
+    names = sorted(name for name in set(first) | set(second) if first.get(name) != second.get(name))
+    return ", ".join(f"{name} {first.get(name)} vs {second.get(name)}" for name in names)
 
 
 def _group_seed(seed: int, *parts: Any) -> int:
@@ -364,8 +364,8 @@ def compare_models(
             raise ResultsError(
                 f"{baseline!r} and {variant!r} share no document of {task}"
                 + (f" (their settings differ: {differ})" if differ else "")
-                + ": paired statistics need the same documents; run both models with the same --seed and task "
-                "settings into one folder")
+                + ": paired statistics need the same documents; run both models with the same --seed and "
+                "task settings into one folder")
         for group in shared_groups:
             pairs, mode, unpaired = paired[group]
             if not pairs:

@@ -86,8 +86,8 @@ def _packed_samples(records: list[dict[str, Any]]) -> bytes:
 def _check_destination(destination: Path) -> None:
     for folder in (destination, *destination.parents):
         if folder.exists() and not folder.is_dir():
-            raise ResultsError(f"{folder} is a file, not a folder; nothing was written: give a folder for the "
-                               "archive, e.g. results/<name>")
+            raise ResultsError(f"{folder} is a file, not a folder; nothing was written: give a folder for "
+                               "the archive, e.g. results/<name>")
 
 
 def _check_archive_target(target: Path, unit: Path) -> None:
@@ -104,8 +104,8 @@ def _check_archive_target(target: Path, unit: Path) -> None:
                            "written: archive into a new folder, or delete that unit folder first")
     if (target / RESULTS_FILE).is_file() and _meta_bytes(target) != _meta_bytes(unit):
         raise ResultsError(f"{target} holds an archive of another run ({target / META_FILE} differs from "
-                           f"{unit / META_FILE}); nothing was replaced: archive into a new folder, or move the "
-                           "old archive away first")
+                           f"{unit / META_FILE}); nothing was replaced: archive into a new folder, or move "
+                           "the old archive away first")
 
 
 def _meta_bytes(unit: Path) -> bytes | None:

@@ -68,7 +68,8 @@ def resolve_device(requested: str) -> str:
     (cuda:LOCAL_RANK), so the processes do not all load their model onto the first GPU. A device that
     is not one of auto, cpu, mps, cuda, cuda:N, or CUDA on a machine without it, is a PlanError."""
     if not DEVICE_FORM.match(str(requested)):
-        raise PlanError(f"--device {requested!r} is not a device; give auto, cpu, cuda or cuda:N (mps on a Mac)")
+        raise PlanError(f"--device {requested!r} is not a device; give auto, cpu, cuda or cuda:N (mps on a "
+                        "Mac)")
     device = requested
     if requested == "auto":
         device = "cuda" if cuda_available() else "cpu"
@@ -525,8 +526,9 @@ def plan_run(
     _check_longbench_data(longbench_tasks, options.longbench_dir)
     ppl_tasks = [task for task, _ in resolved if task.startswith("ccq_ppl")]
     if ppl_tasks and samples_per_cell is None and options.suite is None:
-        notes.append(f"note: {', '.join(ppl_tasks)} without --samples-per-cell scores every document of the eval "
-                     "split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick run")
+        notes.append(f"note: {', '.join(ppl_tasks)} without --samples-per-cell scores every document of the "
+                     "eval split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick "
+                     "run")
 
     task_metadata: dict[str, Any] = {"seed": options.seed}
     if lengths is not None:
@@ -703,7 +705,8 @@ def check_against_disk(unit: Unit) -> None:
         )
         if differences and (finished or answered):
             detail = "; ".join(
-                "{}: stored {}, asked {}".format(key, *map(_short, _differing(stored.get(key), unit.spec.get(key))))
+                "{}: stored {}, asked {}".format(key, *map(_short, _differing(stored.get(key),
+                                                                              unit.spec.get(key))))
                 for key in differences
             )
             raise PlanError(

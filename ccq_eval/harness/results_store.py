@@ -401,8 +401,8 @@ def cache_error_message(path: Path, exc: Exception) -> str:
     keeps the answers stored so far (the cache is valid; deleting it would lose them), anything else
     is a damaged file."""
     if isinstance(exc, sqlite3.OperationalError) and any(text in str(exc).lower() for text in _UNWRITABLE):
-        return (f"cannot write the resume cache {path} ({exc}); the answers it holds are kept: free disk space "
-                "(or make the folder writable) and rerun the same command to resume")
+        return (f"cannot write the resume cache {path} ({exc}); the answers it holds are kept: free disk "
+                "space (or make the folder writable) and rerun the same command to resume")
     return unreadable_cache_message(path, exc)
 
 
@@ -639,8 +639,9 @@ def load_results(root: Path) -> list[StoredUnit]:
             )
         not_metrics = [task for task, values in results["results"].items() if not isinstance(values, dict)]
         if not_metrics:
-            raise ResultsError(f"{path} is not an lm-eval results file: results.{not_metrics[0]} should map metric "
-                               "names to values. The file was left as it is: restore it from the run that wrote it")
+            raise ResultsError(f"{path} is not an lm-eval results file: results.{not_metrics[0]} should map "
+                               "metric names to values. The file was left as it is: restore it from the run "
+                               "that wrote it")
         meta_path = path.parent / META_FILE
         meta = read_json(meta_path) if path.name == RESULTS_FILE and meta_path.is_file() else {}
         if not isinstance(meta, dict):
@@ -692,5 +693,5 @@ def _check_one_file_per_unit(root: Path, units: list[StoredUnit]) -> None:
                      f"{unit.results_path})")
             if len(folders) == 1:
                 raise ResultsError(f"{files}; move the one that is not wanted out of {folders[0]}")
-            raise ResultsError(f"{root} holds {len(folders)} result folders ({', '.join(folders)}) and {files}; "
-                               "point the command at one result folder")
+            raise ResultsError(f"{root} holds {len(folders)} result folders ({', '.join(folders)}) and "
+                               f"{files}; point the command at one result folder")

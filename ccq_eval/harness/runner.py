@@ -442,7 +442,8 @@ def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, repor
     unit.finished = True
     non_finite = results_store.non_finite_values(outcome.results)
     if non_finite:
-        _failed(plan, unit, ResultsError(results_store.non_finite_message(unit.model, non_finite)), report, summary)
+        failure = ResultsError(results_store.non_finite_message(unit.model, non_finite))
+        _failed(plan, unit, failure, report, summary)
         return
     summary.done.append(unit)
     report.unit_end(unit, "done", f"{wall_time:.1f} s")

@@ -58,8 +58,8 @@ def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:
         name = str(item["name"])
         source = item.get("path") or item.get("source") or item.get("checkpoint")
         if not source:
-            raise RegistryError(f"{path}: model {name!r} has no \"path\"; give its checkpoint folder (relative to "
-                                f"{path.parent}) or hub id as \"path\"")
+            raise RegistryError(f"{path}: model {name!r} has no \"path\"; give its checkpoint folder (relative "
+                                f"to {path.parent}) or hub id as \"path\"")
         if not Path(str(source)).is_absolute() and (Path(path).parent / str(source)).exists():
             source = str((Path(path).parent / str(source)).resolve())
         registry[name] = ModelEntry(

@@ -28,8 +28,8 @@ def fused(monkeypatch):
 
 def _interpreter(which: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    # No time limit: the interpreter's run time follows the machine's speed (minutes on a busy 2-core CPU),
-    # and a slow machine is no failure; CI's job limit ends a hang.
+    # No time limit: the interpreter's run time follows the machine's speed, and a slow machine is no
+    # failure; CI's job limit ends a hang.
     done = subprocess.run([sys.executable, str(CHECKS), which], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])[which]

@@ -6,9 +6,10 @@ the torch implementations of this package. Every other fla model in the process,
 functions and classes, stay as they are.
 
 Two kinds of subclass forward:
-- norms, convolution, losses (`_DEVICE_FORWARDS`): fla's forward on CUDA, a torch forward otherwise;
-- layers and MLPs (`_REBOUND_NAMES`): fla's own forward, run with the fla op names it calls (chunk_gla,
+- norms, convolution, losses (`_device_forwards`): fla's forward on CUDA, a torch forward otherwise;
+- layers and MLPs (`_rebound_names`): fla's own forward, run with the fla op names it calls (chunk_gla,
   swiglu, ...) bound to this package's dispatchers (`rebind`): fla's code, our name lookups.
+An fla causal LM itself gets a subclass whose loss computation (fla's code) builds the losses above.
 Activation functions a module took from fla's ACT2FN when it was built (a layer's gate_fn, for
 instance) are replaced on that module by the dispatching ones.
 """

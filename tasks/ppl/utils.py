@@ -111,11 +111,12 @@ def _tokenizer_by_name(name: str):
         return ByT5Tokenizer()
     from transformers import AutoTokenizer
 
-    from ccq_eval.model.loading import registered_models, resolve_checkpoint
+    from ccq_eval.model.loading import registered_models, resolve_checkpoint, transformers_errors_only
 
     if name in registered_models() or Path(name).expanduser().is_dir():
         folder = resolve_checkpoint(name)
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        with transformers_errors_only():  # no "model of type ``" warning for fla's / our model types
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return AutoTokenizer.from_pretrained(name)
 
 

@@ -447,11 +447,14 @@ def test_sniah_tokenizer_by_registered_name_never_asks_the_hub(monkeypatch):
     assert asked == [(asked[0][0], True), ("no-such-model", True)]  # no hub id: never looked up there
 
 
-def test_sniah_tokenizer_of_a_gla_folder_loads_without_a_model_type_warning(capfd):
+def test_tokenizer_of_a_gla_folder_loads_without_a_model_type_warning(capfd):
+    from ccq_eval.tasks.ppl import utils as ppl
     from ccq_eval.tasks.s_niah import utils as sniah
 
     capfd.readouterr()
     sniah.load_tokenizer("tiny-gla")  # config.json says model_type gla, which transformers does not know
+    ppl._tokenizer_by_name.cache_clear()  # loaded afresh, not taken from an earlier test's cache
+    ppl.get_tokenizer({"tokenizer": "tiny-gdn"})
     assert "to instantiate a model of type" not in capfd.readouterr().err
 
 

@@ -467,11 +467,7 @@ def comparison_pairs(units: Iterable[StoredUnit]) -> list[tuple[str, str]]:
     pair NAME / NAME-ccq, then every --ccq-attach sweep's lambda = 0 (the plain model) against each of its
     other lambdas in increasing order (tables.sweep_points: read from the units' specs, not their names)."""
     units = list(units)
-    attachments = {}
-    for unit in units:
-        attach = tables.ccq_attachment(unit.meta)
-        if attach is not None:
-            attachments.setdefault(unit.model, attach)
+    attachments = tables.sweep_attachments((unit.model, unit.meta) for unit in units)
     pairs = ccq_pairs(unit.model for unit in units)
     for _, members in tables.sweep_points(attachments, {unit.model for unit in units}).groupby("sweep", sort=True):
         members = members.sort_values("lambda")

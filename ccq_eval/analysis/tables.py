@@ -17,6 +17,7 @@ category averages, and a catch-all of overall values for any other lm-eval task.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import defaultdict
@@ -30,7 +31,6 @@ import pandas as pd
 from ccq_eval.harness import results_store
 from ccq_eval.harness.results_store import ResultsError, StoredUnit
 from ccq_eval.tasks.longbench import categories as longbench_categories
-
 
 TIDY_COLUMNS = [
     "model", "task", "family", "length", "depth", "bucket", "metric", "filter", "value", "n", "stderr",
@@ -341,6 +341,30 @@ def ccq_attachment(meta: Any) -> dict[str, Any] | None:
     return None
 
 
+def sweep_attachments(metas: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each attached model's --ccq-attach entry (ccq_attachment), from (model, meta.json) pairs. An entry
+    without its baseline's name (runs before the plain model was evaluated with the sweep) gets the
+    plain model of the folder whose checkpoint fingerprint is the attached unit's, when exactly one is."""
+    attachments: dict[str, dict[str, Any]] = {}
+    plain_by_checkpoint: dict[str, set[str]] = {}
+    checkpoints: dict[str, str] = {}
+    for model, meta in metas:
+        spec = (meta.get("spec") or {}) if isinstance(meta, dict) else {}
+        fingerprint = json.dumps(spec.get("checkpoint"), sort_keys=True) if spec.get("checkpoint") else None
+        attach = ccq_attachment(meta)
+        if attach is not None:
+            attachments.setdefault(model, attach)
+            if fingerprint:
+                checkpoints.setdefault(model, fingerprint)
+        elif fingerprint:
+            plain_by_checkpoint.setdefault(fingerprint, set()).add(model)
+    for model, attach in attachments.items():
+        plain = plain_by_checkpoint.get(checkpoints.get(model, ""), set())
+        if "baseline" not in attach and len(plain) == 1:
+            attachments[model] = {**attach, "baseline": next(iter(plain))}
+    return attachments
+
+
 def sweep_points(attachments: dict[str, dict[str, Any]], models: Iterable[str]) -> pd.DataFrame:
     """The points of every --ccq-attach sweep: columns model, sweep and lambda, from each attached model's
     entry (ccq_attachment) and the names of all models with results. A sweep's lambda = 0 is its attached
@@ -360,15 +384,12 @@ def sweep_points(attachments: dict[str, dict[str, Any]], models: Iterable[str]) 
 def ccq_sweep_points(tidy: pd.DataFrame) -> pd.DataFrame:
     """sweep_points of the models in the tidy frame, their entries read from the spec each unit's meta.json
     records (the model names are not parsed)."""
-    attachments: dict[str, dict[str, Any]] = {}
+    metas = []
     for model, source in tidy[["model", "source"]].drop_duplicates().itertuples(index=False):
         meta_path = Path(source).parent / results_store.META_FILE
-        if Path(source).name != results_store.RESULTS_FILE or not meta_path.is_file():
-            continue
-        attach = ccq_attachment(results_store.read_json(meta_path))
-        if attach is not None:
-            attachments[model] = attach
-    return sweep_points(attachments, tidy["model"].unique())
+        if Path(source).name == results_store.RESULTS_FILE and meta_path.is_file():
+            metas.append((model, results_store.read_json(meta_path)))
+    return sweep_points(sweep_attachments(metas), tidy["model"].unique())
 
 
 # --------------------------------------------------------------------------------------------

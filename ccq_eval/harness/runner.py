@@ -17,6 +17,7 @@ import platform
 import shlex
 import sys
 import time
+import unittest.mock
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,21 +178,22 @@ class LmEvalUnitEvaluator:
         task_manager = catalog.make_task_manager(metadata)
         seed = options.seed
         kwargs = {"bootstrap_iters": 1000} | dict(context.plan.lm_eval_args)
-        evaluator.get_git_commit_hash = quiet_git_commit_hash  # what simple_evaluate calls, without the noise
-        results = evaluator.simple_evaluate(
-            model=wrapped,
-            tasks=[unit.task],
-            task_manager=task_manager,
-            limit=options.limit,
-            log_samples=True,
-            batch_size=batch_size,
-            device=context.plan.device,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-            **kwargs,
-        )
+        # simple_evaluate's git lookup without git's stderr noise, for this call only (lm-eval stays as it is).
+        with unittest.mock.patch.object(evaluator, "get_git_commit_hash", quiet_git_commit_hash):
+            results = evaluator.simple_evaluate(
+                model=wrapped,
+                tasks=[unit.task],
+                task_manager=task_manager,
+                limit=options.limit,
+                log_samples=True,
+                batch_size=batch_size,
+                device=context.plan.device,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+                **kwargs,
+            )
         truncation = truncation_info(adapter)  # collective in a data-parallel run: every rank asks
         if results is None and wrapped.rank != 0:  # data-parallel: rank 0 gathers and stores the results
             return UnitOutcome(results={}, samples={})

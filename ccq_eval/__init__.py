@@ -5,9 +5,10 @@ Triton kernels, fla's CPU backend, CUDA graphs), `harness` (the lm-eval adapter,
 results store, tasks and corpora) and `analysis` (tables, statistics, figures).
 
 Importing the package has no side effects and loads neither torch nor fla: the model loader and the
-lm-eval adapter prepare fla's CPU backend and register the model types when they are used
+lm-eval adapter register the model types when they are used
 (`ccq_eval.model.modeling_ccq.prepare_runtime`); `import ccq_eval.model.auto` registers the model
-types for transformers users.
+types for transformers users. fla is never patched: the CCQ classes run on CPU through their own
+modules.
 """
 
 from importlib.metadata import PackageNotFoundError, version

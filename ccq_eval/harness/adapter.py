@@ -191,7 +191,7 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        prepare_runtime()  # fla's CPU backend and the CCQ model types, before any model is built or used
+        prepare_runtime()  # the autotune cap and the CCQ model types, before any model is built or used
         ignored = {k: v for k, v in kwargs.items() if k not in ("max_batch_size",)}
         if ignored:
             logger.warning("ccq adapter: ignoring unknown model arguments %s", sorted(ignored))

@@ -138,3 +138,40 @@ def test_cuda_calls_use_the_hopper_safe_op_only_where_fla_refuses_its_kernel(mon
             expected = dqkwg.hopper_safe_op(name) if affected else dispatch.fla_original(name)
             assert dispatch._cuda_function(name) is expected
         assert dispatch._cuda_function("chunk_gla") is dispatch.fla_original("chunk_gla")
+
+
+def test_ccq_reads_pass_baseline_calls_through_and_refuse_a_changed_gated_deltanet_call(monkeypatch):
+    from ccq_eval.model import modeling_ccq
+
+    seen = []
+    monkeypatch.setitem(modeling_ccq.READ_KERNELS, "chunk_gated_delta_rule",
+                        lambda **kwargs: seen.append(kwargs) or ("o", "state"))
+    read = modeling_ccq._gated_delta_read("chunk_gated_delta_rule")
+    q, k, g = torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2)
+    # no CCQ layer reading (a baseline layer): fla's call, unchanged
+    assert read(q=q, k=k, g=g, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True) == ("o", "state")
+    assert seen[0]["q"] is q and seen[0]["use_qk_l2norm_in_kernel"] is True
+    layer = _plain_gla(0).model.layers[0].attn  # any layer object: the call is refused before it is used
+    token = modeling_ccq._CCQ_LAYER.set(layer)
+    try:
+        with pytest.raises(RuntimeError) as error:
+            read(q=q, k=k, g=g, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True)
+    finally:
+        modeling_ccq._CCQ_LAYER.reset(token)
+    assert str(error.value) == (
+        "CCQ: fla's GatedDeltaNet calls chunk_gated_delta_rule without use_qk_l2norm_in_kernel / "
+        "use_gate_in_kernel; the installed fla differs from the one ccq-eval was written against "
+        "(pyproject.toml pins it).")
+    assert len(seen) == 1  # nothing reached the kernel
+
+
+def test_the_reading_layer_is_reset_after_a_forward_that_fails():
+    from ccq_eval.model import modeling_ccq
+    from ccq_eval.model.modeling_ccq import CCQGLAConfig, CCQGLAForCausalLM
+
+    model = CCQGLAForCausalLM(CCQGLAConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64,
+                                           intermediate_size=64, ccq=True))
+    mask = torch.tensor([[0, 1, 1]])  # padding: CCQ layers refuse it
+    with pytest.raises(ValueError, match="padded batches"):
+        model(torch.tensor([[1, 2, 3]]), attention_mask=mask, use_cache=False)
+    assert modeling_ccq._CCQ_LAYER.get() is None

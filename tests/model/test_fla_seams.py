@@ -175,3 +175,19 @@ def test_the_reading_layer_is_reset_after_a_forward_that_fails():
     with pytest.raises(ValueError, match="padded batches"):
         model(torch.tensor([[1, 2, 3]]), attention_mask=mask, use_cache=False)
     assert modeling_ccq._CCQ_LAYER.get() is None
+
+
+def test_models_with_the_backend_pickle_and_compute_the_same():
+    import pickle
+
+    from ccq_eval.model.modeling_ccq import CCQGLAConfig, CCQGLAForCausalLM
+
+    torch.manual_seed(0)
+    ccq_model = CCQGLAForCausalLM(CCQGLAConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64,
+                                               intermediate_size=64, use_short_conv=True, ccq=True))
+    ids = torch.randint(0, 64, (1, 70), generator=torch.Generator().manual_seed(1))
+    for model in (fla_cpu.use_torch_backend(_plain_gla(0)), ccq_model):
+        restored = pickle.loads(pickle.dumps(model))
+        assert [type(m) for m in restored.modules()] == [type(m) for m in model.modules()]
+        with torch.no_grad():
+            assert torch.equal(restored(ids, use_cache=False).logits, model(ids, use_cache=False).logits)

@@ -253,7 +253,19 @@ def torch_backend_class(cls: type) -> type | None:
             forward = rebind(base.forward, **_rebound_names()[base])
         members = {"forward": forward}
     return type(cls.__name__, (cls,), {**members, "__module__": __name__, "__qualname__": cls.__qualname__,
-                                       "_ccq_torch_backend": True})
+                                       "_ccq_torch_backend": True, "__reduce_ex__": _reduce_backend_module})
+
+
+def _reduce_backend_module(module: nn.Module, protocol: int):
+    """Pickle a backend module by its fla class: the backend class is made anew where it is unpickled."""
+    return _unpickle_backend_module, (type(module).__bases__[0], module.__getstate__())
+
+
+def _unpickle_backend_module(fla_cls: type, state: dict) -> nn.Module:
+    backend = torch_backend_class(fla_cls)
+    module = backend.__new__(backend)
+    module.__setstate__(state)
+    return module
 
 
 def _is_fla_causal_lm(cls: type) -> bool:

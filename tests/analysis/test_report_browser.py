@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ccq_eval.analysis import report, tables
+from ccq_eval.analysis import figures, report, stats, tables
 from ccq_eval.harness import results_store
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -60,7 +60,7 @@ def _sniah_cell_failures(model: str, task: str, length: int, depth: float) -> tu
     return len(samples), [s["target"] for s in samples if s["acc"] < 100]
 
 
-def test_tables_figures_and_filtered_samples_are_visible_and_nothing_is_fetched(browser, report_file):
+def test_tables_figures_and_filtered_samples_are_visible_and_nothing_is_fetched(browser, report_file, tmp_path):
     context, page, requests, errors = _open(browser, report_file)
     try:
         # tables: one per paper pivot, with its rows
@@ -70,10 +70,12 @@ def test_tables_figures_and_filtered_samples_are_visible_and_nothing_is_fetched(
         for index, pivot in enumerate(pivots):
             assert paper_tables.nth(index).is_visible()
             assert paper_tables.nth(index).locator("tbody tr").count() == len(pivot.frame)
-        assert page.locator("section.comparison table").count() == 2  # the GLA and Gated DeltaNet pairs
-        # figures: every committed figure of the run, decoded
+        pairs = stats.comparison_pairs(results_store.load_results(REFERENCE))  # twins and sweep lambdas
+        assert page.locator("section.comparison table").count() == len(pairs) > 2
+        # figures: every figure `ccq-eval figures` draws for the run, decoded
         images = page.locator("#figures img")
-        assert images.count() == len(list((REFERENCE / "figures").glob("*.png"))) > 0
+        drawn = [p for p in figures.draw_all(tables.load_tidy(REFERENCE), tmp_path) if p.suffix == ".png"]
+        assert images.count() == len(drawn) > 0
         for index in range(images.count()):
             image = images.nth(index)
             image.scroll_into_view_if_needed()

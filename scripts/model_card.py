@@ -170,7 +170,9 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
                f"; its twin `{spec.twin}` is that baseline, unchanged" if settings.train_parts == "ccq-gate"
                else ", exactly as its twin continues without it")) if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
            f"{settings.max_questions} questions per recall document, the values' bytes weighted "
-           f"{settings.answer_weight:g}x in the loss."] if info.get("init") else []),
+           f"{settings.answer_weight:g}x in the loss"
+           + (f"; frozen: the parameters matching `{settings.freeze}`" if settings.freeze else "") + "."]
+          if info.get("init") else []),
         f"- Steps: {settings.steps}; batch: {settings.batch_size} sequences; tokens seen: {tm['tokens_seen']:,}"
         + (f" (with the earlier stages: {tm['tokens_seen'] + sum(r['train']['tokens_seen'] for r in stages):,})."
            if stages else "."),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,11 +72,20 @@ class TrainSettings:
     ccq_init_lambda: float | None = None  # a continued CCQ twin's gate starts at this lambda (ccq_gate_fields)
     ccq_gate: str = "query"
     train_parts: str = "all"  # TRAIN_PARTS: which parameters the optimiser updates
+    freeze: str | None = None  # regular expression: parameters whose names it matches stay frozen
 
 
 # --train: "all" parameters; the "backbone" with CCQ's gate frozen at its start; only CCQ's gate
 # ("ccq-gate", the backbone frozen: the read cannot be trained around, only its gate learned).
 TRAIN_PARTS = ("all", "backbone", "ccq-gate")
+# --freeze read-path: everything that decides what a layer's read sees, so that a twin trained through a
+# fixed CCQ read cannot learn its way around it: the token embeddings and the attention input norms
+# (the first layer's query and key inputs), the query and key projections and short convolutions, and
+# the decay parameters (which also set CCQ's covariance window: Gated DeltaNet's a_proj, A_log, dt_bias;
+# GLA's gk_proj).
+FREEZE_PRESETS = {
+    "read-path": r"embeddings|attn_norm|attn\.(q_proj|k_proj|q_conv1d|k_conv1d|a_proj|A_log|dt_bias|gk_proj)",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train", choices=TRAIN_PARTS, default="all",
                         help="parameters to train: all (default); backbone (CCQ's gate frozen at its start); "
                              "ccq-gate (only CCQ's gate, the backbone frozen; for a CCQ twin with --init-from)")
+    parser.add_argument("--freeze", default=None,
+                        help="also keep frozen the parameters whose names match this regular expression (re.search), "
+                             f"or a preset: {', '.join(FREEZE_PRESETS)} (see FREEZE_PRESETS); default none")
     parser.add_argument("--curriculum-share", type=float, default=tiny_data.CURRICULUM_SHARE,
                         help="share of the steps over which synthetic documents grow from short to the full "
                              f"context (default {tiny_data.CURRICULUM_SHARE}; 0 = no curriculum)")
@@ -175,6 +188,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         ccq_init_lambda=args.ccq_init_lambda,
         ccq_gate=args.ccq_gate,
         train_parts=args.train,
+        freeze=FREEZE_PRESETS.get(args.freeze, args.freeze),
         repeat=pick(args.repeat, 0, 2),
         log_every=pick(args.log_every, 50, 1),
         eval_windows=pick(args.eval_windows, 32, 3),
@@ -202,6 +216,12 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     if (settings.ccq_init_lambda is not None or settings.ccq_gate != "query") and not settings.init_from:
         problems.append("--ccq-init-lambda and --ccq-gate set the gate of a CCQ twin continued with --init-from; "
                         "give --init-from too")
+    if settings.freeze is not None:
+        try:
+            re.compile(settings.freeze)
+        except re.error as exc:
+            problems.append(f"--freeze {settings.freeze!r} is not a regular expression ({exc}); give one, or a "
+                            f"preset: {', '.join(FREEZE_PRESETS)}")
     if settings.context < 64:
         problems.append(f"--context must be >= 64, got {settings.context}")
     if settings.warmup_steps < 1 or settings.warmup_steps > settings.steps:

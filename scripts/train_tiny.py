@@ -30,6 +30,7 @@ import copy
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -128,14 +129,19 @@ def count_parameters(model, ccq: bool) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if ccq or "ccq_" not in n)
 
 
-def trainable_groups(model, ccq: bool, weight_decay: float, train_parts: str = "all"):
+def trainable_groups(model, ccq: bool, weight_decay: float, train_parts: str = "all", freeze: str | None = None):
     """AdamW groups: decay on the matrices of linear layers only (not embeddings, norms, biases,
-    gates' small vectors or CCQ's gate). Left out (and frozen): the baseline's unused CCQ parameters
-    and whatever `train_parts` excludes."""
+    gates' small vectors or CCQ's gate). Left out (and frozen): the baseline's unused CCQ parameters,
+    whatever `train_parts` excludes and the parameters whose names the `freeze` pattern matches."""
+    frozen_by_pattern = [name for name, _ in model.named_parameters() if freeze and re.search(freeze, name)]
+    if freeze and not frozen_by_pattern:
+        raise SystemExit(f"--freeze {freeze!r} matches no parameter of the model; its parameter names look like "
+                         f"{next(name for name, _ in model.named_parameters())!r}")
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         is_gate = "ccq_" in name
-        if (is_gate and (not ccq or train_parts == "backbone")) or (not is_gate and train_parts == "ccq-gate"):
+        if ((is_gate and (not ccq or train_parts == "backbone")) or (not is_gate and train_parts == "ccq-gate")
+                or name in frozen_by_pattern):
             param.requires_grad_(False)
             continue
         if param.ndim == 2 and "embed" not in name and "ccq_" not in name:
@@ -263,7 +269,8 @@ def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, di
     model = initial_model(spec, settings).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
-        trainable_groups(model, spec.ccq, settings.weight_decay, settings.train_parts), lr=settings.lr,
+        trainable_groups(model, spec.ccq, settings.weight_decay, settings.train_parts, settings.freeze),
+        lr=settings.lr,
         betas=(settings.beta1, settings.beta2), eps=1e-8,
     )
     tokens_per_step = settings.batch_size * settings.context

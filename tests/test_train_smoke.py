@@ -364,3 +364,26 @@ def test_transformer_reference_generates_through_the_adapter(smoke_run):
         expected = greedy_full_recompute(model, tokenizer.encode(prompt, add_special_tokens=False), 10,
                                          stop_ids={tokenizer.eos_token_id})
         assert output == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-gla-ccq", "tiny-gdn-ccq"])
+def test_read_path_freeze_keeps_every_query_and_key_input_fixed(name):
+    spec = train_tiny.MODEL_SPECS[name]
+    model = train_tiny.build_model(spec, 320, smoke=True, seed=0)
+    pattern = train_settings.FREEZE_PRESETS["read-path"]
+    groups = train_tiny.trainable_groups(model, ccq=True, weight_decay=0.1, train_parts="backbone", freeze=pattern)
+    trained = {id(p) for group in groups for p in group["params"]}
+    names = {n: id(p) in trained for n, p in model.named_parameters()}
+    read_inputs = ("embeddings", "attn_norm", "q_proj", "k_proj", "q_conv1d", "k_conv1d", "ccq_gate")
+    decay = ("a_proj", "A_log", "dt_bias") if "gdn" in name else ("gk_proj",)
+    for param_name, is_trained in names.items():
+        frozen_kind = any(part in param_name for part in read_inputs + decay)
+        assert is_trained != frozen_kind, param_name
+    assert any(names.values()) and sum(names.values()) < len(names)
+    with pytest.raises(SystemExit, match="matches no parameter"):
+        train_tiny.trainable_groups(model, ccq=True, weight_decay=0.1, freeze="no_such_parameter")
+
+
+def test_bad_freeze_pattern_is_refused():
+    with pytest.raises(SystemExit, match="--freeze"):
+        train_settings.settings_from_args(train_settings.parse_args(["--smoke", "--freeze", "q_proj("]))

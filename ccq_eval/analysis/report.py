@@ -40,6 +40,7 @@ from ccq_eval.analysis import figures as figure_module
 from ccq_eval.analysis import stats, tables
 from ccq_eval.harness import results_store
 from ccq_eval.harness.results_store import UNIT_SPEC_FILE, ResultsError, StoredUnit
+from ccq_eval.task_families import PERPLEXITY, S_NIAH, family_of
 
 REPORT_FILE = "report.html"
 # Characters of the prompt shown on each side of the needle, and of a document's start.
@@ -442,10 +443,10 @@ def sample_cells(units: Sequence[StoredUnit]) -> list[SampleCell]:
         for task in sorted(unit.leaf_tasks()):
             if task not in unit.samples_paths:
                 continue
-            family = tables.task_family(task)
-            if family == "s-niah":
+            family = family_of(task)
+            if family is S_NIAH:
                 cells += sniah_cells(unit, task)
-            elif family == "ppl":
+            elif family is PERPLEXITY:
                 cells += perplexity_cells(unit, task)
     return cells
 
@@ -472,7 +473,7 @@ def samples_section(cells: Sequence[SampleCell]) -> str:
         data = (f'data-model="{_e(cell.model)}" data-task="{_e(cell.task)}" '
                 f'data-length="{"" if cell.length is None else cell.length}" '
                 f'data-depth="{"" if cell.depth is None else f"{cell.depth:g}"}"')
-        failed = " failed" if cell.entries and tables.task_family(cell.task) == "s-niah" else ""
+        failed = " failed" if cell.entries and family_of(cell.task) is S_NIAH else ""
         inner = "".join(cell.entries) or '<p class="muted">Nothing to show: every sample is right.</p>'
         blocks.append(f'<details class="cell{failed}" {data}><summary>{_e(cell.summary)}</summary>'
                       f"{inner}</details>")

@@ -21,7 +21,7 @@ import json
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import pandas as pd
 
 from ccq_eval.harness import results_store
 from ccq_eval.harness.results_store import ResultsError, StoredUnit
+from ccq_eval.task_families import DEPTH_KEYS, FAMILIES, LENGTH_KEYS, TaskFamily, family_of
 from ccq_eval.tasks.longbench import categories as longbench_categories
 
 TIDY_COLUMNS = [
@@ -37,14 +38,9 @@ TIDY_COLUMNS = [
     "higher_is_better", "primary", "source",
 ]
 
-# Keys under which documents name their cell (first one present wins).
-LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_length")
-DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
 # Families whose per-length values are recomputed from documents' length / depth (LongBench's
 # "length" is a word count; perplexity tasks report per-length metrics themselves).
-CELL_FAMILIES = ("s-niah",)
-# Primary metric per family where the task's metric order does not say it.
-FAMILY_PRIMARY = {"ppl": "ppl"}
+CELL_FAMILIES = tuple(family.name for family in FAMILIES if family.cell_rows)
 _SUFFIX_LENGTH = re.compile(r"^\d+$")
 _SUFFIX_RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -74,7 +70,8 @@ def split_metric(metric: str, known: Iterable[str] = ()) -> tuple[str, int | Non
 
 
 def primary_metric(task: str, infos: list[MetricInfo]) -> str | None:
-    family_primary = FAMILY_PRIMARY.get(task_family(task))
+    """The metric tables show for `task`: its family's primary metric, else the task's first metric."""
+    family_primary = family_of(task).primary_metric
     if family_primary is not None:
         return family_primary
     return split_metric(infos[0].name)[0] if infos else None
@@ -83,16 +80,8 @@ PAIRED_AGGREGATIONS = ("weighted_perplexity", "bits_per_byte")
 
 
 def task_family(task: str) -> str:
-    name = task.lower()
-    if "s_niah" in name or "sniah" in name or "s-niah" in name:
-        return "s-niah"
-    if name.startswith(("ccq_longbench_e", "longbench_e")):
-        return "longbench-e"
-    if "longbench" in name:
-        return "longbench"
-    if "ppl" in name or "perplexity" in name:
-        return "ppl"
-    return "other"
+    """The name of `task`'s family (ccq_eval.task_families), the tidy frame's `family` column."""
+    return family_of(task).name
 
 
 def display_task(task: str) -> str:
@@ -233,7 +222,7 @@ def _overall_rows(unit: StoredUnit, task: str, infos: list[MetricInfo]) -> list[
             # per-length metric: its own document count when the task reports one (docs@L)
             docs = values.get(f"docs@{length},{filter_name}")
             n = docs if _is_number(docs) else None
-        if family == "longbench-e" and "_" in metric and length is None:
+        if family_of(task).bucket_metrics and "_" in metric and length is None:
             head, _, tail = metric.rpartition("_")
             if head in direction and tail and tail[0].isdigit():
                 base_metric, bucket, n = head, tail, None
@@ -295,7 +284,7 @@ def tidy_table(units: Iterable[StoredUnit]) -> pd.DataFrame:
             infos = metric_infos(unit, task)
             overall = _overall_rows(unit, task, infos)
             rows.extend(overall)
-            if task_family(task) in CELL_FAMILIES:
+            if family_of(task).cell_rows:
                 cells = _cell_rows(unit, task, infos, unit.samples(task))
                 recomputed = {(r["length"], r["metric"], r["filter"]): r for r in cells if r["depth"] is None}
                 for row in overall:
@@ -418,19 +407,21 @@ def _length_pivot(rows: pd.DataFrame) -> pd.DataFrame:
     return pivot
 
 
-def sniah_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
-    rows = tidy[(tidy["family"] == "s-niah") & tidy["primary"] & tidy["length"].notna() & tidy["depth"].isna()]
+def _family_rows(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame:
+    return tidy[tidy["family"] == family.name]
+
+
+def length_pivot(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame | None:
+    """task x model x length of a family's primary metric (S-NIAH accuracy, sweep perplexity)."""
+    rows = _family_rows(tidy, family)
+    rows = rows[rows["primary"] & rows["length"].notna() & rows["depth"].isna() & rows["bucket"].isna()]
     return None if rows.empty else _length_pivot(rows)
 
 
-def ppl_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
-    rows = tidy[(tidy["family"] == "ppl") & tidy["primary"] & tidy["length"].notna() & tidy["depth"].isna()
-                & tidy["bucket"].isna()]
-    return None if rows.empty else _length_pivot(rows)
-
-
-def ppl_position_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
-    rows = tidy[(tidy["family"] == "ppl") & tidy["primary"] & tidy["bucket"].notna()]
+def position_bucket_pivot(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame | None:
+    """task x model x end of the position bucket, of a family's primary metric (bucketed perplexity)."""
+    rows = _family_rows(tidy, family)
+    rows = rows[rows["primary"] & rows["bucket"].notna()]
     return None if rows.empty else _length_pivot(rows)
 
 
@@ -462,16 +453,20 @@ def longbench_pivot(tidy: pd.DataFrame, family: str = "longbench") -> pd.DataFra
     return frame.sort_index()
 
 
-def longbench_e_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
-    rows = tidy[(tidy["family"] == "longbench-e") & tidy["bucket"].notna()]
+def length_bucket_pivot(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame | None:
+    """dataset x model x length bucket (LongBench-E's score_0-4k, ...)."""
+    rows = _family_rows(tidy, family)
+    rows = rows[rows["bucket"].notna()]
     if rows.empty:
         return None
     rows = rows.assign(dataset=[longbench_dataset(t) or t for t in rows["task"]])
     return rows.pivot_table(index=["dataset", "model"], columns="bucket", values="value", aggfunc="first")
 
 
-def other_pivot(tidy: pd.DataFrame) -> pd.DataFrame | None:
-    rows = tidy[(tidy["family"] == "other") & tidy["length"].isna()]
+def overall_pivot(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame | None:
+    """model x (task, metric) of the overall values (any other lm-eval task)."""
+    rows = _family_rows(tidy, family)
+    rows = rows[rows["length"].isna()]
     if rows.empty:
         return None
     label = rows["task"] + " " + rows["metric"]
@@ -502,11 +497,11 @@ def has_failures(frame: pd.DataFrame) -> bool:
     return any(isinstance(v, str) and v.endswith(" (failed)") for v in frame.to_numpy().ravel())
 
 
-def _longbench_shown(tidy: pd.DataFrame) -> pd.DataFrame | None:
+def longbench_shown(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame | None:
     """longbench_pivot with a model's failed datasets, and the averages over them, shown as failed."""
-    frame = longbench_pivot(tidy)
-    rows = tidy[(tidy["family"] == "longbench") & tidy["primary"] & tidy["length"].isna()
-                & tidy["bucket"].isna()]
+    frame = longbench_pivot(tidy, family.name)
+    rows = _family_rows(tidy, family)
+    rows = rows[rows["primary"] & rows["length"].isna() & rows["bucket"].isna()]
     failed = rows[~rows["value"].map(math.isfinite)]
     if frame is None or failed.empty:
         return frame
@@ -521,24 +516,30 @@ def _longbench_shown(tidy: pd.DataFrame) -> pd.DataFrame | None:
     return shown
 
 
+# FamilyTable.pivot -> (the pivot, whether it reads the tidy frame with failures already shown).
+# longbench_pivot averages over datasets, so it reads the numbers and marks failures itself.
+PIVOTS: dict[str, tuple[Callable[[pd.DataFrame, TaskFamily], pd.DataFrame | None], bool]] = {
+    "per_length": (length_pivot, True),
+    "per_position_bucket": (position_bucket_pivot, True),
+    "longbench_categories": (longbench_shown, False),
+    "per_length_bucket": (length_bucket_pivot, True),
+    "overall": (overall_pivot, True),
+}
+
+
 def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
+    """The tables every family's entry names (task_families.FAMILIES), in that order, those with rows."""
     pivots = []
     shown = with_failures_shown(tidy)
-    candidates = [
-        ("S-NIAH accuracy per length", sniah_pivot(shown),
-         "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`"),
-        ("Perplexity per length (truncated-document sweep)", ppl_pivot(shown), "lower is better"),
-        ("Perplexity per position bucket (position-bucketed protocol)", ppl_position_pivot(shown),
-         "column = end of the bucket in tokens; lower is better"),
-        ("LongBench per dataset with category averages", _longbench_shown(tidy), ""),
-        ("LongBench-E per length bucket", longbench_e_pivot(shown), ""),
-        ("Other tasks (overall values)", other_pivot(shown), ""),
-    ]
-    for title, frame, note in candidates:
-        if frame is not None and not frame.empty:
-            if has_failures(frame):
-                note = f"{note}; {NON_FINITE_NOTE}" if note else NON_FINITE_NOTE
-            pivots.append(Pivot(title, frame, note))
+    for family in FAMILIES:
+        for table in family.tables:
+            make_pivot, reads_shown = PIVOTS[table.pivot]
+            frame = make_pivot(shown if reads_shown else tidy, family)
+            if frame is not None and not frame.empty:
+                note = table.note
+                if has_failures(frame):
+                    note = f"{note}; {NON_FINITE_NOTE}" if note else NON_FINITE_NOTE
+                pivots.append(Pivot(table.title, frame, note))
     return pivots
 
 

@@ -33,6 +33,7 @@ from ccq_eval.harness.results_store import UnitDir
 from ccq_eval.model import checkpoint
 from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, RegistryError, default_model_names
+from ccq_eval.task_families import FAMILY_METADATA_KEYS, PERPLEXITY, family_of
 
 # The default run: small enough for a 2-core CPU in minutes on the embedded tiny models.
 DEFAULT_TASKS = ["s-niah", "ppl"]
@@ -334,24 +335,14 @@ class RunPlan:
         return [unit for unit in self.units if not unit.finished and unit.in_shard]
 
 
-def _is_sniah(task: str) -> bool:
-    return "s_niah" in task or "sniah" in task
-
-
 def metadata_for_task(task: str, metadata: dict[str, Any]) -> dict[str, Any]:
-    """The part of the run's task metadata that can change `task`'s documents.
+    """The part of the run's task metadata that can change `task`'s documents (its family's
+    metadata_keys, and the keys no family is selective about).
 
     Keeping the rest out of the unit's spec lets a later run add, say, S-NIAH depths without
     the perplexity units counting as asked a different question."""
-    relevant = dict(metadata)
-    if not _is_sniah(task):
-        relevant.pop("depths", None)
-    if "longbench" in task:
-        relevant.pop("lengths", None)  # LongBench's budget is max_length
-        relevant.pop("samples_per_cell", None)
-    else:
-        relevant.pop("data_dir", None)
-    return relevant
+    keys = family_of(task).metadata_keys
+    return {key: value for key, value in metadata.items() if key not in FAMILY_METADATA_KEYS or key in keys}
 
 
 def _checkpoint_fingerprint(source: str) -> dict[str, Any] | None:
@@ -508,15 +499,15 @@ def plan_run(
                 if alias in part.tasks:
                     part_of[task] = part
         resolved, notes = _suite_tasks_with_data(resolved, part_of, options)
-    if depths is not None and not any(_is_sniah(task) for task, _ in resolved):
+    if depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
         raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
-    grid_tasks = [task for task, _ in resolved if _is_sniah(task) or task.startswith("ccq_ppl")]
+    grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
     if options.limit is not None and grid_tasks:
         raise PlanError(
             f"--limit takes the first N documents, which for {grid_tasks[0]} are the shortest lengths only; "
             "use --samples-per-cell for S-NIAH and perplexity tasks (and --limit in a separate LongBench run)"
         )
-    longbench_tasks = [task for task, _ in resolved if "longbench" in task]
+    longbench_tasks = [task for task, _ in resolved if family_of(task).needs_longbench_data]
     if options.samples_per_cell is not None and longbench_tasks and options.suite is None:
         raise PlanError(
             "--samples-per-cell does not apply to LongBench (fixed datasets); run LongBench separately "
@@ -524,7 +515,7 @@ def plan_run(
         )
 
     _check_longbench_data(longbench_tasks, options.longbench_dir)
-    ppl_tasks = [task for task, _ in resolved if task.startswith("ccq_ppl")]
+    ppl_tasks = [task for task, _ in resolved if family_of(task) is PERPLEXITY]
     if ppl_tasks and samples_per_cell is None and options.suite is None:
         notes.append(f"note: {', '.join(ppl_tasks)} without --samples-per-cell scores every document of the "
                      "eval split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick "

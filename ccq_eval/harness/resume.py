@@ -10,9 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ccq_eval.harness.results_store import ResponseCache
-
-_LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_length")
-_DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
+from ccq_eval.task_families import DEPTH_KEYS, LENGTH_KEYS
 
 
 def describe_cell(doc: Any) -> str:
@@ -20,7 +18,7 @@ def describe_cell(doc: Any) -> str:
     if not isinstance(doc, dict):
         return ""
     parts = []
-    for label, keys in (("len", _LENGTH_KEYS), ("depth", _DEPTH_KEYS)):
+    for label, keys in (("len", LENGTH_KEYS), ("depth", DEPTH_KEYS)):
         for key in keys:
             if key in doc and doc[key] is not None:
                 value = doc[key]

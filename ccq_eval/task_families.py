@@ -1,0 +1,180 @@
+"""The task families: what each kind of task of ours is, which metrics it reports and how it is tabulated.
+
+One table, read by planning (which task metadata can change a task's documents, which options apply),
+the tables and the report (which metric is primary, which pivots show a family) and resuming (the
+document keys that name a cell):
+
+    family_of("ccq_s_niah_2")     -> S_NIAH
+    family_of("ccq_ppl_sweep")    -> PERPLEXITY
+    family_of("hellaswag")        -> OTHER (any lm-eval task that is not ours)
+    family_of("ccq_new_thing")    -> UnknownTaskFamilyError (a task of ours without an entry here)
+
+Our lm-eval tasks are recognised by the start of their name (ccq_s_niah, ccq_ppl, ccq_longbench_e,
+ccq_longbench); names of other harnesses are never guessed from substrings. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OUR_TASK_PREFIX = "ccq_"
+# Keys under which a task's documents name their cell (the first one present wins).
+LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_length")
+DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
+# The run's task metadata keys that only some families record in their units' spec (TaskFamily.metadata_keys);
+# every other key (the seed) is recorded for every task.
+FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir")
+
+
+class UnknownTaskFamilyError(ValueError):
+    """A task name of ours (ccq_...) that no family in FAMILIES claims."""
+
+
+@dataclass(frozen=True)
+class FamilyTable:
+    """One pivot the paper tables show for a family: which pivot (tables.PIVOTS), its title and note."""
+
+    pivot: str
+    title: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TaskFamily:
+    """One family of tasks and everything the harness and the analysis decide by it.
+
+    name: the tidy frame's `family` column; task_prefixes: how our lm-eval task names of the family
+    begin (the longest matching prefix wins); request_type: the lm-eval request its tasks send;
+    metrics: the base metrics its tasks report (per-length and per-bucket variants are suffixed:
+    acc_1024, ppl@4096, ppl@0-512, score_0-4k); primary_metric: the one tables and comparisons show
+    (None: the task's first metric); higher_is_better: that metric's direction (None: as the task says);
+    metadata_keys: which of FAMILY_METADATA_KEYS its units' spec records (those that can change its
+    documents; OTHER keeps lengths and samples_per_cell, which lm-eval hands every task); length_grid:
+    its documents form a grid of nominal lengths (--lengths, --samples-per-cell); cell_rows: per-length and
+    per-(length, depth) values are recomputed from the documents' cell keys; bucket_metrics: overall
+    metrics named <metric>_<bucket> are per-length-bucket values; tables: the pivots that show it, in order.
+    """
+
+    name: str
+    title: str
+    task_prefixes: tuple[str, ...]
+    request_type: str
+    metrics: tuple[str, ...]
+    primary_metric: str | None
+    higher_is_better: bool | None
+    metadata_keys: frozenset[str] = frozenset()
+    length_grid: bool = False
+    cell_rows: bool = False
+    bucket_metrics: bool = False
+    tables: tuple[FamilyTable, ...] = ()
+
+    @property
+    def takes_depths(self) -> bool:
+        return "depths" in self.metadata_keys
+
+    @property
+    def needs_longbench_data(self) -> bool:
+        """Whether its documents come from the official LongBench jsonl files (--longbench-dir)."""
+        return "data_dir" in self.metadata_keys
+
+
+S_NIAH = TaskFamily(
+    name="s-niah",
+    title="S-NIAH",
+    task_prefixes=("ccq_s_niah",),
+    request_type="generate_until",
+    metrics=("acc",),
+    primary_metric="acc",
+    higher_is_better=True,
+    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell"}),
+    length_grid=True,
+    cell_rows=True,
+    tables=(
+        FamilyTable(
+            "per_length",
+            "S-NIAH accuracy per length",
+            "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`",
+        ),
+    ),
+)
+PERPLEXITY = TaskFamily(
+    name="ppl",
+    title="perplexity",
+    task_prefixes=("ccq_ppl",),
+    request_type="loglikelihood_rolling",
+    metrics=("ppl", "nll", "tokens", "docs", "doc_ppl"),
+    primary_metric="ppl",
+    higher_is_better=False,
+    metadata_keys=frozenset({"lengths", "samples_per_cell"}),
+    length_grid=True,
+    tables=(
+        FamilyTable("per_length", "Perplexity per length (truncated-document sweep)", "lower is better"),
+        FamilyTable(
+            "per_position_bucket",
+            "Perplexity per position bucket (position-bucketed protocol)",
+            "column = end of the bucket in tokens; lower is better",
+        ),
+    ),
+)
+LONGBENCH = TaskFamily(
+    name="longbench",
+    title="LongBench",
+    task_prefixes=("ccq_longbench",),
+    request_type="generate_until",
+    metrics=("score",),
+    primary_metric="score",
+    higher_is_better=True,
+    metadata_keys=frozenset({"data_dir"}),
+    tables=(FamilyTable("longbench_categories", "LongBench per dataset with category averages"),),
+)
+LONGBENCH_E = TaskFamily(
+    name="longbench-e",
+    title="LongBench-E",
+    task_prefixes=("ccq_longbench_e",),
+    request_type="generate_until",
+    metrics=("score",),
+    primary_metric="score",
+    higher_is_better=True,
+    metadata_keys=frozenset({"data_dir"}),
+    bucket_metrics=True,
+    tables=(FamilyTable("per_length_bucket", "LongBench-E per length bucket"),),
+)
+OTHER = TaskFamily(
+    name="other",
+    title="other lm-eval tasks",
+    task_prefixes=(),
+    request_type="any",
+    metrics=(),
+    primary_metric=None,
+    higher_is_better=None,
+    metadata_keys=frozenset({"lengths", "samples_per_cell"}),
+    tables=(FamilyTable("overall", "Other tasks (overall values)"),),
+)
+
+# In the order the paper tables show them.
+FAMILIES: tuple[TaskFamily, ...] = (S_NIAH, PERPLEXITY, LONGBENCH, LONGBENCH_E, OTHER)
+FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def family_of(task: str) -> TaskFamily:
+    """The family of an lm-eval task name: ours by the longest family prefix it starts with, OTHER for a
+    task that is not ours. Raises UnknownTaskFamilyError for a name of ours (ccq_...) no family claims."""
+    best: tuple[int, TaskFamily] | None = None
+    for family in FAMILIES:
+        for prefix in family.task_prefixes:
+            if task.startswith(prefix) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), family)
+    if best is not None:
+        return best[1]
+    if task.startswith(OUR_TASK_PREFIX):
+        known = ", ".join(prefix for family in FAMILIES for prefix in family.task_prefixes)
+        raise UnknownTaskFamilyError(
+            f"task {task!r} is named like one of ours ({OUR_TASK_PREFIX}...) but belongs to no task family "
+            f"(known: {known}); add its family to ccq_eval/task_families.py"
+        )
+    return OTHER
+
+
+def is_ours(task: str) -> bool:
+    """Whether an lm-eval task name is one of ours (a family other than OTHER claims it)."""
+    return family_of(task) is not OTHER

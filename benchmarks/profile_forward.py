@@ -136,9 +136,9 @@ def generate_steps(lm, text: str, ccq: bool) -> None:
     from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
     ids = lm.tok_encode(text)
-    input_ids = lm._tensor([ids])
-    _, _, logits, cache = lm._run(input_ids, len(ids))
-    graph = GraphedDecodeStep(lm._backbone, lm._lm_head, cache, 1)
+    input_ids = lm.runtime.tensor([ids])
+    _, _, logits, cache = lm.scorer.run(input_ids, len(ids))
+    graph = GraphedDecodeStep(lm.runtime.backbone, lm.runtime.lm_head, cache, 1)
     tokens = logits.argmax(-1)
 
     def replays():
@@ -147,9 +147,9 @@ def generate_steps(lm, text: str, ccq: bool) -> None:
 
     steps = [
         ("tokenise the prompt", lambda: lm.tok_encode(text)),
-        ("prefill (_run, one slice, cache kept)", lambda: lm._run(input_ids, len(ids))),
+        ("prefill (scorer.run, one slice, cache kept)", lambda: lm.scorer.run(input_ids, len(ids))),
         ("build the decode graph (copies, warm-up, capture)",
-         lambda: GraphedDecodeStep(lm._backbone, lm._lm_head, cache, 1)),
+         lambda: GraphedDecodeStep(lm.runtime.backbone, lm.runtime.lm_head, cache, 1)),
         ("127 graph replays", replays),
     ]
     print(f"\n=== generate steps, ccq={ccq}: a prompt of {len(ids)} tokens")
@@ -186,17 +186,17 @@ def score_steps(model, lm, tokens, requests, ccq: bool) -> None:
 
     def scoring_passes():
         for _ in range(n):
-            lm._run(tokens, 0, to_cpu=False)
+            lm.scorer.run(tokens, 0, to_cpu=False)
 
     def pretokenised():
-        with mock.patch.object(lm, "tok_encode", lambda text: encoded[text]):
+        with mock.patch.object(lm.codec, "encode", lambda text: encoded[text]):
             lm.loglikelihood_rolling(requests, disable_tqdm=True)
 
     steps = [
         ("bare forward (all logits, no cache)", lambda: forwards(False)),
         ("bare forward, cache returned", lambda: forwards(True)),
-        ("adapter _run on ids, torch log-softmax", with_logprob("torch", scoring_passes)),
-        ("adapter _run on ids, triton log-softmax", with_logprob("triton", scoring_passes)),
+        ("adapter scorer.run on ids, torch log-softmax", with_logprob("torch", scoring_passes)),
+        ("adapter scorer.run on ids, triton log-softmax", with_logprob("triton", scoring_passes)),
         ("loglikelihood_rolling, pre-tokenised", pretokenised),
         ("loglikelihood_rolling, whole call", lambda: lm.loglikelihood_rolling(requests, disable_tqdm=True)),
     ]

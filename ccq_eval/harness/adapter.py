@@ -27,7 +27,6 @@ or by name from lm-eval (import this module first so "ccq" is registered):
 from __future__ import annotations
 
 import atexit
-import inspect
 import logging
 import os
 from collections import Counter
@@ -36,12 +35,15 @@ from typing import Any
 
 import lm_eval.models  # noqa: F401  (built-ins first: get_model() only imports them into an empty registry)
 import torch
+from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from ccq_eval.harness.generation import GenerationMixin, as_bool
-from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, ScoringMixin, TokenNLL
-from ccq_eval.harness.truncation import TRUNCATION_POLICIES, TruncationMixin
+from ccq_eval.harness.generation import Generator, as_bool
+from ccq_eval.harness.model_runtime import ModelRuntime
+from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, Scorer, TokenNLL
+from ccq_eval.harness.tokens import TokenCodec
+from ccq_eval.harness.truncation import Truncator
 from ccq_eval.model.modeling_ccq import prepare_runtime
 
 logger = logging.getLogger(__name__)
@@ -114,36 +116,27 @@ def _resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
-    """(backbone, LM head) of an fla causal LM, whose logits are exactly lm_head(backbone(...)[0])
-    (FLAForCausalLM.forward without labels); (None, None) for any other model."""
-    try:
-        from fla.models.modeling_utils import FLAForCausalLM
-    except ImportError:  # fla absent: no fla model can be here
-        return None, None
-    if isinstance(model, FLAForCausalLM):
-        return model.get_decoder(), model.get_output_embeddings()
-    return None, None
+def _checked_limits(max_length: int | str | None, chunk_size: int | str,
+                    logits_chunk: int | str) -> tuple[int, int, int]:
+    """(max_length, chunk_size, logits_chunk) as ints; max_length None: DEFAULT_MAX_LENGTH."""
+    if max_length is None:
+        logger.info("ccq adapter: no max_length given; using %d tokens (linear attention has no "
+                    "positional limit; pass max_length=... to set the context budget)", DEFAULT_MAX_LENGTH)
+        max_length = DEFAULT_MAX_LENGTH
+    limits = int(max_length), int(chunk_size), int(logits_chunk)
+    if limits[0] < 2 or limits[1] < 1 or limits[2] < 1:
+        raise ValueError(f"max_length must be >= 2, chunk_size and logits_chunk >= 1; got {max_length}, "
+                         f"{chunk_size}, {logits_chunk}")
+    return limits
 
-def _forward_parameters(model: torch.nn.Module) -> set[str]:
-    """Keyword names the model's forward accepts, following `**kwargs` pass-through into the
-    parent class's forward (our CCQ classes wrap fla's forward that way)."""
-    names: set[str] = set()
-    for cls in type(model).__mro__:
-        if cls is torch.nn.Module:
-            break
-        forward = cls.__dict__.get("forward")
-        if forward is None:
-            continue
-        params = inspect.signature(forward).parameters
-        names.update(params)
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            break
-    return names
 
 @register_model("ccq")
-class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
+class CCQEvalLM(LM):
     """lm-eval LM for recurrent causal LMs with chunked, state-carrying scoring.
+
+    Built from parts that each own their state: a ModelRuntime (how the model is called), a TokenCodec
+    (the tokenizer), a Truncator (context budget, policies and their counts), a Scorer (loglikelihood,
+    loglikelihood_rolling) and a Generator (generate_until); the lm-eval methods delegate to them.
 
     Args:
         model: an already-loaded causal LM (HF-style forward with a cache), or None.
@@ -195,22 +188,49 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         ignored = {k: v for k, v in kwargs.items() if k not in ("max_batch_size",)}
         if ignored:
             logger.warning("ccq adapter: ignoring unknown model arguments %s", sorted(ignored))
+        self.accelerator = self._join_data_parallel(model, device)
+        model, tokenizer = self._model_and_tokenizer(model, tokenizer, pretrained, device, dtype, allow_pickle,
+                                                     trust_remote_code)
+        self.runtime = ModelRuntime(model)
+        self.model = self.runtime.model
+        self.codec = TokenCodec(tokenizer)
+        self.pretrained = pretrained if pretrained is not None else getattr(
+            getattr(model, "config", None), "_name_or_path", type(model).__name__)
+        self._device = self.runtime.device
+        max_length, chunk_size, logits_chunk = _checked_limits(max_length, chunk_size, logits_chunk)
+        self.truncator = Truncator(self.codec, max_length, default_truncation)
+        self._batch_size, self.cuda_graphs = resolve_fast_path(
+            self._device.type, self.runtime.recurrent, _parse_batch_size(batch_size),
+            _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name)
+        self.scorer = Scorer(self.runtime, self.codec, self.truncator, chunk_size=chunk_size,
+                             logits_chunk=logits_chunk, batch_size=self._batch_size,
+                             cuda_graphs=self.cuda_graphs)
+        self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
+                                   batch_size=self._batch_size, cuda_graphs=self.cuda_graphs, seed=int(seed))
 
-        self.accelerator = None
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Launched with `accelerate launch` / torchrun: data-parallel over processes.
-            # The evaluator hands each rank its share of the documents.
-            from accelerate import Accelerator
+    def _join_data_parallel(self, model: torch.nn.Module | None, device: str | None) -> Any:
+        """The Accelerator of a data-parallel launch (`accelerate launch` / torchrun: WORLD_SIZE > 1), with
+        this process's rank and the world size set; None for a single process. The evaluator hands each
+        rank its share of the documents."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        from accelerate import Accelerator
 
-            # cpu=True is what makes accelerate use gloo across CPU processes (no CUDA, or the model or
-            # device asked for is on the CPU).
-            where = device if model is None else next(model.parameters()).device
-            on_cpu = not torch.cuda.is_available() or str(where or "").startswith("cpu")
-            self.accelerator = Accelerator(cpu=on_cpu)
-            self._rank = self.accelerator.process_index
-            self._world_size = self.accelerator.num_processes
-            atexit.register(end_process_group)
+        # cpu=True is what makes accelerate use gloo across CPU processes (no CUDA, or the model or
+        # device asked for is on the CPU).
+        where = device if model is None else next(model.parameters()).device
+        on_cpu = not torch.cuda.is_available() or str(where or "").startswith("cpu")
+        accelerator = Accelerator(cpu=on_cpu)
+        self._rank = accelerator.process_index
+        self._world_size = accelerator.num_processes
+        atexit.register(end_process_group)
+        return accelerator
 
+    def _model_and_tokenizer(self, model: torch.nn.Module | None, tokenizer: Any, pretrained: str | None,
+                             device: str | None, dtype: str | None, allow_pickle: bool | str,
+                             trust_remote_code: bool | str) -> tuple[torch.nn.Module, Any]:
+        """The model given, or loaded from `pretrained` (on the data-parallel rank's device), and its
+        tokenizer: a tokenizer object given wins over the loaded one."""
         if model is None:
             if pretrained is None:
                 raise ValueError("ccq adapter needs either model=<loaded model> (with tokenizer=) or "
@@ -218,74 +238,21 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
             target = self.accelerator.device if self.accelerator is not None else _resolve_device(device)
             from ccq_eval.model.loading import load_model  # lazy: loading pulls in fla and our models
 
-            model, loaded_tokenizer = load_model(
-                str(pretrained), device=str(target), dtype=dtype, allow_pickle=as_bool(allow_pickle),
-                trust_remote_code=as_bool(trust_remote_code),
-            )
-            tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else loaded_tokenizer
+            model, loaded_tokenizer = load_model(str(pretrained), device=str(target), dtype=dtype,
+                                                 allow_pickle=as_bool(allow_pickle),
+                                                 trust_remote_code=as_bool(trust_remote_code))
+            if tokenizer is None or isinstance(tokenizer, str):
+                tokenizer = loaded_tokenizer
         elif tokenizer is None or isinstance(tokenizer, str):
             raise ValueError("ccq adapter: model= was given without a tokenizer object (tokenizer=)")
         if self.accelerator is not None:
             model = model.to(self.accelerator.device)
-
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.pretrained = pretrained if pretrained is not None else getattr(
-            getattr(model, "config", None), "_name_or_path", type(model).__name__)
-        self._device = next(model.parameters()).device
-        if self._device.type == "cuda":
-            # The model's GPU made current: CUDA graphs capture on the current device's streams, and
-            # kernels that take no device from their inputs launch there (device="cuda:1").
-            torch.cuda.set_device(self._device)
-
-        if max_length is None:
-            logger.info("ccq adapter: no max_length given; using %d tokens (linear attention has no "
-                        "positional limit; pass max_length=... to set the context budget)", DEFAULT_MAX_LENGTH)
-            max_length = DEFAULT_MAX_LENGTH
-        self._max_length = int(max_length)
-        requested_batch_size = _parse_batch_size(batch_size)
-        self.chunk_size = int(chunk_size)
-        self.logits_chunk = int(logits_chunk)
-        if self._max_length < 2 or self.chunk_size < 1 or self.logits_chunk < 1:
-            raise ValueError(f"max_length must be >= 2, chunk_size and logits_chunk >= 1; got {max_length}, "
-                             f"{chunk_size}, {logits_chunk}")
-        if default_truncation not in TRUNCATION_POLICIES:
-            raise ValueError(f"default_truncation={default_truncation!r}; valid: {', '.join(TRUNCATION_POLICIES)}")
-        self.default_truncation = default_truncation
-        self._seed = int(seed)  # with a request's identity, the seed of its sampling (generation.py)
-
-        # Model-agnostic calling convention: fla reads `past_key_values`; transformers >= 5.2x
-        # renamed it `cache`. Pick whichever the forward declares.
-        params = _forward_parameters(self.model)
-        self._cache_kwarg = "past_key_values" if "past_key_values" in params else (
-            "cache" if "cache" in params else "past_key_values")
-        self._has_logits_to_keep = "logits_to_keep" in params
-        self._backbone, self._lm_head = _backbone_and_head(self.model)
-        # Purely recurrent fla models (no hybrid attention layers, config.attn) keep no per-position
-        # state, so prompts of different lengths can decode in one batch.
-        self._stackable = self._backbone is not None and not getattr(self.model.config, "attn", None)
-        self.last_decode_steps = 0  # one-token model calls of the last generate batch (for benchmarks)
-        self._batch_size, self.cuda_graphs = resolve_fast_path(
-            self._device.type, self._stackable, requested_batch_size, _parse_cuda_graphs(cuda_graphs),
-            model_name=type(self.model).__name__)
-        self._graphed_scoring = None
-        self._decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see _decode_graph)
-        if self.cuda_graphs:
-            from ccq_eval.model.cuda_graphs.score import GraphedScoring
-
-            # Graphs of at most one slice: a longer text's cache would be built inside the capture.
-            self._graphed_scoring = GraphedScoring(self._score_eagerly, self._device, self.chunk_size)
-
-        # Truncation bookkeeping (the runner copies it into the results metadata).
-        self.truncation_policy_counts: Counter[str] = Counter()  # policy -> requests that used it
-        self.n_truncated = 0  # requests whose prompt was cut
-        self.truncation_by_task: dict[str, dict[str, Any]] = {}
-        self._warned_rolling_over_length = False
+        return model, tokenizer
 
     # ------------------------------------------------------------------ properties
     @property
     def max_length(self) -> int:
-        return self._max_length
+        return self.truncator.max_length
 
     @property
     def batch_size(self) -> int:
@@ -296,36 +263,92 @@ class CCQEvalLM(ScoringMixin, GenerationMixin, TruncationMixin, LM):
         return self._device
 
     @property
+    def tokenizer(self) -> Any:
+        return self.codec.tokenizer
+
+    @property
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__).replace("/", "__")
 
     @property
     def bos_token_id(self) -> int | None:
-        return getattr(self.tokenizer, "bos_token_id", None)
+        return self.codec.bos_token_id
 
     @property
     def eot_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
+        return self.codec.eot_token_id
 
     @property
     def prefix(self) -> list[int]:
         """Unscored context put before every text: [BOS] when the tokenizer has one."""
-        return [self.bos_token_id] if self.bos_token_id is not None else []
+        return self.codec.prefix
 
-    def _eos_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        elif isinstance(gen_eos, (list, tuple)):
-            ids.update(int(x) for x in gen_eos)
-        return ids
+    @property
+    def chunk_size(self) -> int:
+        return self.scorer.chunk_size
+
+    @property
+    def logits_chunk(self) -> int:
+        return self.scorer.logits_chunk
+
+    @property
+    def default_truncation(self) -> str:
+        return self.truncator.default_policy
+
+    @property
+    def last_decode_steps(self) -> int:
+        """One-token model calls of the last generate batch (graph replays included; for benchmarks)."""
+        return self.generator.last_decode_steps
 
     def tok_encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.codec.encode(text)
 
     def tok_decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.codec.decode(ids)
+
+    # ------------------------------------------------------------------ lm-eval API
+    def _quiet(self, disable_tqdm: bool) -> bool:
+        """No progress bar when asked, and on every data-parallel rank but 0."""
+        return disable_tqdm or self.rank != 0
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self.scorer.loglikelihood(requests, self.cache_hook, self._quiet(disable_tqdm))
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[TokenNLL]:
+        return self.scorer.loglikelihood_rolling(requests, self.cache_hook, self._quiet(disable_tqdm))
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False,
+                       request_ids: list[str] | None = None) -> list[str]:
+        """Answers of `requests`. request_ids (resume.request_keys of the whole unit's requests, from the
+        resuming wrapper) identify each request for its sampling seed; by default they are computed over
+        `requests`."""
+        return self.generator.generate_until(requests, self.cache_hook, self._quiet(disable_tqdm),
+                                             request_ids)
+
+    # ------------------------------------------------------------------ truncation bookkeeping
+    @property
+    def truncation_policy_counts(self) -> Counter[str]:
+        """Policy -> requests that used it (this process)."""
+        return self.truncator.policy_counts
+
+    @property
+    def n_truncated(self) -> int:
+        """Requests whose prompt was cut (this process)."""
+        return self.truncator.n_truncated
+
+    @property
+    def truncation_by_task(self) -> dict[str, dict[str, Any]]:
+        return self.truncator.by_task
+
+    @property
+    def truncation_stats(self) -> dict[str, Any]:
+        """This process's truncation record: {"policy_counts", "n_truncated", "by_task"}."""
+        return self.truncator.stats
+
+    def truncation_summary(self) -> dict[str, Any]:
+        """Truncation counts summed over all ranks when data-parallel (collective: call it on every rank);
+        the runner copies them into the results metadata."""
+        return self.truncator.summary(self.world_size)
 
     # ------------------------------------------------------------------ data parallel
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Generation for the lm-eval adapter: chunked prefill, then one token per step with the recurrent
-cache; prompts of any length decode together for purely recurrent fla models.
+"""Generation for the lm-eval adapter (`Generator`): chunked prefill, then one token per step with the
+recurrent cache; prompts of any length decode together for purely recurrent fla models.
 """
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ from typing import Any
 
 import torch
 from lm_eval.api.instance import Instance
+from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.resume import request_keys
+from ccq_eval.harness.scoring import Scorer, batches
+from ccq_eval.harness.tokens import TokenCodec
+from ccq_eval.harness.truncation import Truncator
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +62,41 @@ def as_bool(value: Any) -> bool:
     return bool(value)
 
 
-class GenerationMixin:
-    """generate_until of CCQEvalLM."""
+class Generator:
+    """generate_until of the adapter: chunked prefill by `scorer`, then one token per step through
+    `runtime` with the recurrent cache.
 
-    def _parse_gen_kwargs(self, gen_kwargs: dict[str, Any], task_name: str | None) -> dict[str, Any]:
+    Prompts with the same decoding settings go `batch_size` at a time; for a recurrent fla model
+    (runtime.recurrent) prompts of any length decode together. With `cuda_graphs`, each decode step is
+    replayed from a CUDA graph (ccq_eval.model.cuda_graphs.decode; one per batch size, reused by later
+    batches). `seed`: with a request's identity, the seed of its sampling. Prompts are fitted by
+    `truncator` under each request's policy.
+    """
+
+    def __init__(self, runtime: ModelRuntime, scorer: Scorer, codec: TokenCodec, truncator: Truncator, *,
+                 batch_size: int, cuda_graphs: bool, seed: int) -> None:
+        self.runtime = runtime
+        self.scorer = scorer
+        self.codec = codec
+        self.truncator = truncator
+        self.batch_size = batch_size
+        self.cuda_graphs = cuda_graphs
+        self.seed = seed
+        self.decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see decode_graph)
+        self.last_decode_steps = 0  # one-token model calls of the last generate batch (for benchmarks)
+
+    def eos_ids(self) -> set[int]:
+        """Token ids that end an answer: the tokenizer's EOS and the model's generation_config ones."""
+        eos_token_id = self.codec.eot_token_id
+        ids = {eos_token_id} if eos_token_id is not None else set()
+        gen_eos = getattr(getattr(self.runtime.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, (list, tuple)):
+            ids.update(int(x) for x in gen_eos)
+        return ids
+
+    def parse_gen_kwargs(self, gen_kwargs: dict[str, Any], task_name: str | None) -> dict[str, Any]:
         unknown = set(gen_kwargs) - _GEN_KWARGS
         if unknown:
             raise ValueError(f"task {task_name}: unsupported generation_kwargs {sorted(unknown)}; "
@@ -75,24 +111,25 @@ class GenerationMixin:
         max_gen_toks = int(gen_kwargs.get("max_gen_toks", gen_kwargs.get("max_new_tokens", DEFAULT_MAX_GEN_TOKS)))
         temperature = float(gen_kwargs.get("temperature", 1.0) or 0.0)
         do_sample = as_bool(gen_kwargs.get("do_sample", False)) and temperature > 0.0
-        eos_text = self.tokenizer.eos_token
+        eos_text = self.codec.eos_text
         stops = [s for s in until if s] + ([eos_text] if eos_text and eos_text not in until else [])
         return {
             "until": tuple(stops), "max_gen_toks": max_gen_toks, "do_sample": do_sample,
             "temperature": temperature, "top_k": int(gen_kwargs.get("top_k") or 0),
             "top_p": float(gen_kwargs.get("top_p") or 1.0),
-            "policy": self._policy_of(gen_kwargs, task_name),
+            "policy": self.truncator.policy_of(gen_kwargs, task_name),
         }
 
-    def _sampling_generator(self, request_id: str) -> torch.Generator:
+    def sampling_generator(self, request_id: str) -> torch.Generator:
         """The random numbers of one sampled request: seeded by the adapter's seed and the request's
         identity (resume.request_keys: its arguments and repeat index), never by its place in the run, so a
         resumed or differently batched run draws the same answers."""
-        digest = hashlib.sha256(f"{self._seed}:{request_id}".encode()).digest()
+        digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()
         return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
-    def _next_tokens(self, logits: torch.Tensor, settings: dict[str, Any],
-                     generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    @staticmethod
+    def next_tokens(logits: torch.Tensor, settings: dict[str, Any],
+                    generators: list[torch.Generator] | None = None) -> torch.Tensor:
         """The next token of each row: the argmax, or with do_sample a draw from each row's generator."""
         if not settings["do_sample"]:
             return logits.argmax(-1)
@@ -110,31 +147,30 @@ class GenerationMixin:
                  for row, generator in zip(probs, generators or [], strict=True)]
         return torch.cat(drawn).to(logits.device)
 
-    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False,
-                       request_ids: list[str] | None = None) -> list[str]:
-        """Answers of `requests`. request_ids (resume.request_keys of the whole unit's requests, from the
-        resuming wrapper) identify each request for its sampling seed; by default they are computed over
-        `requests`."""
-        if request_ids is None:
-            request_ids = request_keys("generate_until", requests)
+    def _prepare(self, requests: list[Instance]) -> list[tuple[list[int], dict[str, Any]]]:
+        """(prompt ids, decoding settings) of each request, the prompt fitted into what max_length leaves."""
+        max_length = self.truncator.max_length
+        prefix = self.codec.prefix
         prepared: list[tuple[list[int], dict[str, Any]]] = []
         seen: set[int] = set()
         for request in requests:
             first_time = id(request) not in seen
             seen.add(id(request))
             context, gen_kwargs = request.args
-            settings = self._parse_gen_kwargs(dict(gen_kwargs or {}), request.task_name)
-            budget = self.max_length - settings["max_gen_toks"] - len(self.prefix)
-            content = self._fit(self.tok_encode(context), budget, settings["policy"], request.task_name,
-                                f"max_length {self.max_length} minus max_gen_toks {settings['max_gen_toks']}",
-                                count=first_time)
-            prepared.append((self.prefix + content, settings))
+            settings = self.parse_gen_kwargs(dict(gen_kwargs or {}), request.task_name)
+            budget = max_length - settings["max_gen_toks"] - len(prefix)
+            what = f"max_length {max_length} minus max_gen_toks {settings['max_gen_toks']}"
+            content = self.truncator.fit(self.codec.encode(context), budget, settings["policy"],
+                                         request.task_name, what, count=first_time)
+            prepared.append((prefix + content, settings))
         if any(len(ids) == 0 for ids, _ in prepared):
             raise ValueError("generate_until: empty prompt and no BOS token to start from")
+        return prepared
 
-        # Batch prompts with identical decoding settings. Without padding, a batch needs one length,
-        # except for fla models: each prompt is prefilled alone and their recurrent states are
-        # stacked for decoding together (decoding needs no padding).
+    def _batches(self, prepared: list[tuple[list[int], dict[str, Any]]]) -> list[list[int]]:
+        """Batch prompts with identical decoding settings. Without padding, a batch needs one length,
+        except for recurrent fla models: each prompt is prefilled alone and their recurrent states are
+        stacked for decoding together (decoding needs no padding)."""
         def group_key(i: int) -> tuple:
             s = prepared[i][1]
             return (s["until"], s["max_gen_toks"], s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
@@ -142,57 +178,73 @@ class GenerationMixin:
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i in range(len(prepared)):
             groups[group_key(i)].append(i)
-        batches = []
+        grouped = []
         for indices in groups.values():
-            for sub in self._batches([len(prepared[i][0]) for i in indices], any_length=self._stackable):
-                batches.append([indices[j] for j in sub])
+            for sub in batches([len(prepared[i][0]) for i in indices], self.batch_size,
+                               any_length=self.runtime.recurrent):
+                grouped.append([indices[j] for j in sub])
+        return grouped
 
+    def generate_until(self, requests: list[Instance], cache_hook: CacheHook, disable_tqdm: bool = False,
+                       request_ids: list[str] | None = None) -> list[str]:
+        """Answers of `requests`; each also goes to `cache_hook`. request_ids (resume.request_keys of the
+        whole unit's requests, from the resuming wrapper) identify each request for its sampling seed; by
+        default they are computed over `requests`."""
+        if request_ids is None:
+            request_ids = request_keys("generate_until", requests)
+        prepared = self._prepare(requests)
         results: list[str | None] = [None] * len(requests)
-        for batch in tqdm(batches, desc="ccq generate_until", disable=disable_tqdm or self.rank != 0):
+        for batch in tqdm(self._batches(prepared), desc="ccq generate_until", disable=disable_tqdm):
             settings = prepared[batch[0]][1]
-            generators = ([self._sampling_generator(request_ids[i]) for i in batch] if settings["do_sample"]
+            generators = ([self.sampling_generator(request_ids[i]) for i in batch] if settings["do_sample"]
                           else None)
-            texts = self._generate([prepared[i][0] for i in batch], settings, generators)
+            texts = self.generate([prepared[i][0] for i in batch], settings, generators)
             for index, text in zip(batch, texts, strict=True):
                 results[index] = text
-                self.cache_hook.add_partial("generate_until", requests[index].args, text)
+                cache_hook.add_partial("generate_until", requests[index].args, text)
         return results  # type: ignore[return-value]
 
-    def _decode_graph(self, cache: Any, batch: int) -> Any:
+    def decode_graph(self, cache: Any, batch: int) -> Any:
         """The captured decode step for `batch` rows, started from `cache`: captured once per batch
         size and cache layout, then reused by later generate batches (the model must not change in
         between: a graph replays the kernels and weights it captured)."""
         from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
-        graph = self._decode_graphs.get(batch)
+        graph = self.decode_graphs.get(batch)
         if graph is not None and graph.matches(cache):
             graph.load(cache)
             return graph
-        graph = GraphedDecodeStep(self._backbone, self._lm_head, cache, batch)
-        self._decode_graphs[batch] = graph
+        graph = GraphedDecodeStep(self.runtime.backbone, self.runtime.lm_head, cache, batch)
+        self.decode_graphs[batch] = graph
         return graph
 
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any]:
+        """(logits at each prompt's last position, the cache of all rows)."""
+        tensor = self.runtime.tensor
+        if len({len(p) for p in prompts}) == 1:
+            _, _, logits, cache = self.scorer.run(tensor(prompts), len(prompts[0]))
+            return logits, cache
+        # recurrent fla models only (see _batches): prefill one by one, decode together
+        prefilled = [self.scorer.run(tensor([p]), len(p)) for p in prompts]
+        logits = torch.cat([last for _, _, last, _ in prefilled])
+        return logits, _stack_caches([cache for _, _, _, cache in prefilled])
+
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], settings: dict[str, Any],
-                  generators: list[torch.Generator] | None = None) -> list[str]:
+    def generate(self, prompts: list[list[int]], settings: dict[str, Any],
+                 generators: list[torch.Generator] | None = None) -> list[str]:
         """Chunked prefill, then one token per step with the recurrent cache; with do_sample each prompt
         draws from its own generator."""
-        eos_ids = self._eos_ids()
+        eos_ids = self.eos_ids()
         stops = settings["until"]
-        if len({len(p) for p in prompts}) == 1:
-            _, _, logits, cache = self._run(self._tensor(prompts), len(prompts[0]))
-        else:  # recurrent fla models only (see generate_until): prefill one by one, decode together
-            prefilled = [self._run(self._tensor([p]), len(p)) for p in prompts]
-            logits = torch.cat([last for _, _, last, _ in prefilled])
-            cache = _stack_caches([c for _, _, _, c in prefilled])
+        logits, cache = self._prefill(prompts)
         graphed = None
         if self.cuda_graphs and settings["max_gen_toks"] > 1:
-            graphed = self._decode_graph(cache, len(prompts))
+            graphed = self.decode_graph(cache, len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
         for step in range(settings["max_gen_toks"]):
-            tokens = self._next_tokens(logits, settings, generators)
+            tokens = self.next_tokens(logits, settings, generators)
             for row, token in enumerate(tokens.tolist()):
                 if done[row]:
                     continue
@@ -201,7 +253,7 @@ class GenerationMixin:
                     continue
                 generated[row].append(token)
                 if stops:
-                    tail = self.tok_decode(generated[row])
+                    tail = self.codec.decode(generated[row])
                     if any(stop in tail for stop in stops):
                         done[row] = True
             if all(done) or step == settings["max_gen_toks"] - 1:
@@ -209,12 +261,12 @@ class GenerationMixin:
             if graphed is not None:
                 logits = graphed(tokens)
             else:
-                step_logits, cache = self._forward(tokens.view(-1, 1), cache, 1)
+                step_logits, cache = self.runtime.forward(tokens.view(-1, 1), cache, 1)
                 logits = step_logits[:, -1]
             self.last_decode_steps += 1
         texts = []
         for ids in generated:
-            text = self.tok_decode(ids)
+            text = self.codec.decode(ids)
             for stop in stops:
                 cut = text.find(stop)
                 if cut != -1:

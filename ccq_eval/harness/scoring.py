@@ -1,5 +1,5 @@
-"""Scoring for the lm-eval adapter: loglikelihood and loglikelihood_rolling over a carried recurrent
-state, one pass per text (successive slices share one cache), with per-token NLLs (`TokenNLL`).
+"""Scoring for the lm-eval adapter (`Scorer`): loglikelihood and loglikelihood_rolling over a carried
+recurrent state, one pass per text (successive slices share one cache), with per-token NLLs (`TokenNLL`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from typing import Any, Self
 
 import torch
 from lm_eval.api.instance import Instance
+from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.harness.model_runtime import ModelRuntime
+from ccq_eval.harness.tokens import TokenCodec
+from ccq_eval.harness.truncation import Truncator
 from ccq_eval.model.kernels.token_logprob import token_logprob
 
 logger = logging.getLogger(__name__)
@@ -66,47 +70,52 @@ class TokenNLL(float):
         return len(self.token_nll)
 
 
-class ScoringMixin:
-    """loglikelihood / loglikelihood_rolling of CCQEvalLM (state it uses is set up by its __init__)."""
+def batches(lengths: list[int], batch_size: int, any_length: bool = False) -> Iterator[list[int]]:
+    """Index groups of equal length (longest first), at most batch_size each; with any_length,
+    groups of batch_size in order of decreasing length."""
+    if any_length:
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        for i in range(0, len(order), batch_size):
+            yield order[i:i + batch_size]
+        return
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for index, length in enumerate(lengths):
+        by_length[length].append(index)
+    for length in sorted(by_length, reverse=True):
+        indices = by_length[length]
+        for i in range(0, len(indices), batch_size):
+            yield indices[i:i + batch_size]
 
-    # ------------------------------------------------------------------ model calls
-    def _forward(self, input_ids: torch.Tensor, cache: Any, logits_to_keep: int) -> tuple[torch.Tensor, Any]:
-        """One slice through the model with the carried cache. Returns (logits of the last
-        `logits_to_keep` positions, or all when 0 / unsupported, new cache)."""
-        features, new_cache = self._forward_features(input_ids, cache, logits_to_keep)
-        return self._logits(features), new_cache
 
-    def _forward_features(self, input_ids: torch.Tensor, cache: Any, keep: int,
-                          use_cache: bool = True) -> tuple[torch.Tensor, Any]:
-        """Like _forward, but for fla models the backbone's hidden states of the last `keep`
-        positions instead of logits (turned into logits by `_logits`, a slice at a time).
-        use_cache=False: the last slice of a text whose cache nobody reads (no cache returned)."""
-        if self._backbone is not None:
-            out = self._backbone(input_ids=input_ids, past_key_values=cache, use_cache=use_cache)
-            hidden = out[0]
-            return (hidden[:, -keep:] if keep else hidden), out.past_key_values
-        kwargs: dict[str, Any] = {"use_cache": use_cache}
-        if cache is not None:
-            kwargs[self._cache_kwarg] = cache
-        if self._has_logits_to_keep and keep:
-            kwargs["logits_to_keep"] = keep
-        out = self.model(input_ids=input_ids, **kwargs)
-        new_cache = out.get("past_key_values")
-        if new_cache is None:
-            new_cache = out.get("cache")
-        logits = out["logits"]
-        if keep:
-            logits = logits[:, -keep:]
-        return logits, new_cache
+class Scorer:
+    """loglikelihood / loglikelihood_rolling of the adapter: token rows through `runtime` in slices of
+    `chunk_size` tokens with one carried cache, logits formed `logits_chunk` positions at a time.
 
-    def _logits(self, features: torch.Tensor) -> torch.Tensor:
-        """fp32 (at least) logits from what _forward_features returned."""
-        logits = features if self._lm_head is None else self._lm_head(features)
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+    Scoring batches `batch_size` rows of equal token length (no padding: a recurrent state has no
+    attention mask to hide pad tokens). With `cuda_graphs`, a forward that fits one slice is replayed
+    from a CUDA graph (ccq_eval.model.cuda_graphs.score). Contexts of `loglikelihood` are fitted by
+    `truncator` under its default policy.
+    """
+
+    def __init__(self, runtime: ModelRuntime, codec: TokenCodec, truncator: Truncator, *, chunk_size: int,
+                 logits_chunk: int, batch_size: int, cuda_graphs: bool) -> None:
+        self.runtime = runtime
+        self.codec = codec
+        self.truncator = truncator
+        self.chunk_size = chunk_size
+        self.logits_chunk = logits_chunk
+        self.batch_size = batch_size
+        self.graphed = None
+        if cuda_graphs:
+            from ccq_eval.model.cuda_graphs.score import GraphedScoring
+
+            # Graphs of at most one slice: a longer text's cache would be built inside the capture.
+            self.graphed = GraphedScoring(self.score_eagerly, runtime.device, chunk_size)
+        self._warned_rolling_over_length = False
 
     @torch.no_grad()
-    def _run(self, input_ids: torch.Tensor, score_from: int, to_cpu: bool = True,
-             keep_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    def run(self, input_ids: torch.Tensor, score_from: int, to_cpu: bool = True,
+            keep_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """Run [B, T] token rows through the model in slices of chunk_size, carrying the cache.
 
         Scores the predictions made at positions score_from .. T-2 (position p predicts token
@@ -116,6 +125,7 @@ class ScoringMixin:
         last slice, the layers' state outputs and fla's cache updates). Nothing waits for the GPU
         before the end (no per-slice copies to the host).
         """
+        runtime = self.runtime
         n_rows, total = input_ids.shape
         logprob_parts: list[torch.Tensor] = []
         greedy_parts: list[torch.Tensor] = []
@@ -124,22 +134,22 @@ class ScoringMixin:
         for start in range(0, total, self.chunk_size):
             end = min(start + self.chunk_size, total)
             if cache is None and start > 0:
-                raise RuntimeError(f"{type(self.model).__name__} returned no cache with use_cache=True; "
+                raise RuntimeError(f"{runtime.name} returned no cache with use_cache=True; "
                                    "chunked scoring needs a model that returns past_key_values / cache")
             first_needed = max(start, score_from)
             last_scored = min(end, total - 1)  # the final position predicts nothing
             keep = last_scored - first_needed if last_scored > first_needed else 0
             # Only the slice's scored positions need logits (plus the final position when decoding).
             keep_last = end - first_needed if keep else 1
-            features, cache = self._forward_features(input_ids[:, start:end], cache, keep_last,
-                                                     use_cache=keep_cache or end < total)
+            features, cache = runtime.forward_features(input_ids[:, start:end], cache, keep_last,
+                                                       use_cache=keep_cache or end < total)
             if end == total:
-                last_logits = self._logits(features[:, -1:])[:, -1]
+                last_logits = runtime.logits(features[:, -1:])[:, -1]
             for a in range(0, keep, self.logits_chunk):
                 b = min(a + self.logits_chunk, keep)
                 # Logits in the model's dtype; token_logprob does the log-softmax in fp32 (one fused
                 # pass on CUDA, fp64 stays fp64).
-                scored = features[:, a:b] if self._lm_head is None else self._lm_head(features[:, a:b])
+                scored = runtime.head(features[:, a:b])
                 targets = input_ids[:, first_needed + 1 + a:first_needed + 1 + b]
                 logprob, greedy = token_logprob(scored, targets)
                 logprob_parts.append(logprob)
@@ -156,46 +166,25 @@ class ScoringMixin:
             logprob, greedy = logprob.cpu(), greedy.cpu()
         return logprob, greedy, last_logits, cache
 
-    def _score_eagerly(self, input_ids: torch.Tensor, score_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        logprob, greedy, _, _ = self._run(input_ids, score_from, to_cpu=False, keep_cache=False)
+    def score_eagerly(self, input_ids: torch.Tensor, score_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        logprob, greedy, _, _ = self.run(input_ids, score_from, to_cpu=False, keep_cache=False)
         return logprob, greedy
 
-    def _score(self, input_ids: torch.Tensor, score_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, input_ids: torch.Tensor, score_from: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob, greedy) on the device for positions score_from .. T-2, no cache kept: replayed from
         a CUDA graph (every position scored, then sliced; valid until the next call) where cuda_graphs
         is on and the graphs take this shape, else eagerly."""
-        graphed = None if self._graphed_scoring is None else self._graphed_scoring(input_ids)
+        graphed = None if self.graphed is None else self.graphed(input_ids)
         if graphed is None:
-            return self._score_eagerly(input_ids, score_from)
+            return self.score_eagerly(input_ids, score_from)
         logprob, greedy = graphed
         return logprob[:, score_from:], greedy[:, score_from:]
 
-    def _batches(self, lengths: list[int], any_length: bool = False) -> Iterator[list[int]]:
-        """Index groups of equal length (longest first), at most batch_size each; with any_length,
-        groups of batch_size in order of decreasing length."""
-        if any_length:
-            order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-            for i in range(0, len(order), self.batch_size):
-                yield order[i:i + self.batch_size]
-            return
-        by_length: dict[int, list[int]] = defaultdict(list)
-        for index, length in enumerate(lengths):
-            by_length[length].append(index)
-        for length in sorted(by_length, reverse=True):
-            indices = by_length[length]
-            for i in range(0, len(indices), self.batch_size):
-                yield indices[i:i + self.batch_size]
-
-    def _tensor(self, rows: list[list[int]]) -> torch.Tensor:
-        ids = torch.tensor(rows, dtype=torch.long)
-        if self._device.type == "cuda":
-            # From pinned memory the copy is queued behind the GPU's work instead of waiting for it.
-            return ids.pin_memory().to(self._device, non_blocking=True)
-        return ids.to(self._device)
-
-    # ------------------------------------------------------------------ lm-eval API
-    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        prepared: list[tuple[list[int], int]] = []  # (input ids, number of continuation tokens)
+    def _prepare_loglikelihood(self, requests: list[Instance]) -> list[tuple[list[int], int]]:
+        """(input ids, number of continuation tokens) of each (context, continuation) request, the
+        context fitted into what max_length leaves."""
+        max_length = self.truncator.max_length
+        prepared: list[tuple[list[int], int]] = []
         seen: set[int] = set()
         for request in requests:
             first_time = id(request) not in seen
@@ -206,28 +195,33 @@ class ScoringMixin:
                 if n_spaces:  # keep word-boundary spaces with the continuation, as lm-eval does
                     continuation = context[-n_spaces:] + continuation
                     context = context[:-n_spaces]
-                whole = self.tok_encode(context + continuation)
-                context_ids = self.tok_encode(context)
+                whole = self.codec.encode(context + continuation)
+                context_ids = self.codec.encode(context)
                 continuation_ids = whole[len(context_ids):]
-                prefix = self.prefix
+                prefix = self.codec.prefix
             else:
                 context_ids = []
-                continuation_ids = self.tok_encode(continuation)
-                prefix = self.prefix or [self.eot_token_id]
-            budget = self.max_length - len(prefix) - len(continuation_ids)
-            context_ids = self._fit(context_ids, budget, self.default_truncation, request.task_name,
-                                    f"max_length {self.max_length} minus {len(continuation_ids)} continuation tokens",
-                                    count=first_time)
+                continuation_ids = self.codec.encode(continuation)
+                prefix = self.codec.prefix or [self.codec.eot_token_id]
+            budget = max_length - len(prefix) - len(continuation_ids)
+            what = f"max_length {max_length} minus {len(continuation_ids)} continuation tokens"
+            context_ids = self.truncator.fit(context_ids, budget, self.truncator.default_policy,
+                                             request.task_name, what, count=first_time)
             prepared.append((prefix + context_ids + continuation_ids, len(continuation_ids)))
+        return prepared
 
+    def loglikelihood(self, requests: list[Instance], cache_hook: CacheHook,
+                      disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy) of each request's continuation; each answer also goes to `cache_hook`."""
+        prepared = self._prepare_loglikelihood(requests)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        batches = list(self._batches([len(ids) for ids, _ in prepared]))
-        for batch in tqdm(batches, desc="ccq loglikelihood", disable=disable_tqdm or self.rank != 0):
+        grouped = list(batches([len(ids) for ids, _ in prepared], self.batch_size))
+        for batch in tqdm(grouped, desc="ccq loglikelihood", disable=disable_tqdm):
             rows = [prepared[i][0] for i in batch]
             total = len(rows[0])
             n_scored = [prepared[i][1] for i in batch]
             score_from = total - 1 - max(n_scored)
-            logprob, greedy = (x.cpu() for x in self._score(self._tensor(rows), score_from))
+            logprob, greedy = (x.cpu() for x in self.score(self.runtime.tensor(rows), score_from))
             for row, index in enumerate(batch):
                 n = n_scored[row]
                 if n == 0:
@@ -235,48 +229,51 @@ class ScoringMixin:
                 else:
                     answer = (float(logprob[row, -n:].double().sum()), bool(greedy[row, -n:].all()))
                 results[index] = answer
-                self.cache_hook.add_partial("loglikelihood", requests[index].args, answer)
+                cache_hook.add_partial("loglikelihood", requests[index].args, answer)
         return results  # type: ignore[return-value]
 
-    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[TokenNLL]:
+    def loglikelihood_rolling(self, requests: list[Instance], cache_hook: CacheHook,
+                              disable_tqdm: bool = False) -> list[TokenNLL]:
         """Each text scored whole in one recurrent pass. A pipeline keeps the GPU busy: worker threads
         tokenise ahead (tens of ms for a 20K-token text; the fast tokenizers release the GIL), and a
         text's scores are copied back and unpacked while the next text runs."""
         results: list[TokenNLL | None] = [None] * len(requests)
+        prefix = self.codec.prefix
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            encoded = pool.map(self.tok_encode, [request.args[0] for request in requests])
+            encoded = pool.map(self.codec.encode, [request.args[0] for request in requests])
             if self.batch_size == 1:  # in request order, each text as soon as it is tokenised
-                batches: Iterator[list[tuple[int, list[int]]]] = (
-                    [(i, self.prefix + ids)] for i, ids in enumerate(encoded))
+                rolling: Iterator[list[tuple[int, list[int]]]] = (
+                    [(i, prefix + ids)] for i, ids in enumerate(encoded))
                 n_batches = len(requests)
             else:  # equal-length batches need every length first
-                rows_all = [self.prefix + ids for ids in encoded]
-                grouped = list(self._batches([len(r) for r in rows_all]))
-                batches = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
+                rows_all = [prefix + ids for ids in encoded]
+                grouped = list(batches([len(r) for r in rows_all], self.batch_size))
+                rolling = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
                 n_batches = len(grouped)
             pending = None
-            for batch in tqdm(batches, total=n_batches, desc="ccq loglikelihood_rolling",
-                              disable=disable_tqdm or self.rank != 0):
+            progress = tqdm(rolling, total=n_batches, desc="ccq loglikelihood_rolling", disable=disable_tqdm)
+            for batch in progress:
                 started = self._start_rolling(batch)
                 if pending is not None:
-                    self._finish_rolling(pending, requests, results)
+                    self._finish_rolling(pending, requests, results, cache_hook)
                 pending = started
             if pending is not None:
-                self._finish_rolling(pending, requests, results)
+                self._finish_rolling(pending, requests, results, cache_hook)
         return results  # type: ignore[return-value]
 
     def _start_rolling(self, batch: list[tuple[int, list[int]]]):
         """Queue the scoring of one batch of rows; returns what _finish_rolling needs."""
         indices, rows = [i for i, _ in batch], [row for _, row in batch]
         longest = max(len(row) for row in rows)
-        if longest > self.max_length and not self._warned_rolling_over_length:
+        max_length = self.truncator.max_length
+        if longest > max_length and not self._warned_rolling_over_length:
             # Rolling scoring is the whole text by definition (no truncation); say so once.
             logger.warning("loglikelihood_rolling: a text of %d tokens exceeds max_length %d; it is scored "
-                           "whole in one recurrent pass", longest, self.max_length)
+                           "whole in one recurrent pass", longest, max_length)
             self._warned_rolling_over_length = True
         if len(rows[0]) < 2:  # nothing to predict
             return indices, torch.zeros(len(rows), 0), None
-        logprob, _ = self._score(self._tensor(rows), 0)
+        logprob, _ = self.score(self.runtime.tensor(rows), 0)
         if logprob.device.type != "cuda":
             return indices, logprob.cpu(), None
         host = torch.empty(logprob.shape, dtype=logprob.dtype, pin_memory=True)
@@ -285,11 +282,12 @@ class ScoringMixin:
         copied.record()
         return indices, host, copied
 
-    def _finish_rolling(self, started, requests: list[Instance], results: list) -> None:
+    @staticmethod
+    def _finish_rolling(started, requests: list[Instance], results: list, cache_hook: CacheHook) -> None:
         indices, logprob, copied = started
         if copied is not None:
             copied.synchronize()  # waits for this batch's copy only, not for work queued after it
         for row, index in enumerate(indices):
             value = TokenNLL.from_token_nll((-logprob[row]).tolist())
             results[index] = value
-            self.cache_hook.add_partial("loglikelihood_rolling", requests[index].args, value)
+            cache_hook.add_partial("loglikelihood_rolling", requests[index].args, value)

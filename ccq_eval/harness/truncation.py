@@ -3,8 +3,8 @@
 A task names its policy as ``ccq_truncation`` in its YAML ``metadata`` (our tasks: S-NIAH "error",
 LongBench "middle"), where other lm-eval models never see it; a request's
 ``generation_kwargs["ccq_truncation"]``, where a task puts one, takes precedence. The adapter computes
-the prompt budget (model max length minus the task's max new tokens) and calls :func:`truncate_tokens`
-on the tokenised prompt.
+the prompt budget (model max length minus the task's max new tokens) and fits the tokenised prompt into
+it with :class:`Truncator`, which applies :func:`truncate_tokens` and counts what it cut.
 
 Policies
 --------
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ccq_eval.harness.task_registry import task_truncation_policy
+from ccq_eval.harness.tokens import TokenCodec
 
 VALID_POLICIES: tuple[str, ...] = ("middle", "left", "error")
 
@@ -86,24 +87,37 @@ TRUNCATION_POLICIES = VALID_POLICIES
 _CHARACTER_TOKENS = 4
 
 
-class TruncationMixin:
-    """Prompt fitting with per-task bookkeeping for CCQEvalLM (how many prompts each policy cut)."""
+class Truncator:
+    """Prompt fitting for the adapter: the context budget (`max_length` tokens), the policy of requests
+    that name none (`default_policy`), and per-task bookkeeping of how many prompts each policy cut
+    (the runner copies it into the results metadata)."""
+
+    def __init__(self, codec: TokenCodec, max_length: int, default_policy: str = "error") -> None:
+        if default_policy not in TRUNCATION_POLICIES:
+            raise ValueError(f"default_truncation={default_policy!r}; "
+                             f"valid: {', '.join(TRUNCATION_POLICIES)}")
+        self.codec = codec
+        self.max_length = max_length
+        self.default_policy = default_policy
+        self.policy_counts: Counter[str] = Counter()  # policy -> requests that used it
+        self.n_truncated = 0  # requests whose prompt was cut
+        self.by_task: dict[str, dict[str, Any]] = {}
 
     @property
-    def truncation_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """This process's truncation record: {"policy_counts", "n_truncated", "by_task"}."""
-        return {"policy_counts": dict(self.truncation_policy_counts), "n_truncated": self.n_truncated,
-                "by_task": {task: dict(stats) for task, stats in self.truncation_by_task.items()}}
+        return {"policy_counts": dict(self.policy_counts), "n_truncated": self.n_truncated,
+                "by_task": {task: dict(stats) for task, stats in self.by_task.items()}}
 
-    def truncation_summary(self) -> dict[str, Any]:
-        """Truncation counts of this process, summed over all ranks when data-parallel
+    def summary(self, world_size: int) -> dict[str, Any]:
+        """Truncation counts of this process, summed over all `world_size` ranks when data-parallel
         (collective: call it on every rank). Returns {"policy_counts", "n_truncated", "by_task"}."""
-        local = self.truncation_stats
-        if self.world_size <= 1:
+        local = self.stats
+        if world_size <= 1:
             return local
         import torch.distributed
 
-        parts = [None] * self.world_size
+        parts = [None] * world_size
         torch.distributed.all_gather_object(parts, local)
         merged: dict[str, Any] = {"policy_counts": Counter(), "n_truncated": 0, "by_task": {}}
         for part in parts:
@@ -117,11 +131,6 @@ class TruncationMixin:
         merged["policy_counts"] = dict(merged["policy_counts"])
         return merged
 
-    def _whole_characters(self, ids: list[int]) -> bool:
-        """Whether `ids` decode to text that encodes back to them: no partial character at an edge."""
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return self.tok_encode(text) == list(ids)
-
     def _middle_at_characters(self, content: list[int], half: int) -> list[int]:
         """`content[:half] + content[-half:]` with the head ending and the tail starting on a character
         boundary (up to 3 tokens fewer each, down to an empty head or tail when the half is shorter than
@@ -129,30 +138,30 @@ class TruncationMixin:
         character that is not in the source. The official script decodes each half, which drops the same
         partial bytes. Cuts that round-trip nowhere nearby stay as they are."""
         n_tokens = len(content)
+        whole = self.codec.whole_characters
         head = next((end for end in range(half, max(half - _CHARACTER_TOKENS, -1), -1)
-                     if self._whole_characters(content[:end])), half)
+                     if whole(content[:end])), half)
         last_start = min(n_tokens - half + _CHARACTER_TOKENS - 1, n_tokens)
         tail = next((start for start in range(n_tokens - half, last_start + 1)
-                     if self._whole_characters(content[start:])), n_tokens - half)
+                     if whole(content[start:])), n_tokens - half)
         return content[:head] + content[tail:]
 
-    def _policy_of(self, gen_kwargs: dict[str, Any], task_name: str | None) -> str:
+    def policy_of(self, gen_kwargs: dict[str, Any], task_name: str | None) -> str:
         """The truncation policy of a generation request: its generation_kwargs' `ccq_truncation`, else its
-        task's metadata `ccq_truncation` (task_registry.task_truncation_policy), else default_truncation."""
+        task's metadata `ccq_truncation` (task_registry.task_truncation_policy), else the default policy."""
         if "ccq_truncation" in gen_kwargs:
             return gen_kwargs["ccq_truncation"]
-        return task_truncation_policy(task_name) or self.default_truncation
+        return task_truncation_policy(task_name) or self.default_policy
 
-    def _fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
-             what: str, count: bool = True) -> list[int]:
+    def fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
+            what: str, count: bool = True) -> list[int]:
         """Apply `policy` so that `content` fits `budget` tokens; count what was done (`count`
         False for a repeated Instance: lm-eval's data-parallel padding and `repeats` reuse one)."""
         if policy not in TRUNCATION_POLICIES:
             raise ValueError(f"ccq_truncation={policy!r} (task {task_name}); valid: {', '.join(TRUNCATION_POLICIES)}")
-        stats = self.truncation_by_task.setdefault(str(task_name), {"policy": policy, "n_requests": 0,
-                                                                     "n_truncated": 0})
+        stats = self.by_task.setdefault(str(task_name), {"policy": policy, "n_requests": 0, "n_truncated": 0})
         if count:
-            self.truncation_policy_counts[policy] += 1
+            self.policy_counts[policy] += 1
             stats["n_requests"] += 1
         if budget < 1:
             needed = self.max_length - budget  # the task's new tokens (and BOS)
@@ -163,9 +172,9 @@ class TruncationMixin:
             return content
         if policy == "error":
             raise ValueError(
-                f"task {task_name}: prompt of {len(content) + len(self.prefix)} tokens does not fit: {what}. "
-                f"Raise max_length (model_args max_length=...) or set ccq_truncation: middle|left in the "
-                f"task's metadata.")
+                f"task {task_name}: prompt of {len(content) + len(self.codec.prefix)} tokens does not fit: "
+                f"{what}. Raise max_length (model_args max_length=...) or set ccq_truncation: middle|left in "
+                f"the task's metadata.")
         cut, truncated = truncate_tokens(content, budget, policy)
         if truncated and policy == "middle":
             cut = self._middle_at_characters(content, len(cut) // 2)

@@ -454,12 +454,12 @@ def test_middle_truncation_keeps_only_characters_of_the_source():
     tokenizer = byte_tokenizer()
     adapter = CCQEvalLM(model=tiny_model(tokenizer, dtype=torch.float32), tokenizer=tokenizer, max_length=4096)
     ids = adapter.tok_encode(prompt)
-    kept = adapter._fit(ids, 200, "middle", "ccq_longbench_multifieldqa_zh", "a 200-token budget")
+    kept = adapter.truncator.fit(ids, 200, "middle", "ccq_longbench_multifieldqa_zh", "a 200-token budget")
     assert 194 <= len(kept) <= 200
     text = tokenizer.decode(kept, skip_special_tokens=False)
     assert adapter.tok_encode(text) == kept  # whole characters only: no byte joins another's
     split = next(n for n in range(len(text) + 1) if prompt.startswith(text[:n]) and prompt.endswith(text[n:]))
     assert 0 < split < len(text)  # a head of the source and a tail of the source, nothing else
-    adapter._max_length = 512  # gov_report's answers take 512 new tokens: no room for a prompt
+    adapter.truncator.max_length = 512  # gov_report's answers take 512 new tokens: no room for a prompt
     with pytest.raises(ValueError, match=r"needs a max length above 512 \(e.g. --max-length 2560"):
-        adapter._fit(ids, 0, "middle", "ccq_longbench_gov_report", "max_length 512 minus max_gen_toks 512")
+        adapter.truncator.fit(ids, 0, "middle", "ccq_longbench_gov_report", "max_length 512 minus max_gen_toks 512")

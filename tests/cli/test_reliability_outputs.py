@@ -234,7 +234,7 @@ def test_middle_truncation_of_chinese_at_a_budget_of_a_few_tokens(budget):
     tokenizer = byte_tokenizer()
     adapter = CCQEvalLM(model=tiny_model(tokenizer, dtype=torch.float32), tokenizer=tokenizer, max_length=68)
     ids = adapter.tok_encode(prompt)
-    kept = adapter._fit(ids, budget, "middle", "ccq_longbench_multifieldqa_zh", f"a {budget}-token budget")
+    kept = adapter.truncator.fit(ids, budget, "middle", "ccq_longbench_multifieldqa_zh", f"a {budget}-token budget")
     text = tokenizer.decode(kept, skip_special_tokens=False)
     assert adapter.tok_encode(text) == kept and len(kept) <= budget  # whole characters only
     half = budget // 2

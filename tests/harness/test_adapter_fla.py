@@ -51,7 +51,7 @@ def test_recurrent_model_scoring_and_decoding(kind: str, logits_chunk: int) -> N
     model = _model(kind)
     # 37 does not divide 108, nor 5 37: partial model slices and partial logit slices
     lm = CCQEvalLM(model=model, tokenizer=tokenizer, chunk_size=37, logits_chunk=logits_chunk)
-    assert lm._backbone is model.model  # fla models: hidden states, then the LM head a slice at a time
+    assert lm.runtime.backbone is model.model  # fla models: hidden states, then the LM head a slice at a time
     (value,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (TEXT,), 0)])
     reference = full_token_nll(model, tokenizer.encode(TEXT, add_special_tokens=False))
     assert torch.allclose(torch.tensor(value.token_nll, dtype=torch.float64), reference, atol=1e-8, rtol=0)

@@ -89,7 +89,7 @@ def test_graphed_scoring_equals_eager_scoring(kind, ccq):
     eager = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1, cuda_graphs=False)
     graphed = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1, cuda_graphs=True)
     expected, got = eager.loglikelihood_rolling(rolling), graphed.loglikelihood_rolling(rolling)
-    assert len(graphed._graphed_scoring._graphs) == 2  # both lengths captured (the second time each)
+    assert len(graphed.scorer.graphed._graphs) == 2  # both lengths captured (the second time each)
     for a, b in zip(got, expected):
         torch.testing.assert_close(torch.tensor(a.token_nll), torch.tensor(b.token_nll), rtol=1e-4, atol=1e-4)
     for (a, greedy_a), (b, greedy_b) in zip(graphed.loglikelihood(pairs), eager.loglikelihood(pairs)):
@@ -113,11 +113,11 @@ def test_graphed_decoding_equals_eager_decoding(kind, ccq):
     graphed_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, cuda_graphs=True)
     assert graphed_lm.generate_until(requests) == eager_lm.generate_until(requests)
     # A second batch of the same size replays the first one's graph from its own prefill.
-    graph = graphed_lm._decode_graphs[3]
+    graph = graphed_lm.generator.decode_graphs[3]
     later = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 40}), i)
              for i, p in enumerate(["A long way", "In the beginning was", "Happy families are all alike;"])]
     assert graphed_lm.generate_until(later) == eager_lm.generate_until(later)
-    assert graphed_lm._decode_graphs[3] is graph
+    assert graphed_lm.generator.decode_graphs[3] is graph
 
 
 @pytest.mark.gpu

@@ -70,9 +70,11 @@ def split_metric(metric: str, known: Iterable[str] = ()) -> tuple[str, int | Non
 
 
 def primary_metric(task: str, infos: list[MetricInfo]) -> str | None:
-    """The metric tables show for `task`: its family's primary metric, else the task's first metric."""
+    """The metric tables show for `task`: its family's primary metric where the task reports it (or says
+    nothing of its metrics), else the task's first metric."""
     family_primary = family_of(task).primary_metric
-    if family_primary is not None:
+    reported = {split_metric(info.name)[0] for info in infos}
+    if family_primary is not None and (family_primary in reported or not infos):
         return family_primary
     return split_metric(infos[0].name)[0] if infos else None
 

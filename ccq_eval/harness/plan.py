@@ -7,16 +7,26 @@ nor lm-eval.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ccq_eval.harness import results_store
+from ccq_eval.harness.fingerprints import (  # noqa: F401  (re-exported: the runner checks them again)
+    changed_since_planning,
+    checkpoint_fingerprint,
+    data_fingerprint,
+    longbench_data_file,
+    longbench_data_present,
+)
+from ccq_eval.harness.model_resolution import (  # noqa: F401  (DEFAULT_SWEEP_ATTACH re-exported)
+    DEFAULT_SWEEP_ATTACH,
+    ResolvedModels,
+    resolve_models,
+)
 from ccq_eval.harness.options import (  # noqa: F401  (re-exported: what a plan is made from)
     LOGGER_ARGS,
     MANAGED_LMEVAL_ARGS,
@@ -30,9 +40,10 @@ from ccq_eval.harness.options import (  # noqa: F401  (re-exported: what a plan 
     split_logger_args,
 )
 from ccq_eval.harness.results_store import UnitDir
-from ccq_eval.model import checkpoint
+from ccq_eval.harness.run_options import RunOptions, options_command_line  # noqa: F401  (re-exported)
+from ccq_eval.harness.task_registry import RegistryTaskCatalog, TaskCatalog
 from ccq_eval.model import registry as model_registry_module
-from ccq_eval.model.registry import ModelEntry, RegistryError, default_model_names
+from ccq_eval.model.registry import ModelEntry, RegistryError
 from ccq_eval.task_families import FAMILY_METADATA_KEYS, PERPLEXITY, family_of
 
 # The default run: small enough for a 2-core CPU in minutes on the embedded tiny models.
@@ -40,11 +51,7 @@ DEFAULT_TASKS = ["s-niah", "ppl"]
 DEFAULT_LENGTHS = "1k,2k"
 DEFAULT_DEPTHS = "0,50,100"
 DEFAULT_SAMPLES_PER_CELL = 4
-# Beside the default models, the default run shows what CCQ does training-free: each default model that has
-# its CCQ twin NAME-ccq among the defaults is also evaluated with CCQ attached at these constant lambdas
-# (lambda = 0 is the model itself), on these tasks of the same grid (the same documents, so every lambda
-# pairs with the baseline sample by sample).
-DEFAULT_SWEEP_ATTACH = "lambda=1,2"
+# The tasks of the default run's CCQ sweep (model_resolution.DEFAULT_SWEEP_ATTACH's lambdas).
 DEFAULT_SWEEP_TASKS = ["s-niah-1", "s-niah-2", "ppl-sweep"]
 DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
@@ -166,79 +173,6 @@ def suite_lengths(part: SuitePart, model: ModelEntry) -> list[int]:
     return lengths
 
 
-def longbench_data_file(task: str, data_dir: Path) -> Path | None:
-    """The jsonl file of a LongBench leaf task in data_dir, None when it has none (ccq_longbench_<dataset>
-    reads <dataset>.jsonl, ccq_longbench_e_<dataset> <dataset>_e.jsonl; first in data_dir, then under
-    data/, as tasks/longbench looks)."""
-    for prefix, suffix in (("ccq_longbench_e_", "_e.jsonl"), ("ccq_longbench_", ".jsonl")):
-        if task.startswith(prefix):
-            name = task[len(prefix):] + suffix
-            return next((path for path in (data_dir / name, data_dir / "data" / name) if path.is_file()), None)
-    return None
-
-
-def longbench_data_present(task: str, data_dir: Path) -> bool:
-    """Whether data_dir holds the jsonl file of a LongBench leaf task (longbench_data_file)."""
-    return longbench_data_file(task, data_dir) is not None
-
-
-def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | None:
-    """{file name: sha256} of the data file a task's documents are read from (a LongBench dataset in
-    --longbench-dir, metadata's data_dir); None for tasks built from the embedded corpora."""
-    data_dir = metadata.get("data_dir")
-    path = longbench_data_file(task, Path(data_dir)) if data_dir else None
-    return None if path is None else {path.name: checkpoint.file_sha256(path)}
-
-
-def changed_since_planning(unit: Unit) -> str | None:
-    """What of a unit's checkpoint and data files differs from the sha256 its spec recorded at planning
-    ("model.safetensors: planned 1a2b3c4d..., now 5e6f7a8b..."), None when nothing does."""
-    planned: dict[str, str] = {}
-    current: dict[str, str] = {}
-    if isinstance(unit.spec.get("checkpoint"), dict):
-        planned |= unit.spec["checkpoint"]["sha256"]
-        current |= (_checkpoint_fingerprint(unit.model_source) or {"sha256": {}})["sha256"]
-    if unit.spec.get("data_files") is not None:
-        planned |= unit.spec["data_files"]
-        current |= data_fingerprint(unit.task, unit.spec["task_metadata"]) or {}
-    changed = sorted(name for name in set(planned) | set(current) if planned.get(name) != current.get(name))
-    return "; ".join(f"{name}: planned {_digest(planned.get(name))}, now {_digest(current.get(name))}"
-                     for name in changed) or None
-
-
-def _digest(value: str | None) -> str:
-    return "absent" if value is None else value[:8] + "..."
-
-
-class TaskCatalog(Protocol):
-    """What the runner needs from the task registry."""
-
-    def aliases(self) -> dict[str, str]:
-        """User-facing task names (aliases and our lm-eval tasks) -> one-line description."""
-
-    def resolve(self, name: str) -> list[str]:
-        """An alias or lm-eval task name -> lm-eval task names; KeyError when unknown."""
-
-    def make_task_manager(self, metadata: dict[str, Any]) -> Any:
-        """An lm_eval TaskManager that knows our tasks, with `metadata` for every task."""
-
-
-class RegistryTaskCatalog:
-    """TaskCatalog over ccq_eval.harness.task_registry (helper "adapter")."""
-
-    def __init__(self) -> None:
-        self._module = importlib.import_module("ccq_eval.harness.task_registry")
-
-    def aliases(self) -> dict[str, str]:
-        return dict(self._module.list_tasks())
-
-    def resolve(self, name: str) -> list[str]:
-        return list(self._module.resolve_tasks([name]))
-
-    def make_task_manager(self, metadata: dict[str, Any]) -> Any:
-        return self._module.make_task_manager(metadata=metadata)
-
-
 def default_task_catalog() -> TaskCatalog:
     """The task catalog commands use (a function, so tests can substitute one)."""
     return RegistryTaskCatalog()
@@ -246,61 +180,6 @@ def default_task_catalog() -> TaskCatalog:
 
 # --------------------------------------------------------------------------------------------
 # The plan
-
-
-@dataclass
-class RunOptions:
-    models: list[str] = field(default_factory=list)
-    tasks: list[str] = field(default_factory=list)
-    lengths: str | None = None
-    depths: str | None = None
-    samples_per_cell: int | None = None
-    limit: float | None = None
-    device: str = "auto"  # resolve_device
-    dtype: str | None = "auto"  # resolve_dtype
-    batch_size: int | None = None  # None: the adapter's auto (CUDA_AUTO_BATCH_SIZE on the fast path, else 1)
-    max_length: int | None = None
-    seed: int = 0
-    output: Path = Path("results/latest")
-    lm_eval_args: list[str] = field(default_factory=list)
-    longbench_dir: Path | None = None
-    keep_going: bool = False
-    cuda_graphs: bool | None = None  # CUDA-graph decode and scoring; None: where they apply (adapter)
-    suite: str | None = None  # a name in SUITES: its tasks and lengths instead of --task / --lengths
-    shard: str | None = None  # "K/N": this worker runs the K-th of N deterministic parts of the units
-    ccq_attach: str | None = None  # "lambda=0,1,2;order=2": each model once per lambda, CCQ attached (options)
-
-
-def options_command_line(options: RunOptions) -> list[str]:
-    """The `ccq-eval run` command that reproduces `options` (stored in every unit's meta.json)."""
-    argv = ["ccq-eval", "run"]
-    for model in options.models:
-        argv += ["--model", model]
-    for task in options.tasks:
-        argv += ["--task", task]
-    if options.suite is not None:
-        argv += ["--suite", options.suite]
-    for flag, value in (("--lengths", options.lengths), ("--depths", options.depths),
-                        ("--samples-per-cell", options.samples_per_cell), ("--limit", options.limit),
-                        ("--dtype", options.dtype), ("--max-length", options.max_length),
-                        ("--longbench-dir", options.longbench_dir)):
-        if value is not None:
-            argv += [flag, str(value)]
-    argv += ["--device", options.device]
-    if options.batch_size is not None:
-        argv += ["--batch-size", str(options.batch_size)]
-    argv += ["--seed", str(options.seed), "--output", str(options.output)]
-    for pair in options.lm_eval_args:
-        argv += ["--lm-eval-arg", pair]
-    if options.shard is not None:
-        argv += ["--shard", options.shard]
-    if options.ccq_attach is not None:
-        argv += ["--ccq-attach", options.ccq_attach]
-    if options.keep_going:
-        argv.append("--keep-going")
-    if options.cuda_graphs is not None:
-        argv.append("--cuda-graphs" if options.cuda_graphs else "--no-cuda-graphs")
-    return argv
 
 
 @dataclass
@@ -345,21 +224,25 @@ def metadata_for_task(task: str, metadata: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in metadata.items() if key not in FAMILY_METADATA_KEYS or key in keys}
 
 
-def _checkpoint_fingerprint(source: str) -> dict[str, Any] | None:
-    """Identity of a local checkpoint folder (every file that decides what it computes, hashed whole),
-    so that a resumed or skipped unit never mixes two checkpoints."""
-    folder = Path(source)
-    if not folder.is_dir():
-        return None
-    return checkpoint.fingerprint(folder)
+@dataclass
+class Grid:
+    """The lengths, depths and sample counts a run asks its tasks for, defaults filled in."""
+
+    using_defaults: bool  # no --task and no --suite: the default tasks' small grid
+    lengths: list[int] | None
+    depths: list[float] | None
+    samples_per_cell: int | None
+    max_length: int | None  # --max-length, else the longest length
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+@dataclass
+class RunTasks:
+    """The lm-eval tasks of a run, each with the name it was asked by, and what was decided about them."""
 
-
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    resolved: list[tuple[str, str]]
+    sweep_tasks: list[tuple[str, str]]  # the default sweep models' tasks (DEFAULT_SWEEP_TASKS)
+    part_of: dict[str, SuitePart]  # lm-eval task -> its suite part
+    notes: list[str]
 
 
 def plan_run(
@@ -369,6 +252,51 @@ def plan_run(
     task_catalog: TaskCatalog | None = None,
 ) -> RunPlan:
     """Validate options and resolve names into units. Loads nothing; raises PlanError."""
+    _check_options(options)
+    evaluate_pairs, lm_eval_loggers = split_logger_args(options.lm_eval_args)
+    lm_eval_args = parse_lm_eval_args(evaluate_pairs)
+    _check_grid_text(options)
+    shard = parse_shard(options.shard) if options.shard is not None else None
+    attach = parse_ccq_attach(options.ccq_attach) if options.ccq_attach is not None else None
+    if attach is not None and not options.models:
+        raise PlanError("--ccq-attach needs --model: name the plain GLA / Gated DeltaNet checkpoints to attach "
+                        "CCQ to (e.g. --model tiny-gla)")
+    _check_output(options)
+    grid = _grid(options)
+
+    registry = load_model_registry() if model_registry is None else model_registry
+    models = resolve_models(options, registry, attach, grid.using_defaults)
+    catalog = default_task_catalog() if task_catalog is None else task_catalog
+    tasks = _run_tasks(options, grid, catalog, with_sweep=bool(models.sweep_only))
+    task_metadata = _task_metadata(options, grid)
+
+    device = resolve_device(options.device)  # after every check above: this one may import torch
+    if options.cuda_graphs and not device.startswith("cuda"):
+        raise PlanError(f"--cuda-graphs needs a CUDA device; --device {options.device} gave {device} "
+                        "(no CUDA device is visible); drop --cuda-graphs or run on a GPU")
+    dtype = resolve_dtype(options.dtype, device)
+
+    units = _build_units(options, grid, models, tasks, task_metadata, lm_eval_args, dtype)
+    if shard is not None:
+        index, count = shard
+        for position, unit in enumerate(units):
+            unit.in_shard = position % count == index - 1
+    return RunPlan(
+        options=options,
+        units=units,
+        lengths=grid.lengths,
+        depths=grid.depths,
+        lm_eval_args=lm_eval_args,
+        lm_eval_loggers=lm_eval_loggers,
+        task_metadata=task_metadata,
+        device=device,
+        dtype=dtype,
+        notes=tasks.notes,
+    )
+
+
+def _check_options(options: RunOptions) -> None:
+    """The options that are wrong on their own or together, before any name is resolved."""
     if options.limit is not None and options.samples_per_cell is not None:
         raise PlanError(
             "--limit and --samples-per-cell conflict: --limit takes the first N documents of a task "
@@ -400,24 +328,26 @@ def plan_run(
                             "(or run without --suite)")
     if options.longbench_dir is not None and not Path(options.longbench_dir).is_dir():
         raise PlanError(f"--longbench-dir {options.longbench_dir}: no such folder")
-    evaluate_pairs, lm_eval_loggers = split_logger_args(options.lm_eval_args)
-    lm_eval_args = parse_lm_eval_args(evaluate_pairs)
 
+
+def _check_grid_text(options: RunOptions) -> None:
     for flag, text in (("--lengths", options.lengths), ("--depths", options.depths)):
         if text is not None and not text.strip(" ,"):
             raise PlanError(f"{flag} is empty; give comma-separated values (e.g. --lengths 1k,2k --depths 0,50,100) "
                             "or leave the option out for the defaults")
-    shard = parse_shard(options.shard) if options.shard is not None else None
-    attach = parse_ccq_attach(options.ccq_attach) if options.ccq_attach is not None else None
-    if attach is not None and not options.models:
-        raise PlanError("--ccq-attach needs --model: name the plain GLA / Gated DeltaNet checkpoints to attach "
-                        "CCQ to (e.g. --model tiny-gla)")
+
+
+def _check_output(options: RunOptions) -> None:
     output = Path(options.output)
     for folder in (output, *output.parents):
         if folder.exists() and not folder.is_dir():
             raise PlanError(f"--output {options.output}: {folder} is a file, not a folder; give a folder path")
 
-    using_defaults = not options.tasks and options.suite is None  # the default tasks' small grid
+
+def _grid(options: RunOptions) -> Grid:
+    """--lengths, --depths and --samples-per-cell parsed, with the default run's small grid where no
+    --task or --suite is given."""
+    using_defaults = not options.tasks and options.suite is None
     lengths_text = options.lengths if options.lengths is not None else (DEFAULT_LENGTHS if using_defaults else None)
     depths_text = options.depths if options.depths is not None else (DEFAULT_DEPTHS if using_defaults else None)
     samples_per_cell = options.samples_per_cell
@@ -431,75 +361,26 @@ def plan_run(
             f"--max-length {options.max_length} is shorter than the longest of --lengths ({max(lengths)}); "
             "raise --max-length or drop the longer lengths"
         )
+    return Grid(using_defaults, lengths, depths, samples_per_cell, max_length)
 
-    registry = load_model_registry() if model_registry is None else model_registry
-    model_names = list(options.models) or default_model_names(registry)
-    if not model_names:
-        raise PlanError(
-            f"no --model given and no default models in {model_registry_module.MODEL_REGISTRY_PATH}; "
-            "give --model NAME (a registry name or a checkpoint folder)"
-        )
-    models: list[ModelEntry] = []
-    for name in model_names:
-        if name in registry:
-            models.append(registry[name])
-        elif Path(name).expanduser().is_dir():
-            folder = Path(name).expanduser().resolve()
-            if folder.parent == folder:
-                raise PlanError(f"--model {name!r}: the filesystem root is not a checkpoint folder; pass the "
-                                "folder that holds config.json and model.safetensors")
-            models.append(ModelEntry(name=folder.name, source=str(folder)))
-        elif _looks_like_hub_id(name) and not _hub_offline():
-            models.append(ModelEntry(name=name.replace("/", "__"), source=name))
-        else:
-            choices = ", ".join(sorted(registry)) or "(the registry is empty)"
-            hub = " (hub ids need HF_HUB_OFFLINE unset)" if _looks_like_hub_id(name) else ""
-            raise PlanError(
-                f"unknown model {name!r}: give a registered name ({choices}) or an existing checkpoint "
-                f"folder{hub}; `ccq-eval models` lists the registered ones"
-            )
-    labels = [m.name for m in models]
-    if len(set(labels)) != len(labels):
-        raise PlanError(f"--model names the same model twice: {', '.join(labels)}")
-    attachments: dict[str, dict[str, Any]] = {}  # model name -> its units' spec["ccq_attach"]
-    if attach is not None:
-        models, attachments = attached_models(models, attach)
-    sweep_only: set[str] = set()  # models of the default sweep: evaluated on DEFAULT_SWEEP_TASKS only
-    if not options.models and using_defaults and attach is None:
-        models, attachments, sweep_only = _with_default_sweep(models)
-    by_folder: dict[str, str] = {}
-    for model in models:
-        try:
-            folder_name = results_store.slugify(model.name)
-        except ValueError:
-            raise PlanError(f"--model {model.name!r}: no results folder can be named after it; rename the "
-                            "checkpoint folder (letters, digits, . _ -)") from None
-        if folder_name in by_folder:
-            raise PlanError(f"--model {by_folder[folder_name]!r} and {model.name!r} would share the results folder "
-                            f"{folder_name!r}; rename one of the checkpoint folders, or run them into different "
-                            "--output folders")
-        by_folder[folder_name] = model.name
-        if Path(model.source).is_dir():
-            try:
-                checkpoint.check_checkpoint_folder(Path(model.source))
-            except checkpoint.CheckpointError as exc:
-                raise PlanError(f"--model {model.name}: {exc}") from None
 
-    catalog = default_task_catalog() if task_catalog is None else task_catalog
+def _run_tasks(options: RunOptions, grid: Grid, catalog: TaskCatalog, with_sweep: bool) -> RunTasks:
+    """The run's tasks (--task, a suite's or the defaults) resolved, and the options checked against their
+    families (ccq_eval.task_families)."""
     suite = SUITES[options.suite] if options.suite is not None else None
     task_names = [a for part in suite.parts for a in part.tasks] if suite else list(options.tasks or DEFAULT_TASKS)
     resolved = _resolve_tasks(task_names, catalog)  # (lm-eval task, as the user wrote it)
     sweep_tasks = [pair for pair in _resolve_tasks(DEFAULT_SWEEP_TASKS, catalog) if pair[0] in dict(resolved)] \
-        if sweep_only else []
+        if with_sweep else []
     notes: list[str] = []
-    part_of: dict[str, SuitePart] = {}  # lm-eval task -> its suite part
+    part_of: dict[str, SuitePart] = {}
     if suite is not None:
         for part in suite.parts:
             for task, alias in resolved:
                 if alias in part.tasks:
                     part_of[task] = part
         resolved, notes = _suite_tasks_with_data(resolved, part_of, options)
-    if depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
+    if grid.depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
         raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
     grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
     if options.limit is not None and grid_tasks:
@@ -513,37 +394,39 @@ def plan_run(
             "--samples-per-cell does not apply to LongBench (fixed datasets); run LongBench separately "
             "and use --limit N to evaluate its first N records per dataset"
         )
-
     _check_longbench_data(longbench_tasks, options.longbench_dir)
     ppl_tasks = [task for task, _ in resolved if family_of(task) is PERPLEXITY]
-    if ppl_tasks and samples_per_cell is None and options.suite is None:
+    if ppl_tasks and grid.samples_per_cell is None and options.suite is None:
         notes.append(f"note: {', '.join(ppl_tasks)} without --samples-per-cell scores every document of the "
                      "eval split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick "
                      "run")
+    return RunTasks(resolved, sweep_tasks, part_of, notes)
 
+
+def _task_metadata(options: RunOptions, grid: Grid) -> dict[str, Any]:
+    """The metadata every task of the run is given (each unit's spec records its family's part of it)."""
     task_metadata: dict[str, Any] = {"seed": options.seed}
-    if lengths is not None:
-        task_metadata["lengths"] = lengths
-    if depths is not None:
-        task_metadata["depths"] = depths
-    if samples_per_cell is not None:
-        task_metadata["samples_per_cell"] = samples_per_cell
+    if grid.lengths is not None:
+        task_metadata["lengths"] = grid.lengths
+    if grid.depths is not None:
+        task_metadata["depths"] = grid.depths
+    if grid.samples_per_cell is not None:
+        task_metadata["samples_per_cell"] = grid.samples_per_cell
     if options.longbench_dir is not None:
         task_metadata["data_dir"] = str(Path(options.longbench_dir).resolve())  # tasks/longbench's key
+    return task_metadata
 
-    device = resolve_device(options.device)  # after every check above: this one may import torch
-    if options.cuda_graphs and not device.startswith("cuda"):
-        raise PlanError(f"--cuda-graphs needs a CUDA device; --device {options.device} gave {device} "
-                        "(no CUDA device is visible); drop --cuda-graphs or run on a GPU")
-    dtype = resolve_dtype(options.dtype, device)
 
+def _build_units(options: RunOptions, grid: Grid, models: ResolvedModels, tasks: RunTasks,
+                 task_metadata: dict[str, Any], lm_eval_args: dict[str, Any], dtype: str) -> list[Unit]:
+    """One unit per (model, task), its spec in the form it has once stored, checked against its folder."""
     units = []
-    for model in models:
-        fingerprint = _checkpoint_fingerprint(model.source)
-        for task, requested_as in (sweep_tasks if model.name in sweep_only else resolved):
-            unit_metadata, unit_max_length = task_metadata, max_length
-            if task in part_of and part_of[task].lengths:
-                unit_lengths = suite_lengths(part_of[task], model)
+    for model in models.models:
+        fingerprint = checkpoint_fingerprint(model.source)
+        for task, requested_as in (tasks.sweep_tasks if model.name in models.sweep_only else tasks.resolved):
+            unit_metadata, unit_max_length = task_metadata, grid.max_length
+            if task in tasks.part_of and tasks.part_of[task].lengths:
+                unit_lengths = suite_lengths(tasks.part_of[task], model)
                 if options.max_length and options.max_length < max(unit_lengths):
                     raise PlanError(f"--max-length {options.max_length} is shorter than {task}'s longest length "
                                     f"in --suite {options.suite} ({max(unit_lengths)}); raise or drop --max-length")
@@ -559,8 +442,8 @@ def plan_run(
                 "max_length": unit_max_length,
                 "lm_eval_args": lm_eval_args,
             }
-            if model.name in attachments:
-                spec["ccq_attach"] = attachments[model.name]
+            if model.name in models.attachments:
+                spec["ccq_attach"] = models.attachments[model.name]
             data_files = data_fingerprint(task, spec["task_metadata"])
             if data_files is not None:
                 spec["data_files"] = data_files
@@ -575,22 +458,7 @@ def plan_run(
             )
             check_against_disk(unit)
             units.append(unit)
-    if shard is not None:
-        index, count = shard
-        for position, unit in enumerate(units):
-            unit.in_shard = position % count == index - 1
-    return RunPlan(
-        options=options,
-        units=units,
-        lengths=lengths,
-        depths=depths,
-        lm_eval_args=lm_eval_args,
-        lm_eval_loggers=lm_eval_loggers,
-        task_metadata=task_metadata,
-        device=device,
-        dtype=dtype,
-        notes=notes,
-    )
+    return units
 
 
 def _resolve_tasks(names: list[str], catalog: TaskCatalog) -> list[tuple[str, str]]:
@@ -610,23 +478,6 @@ def _resolve_tasks(names: list[str], catalog: TaskCatalog) -> list[tuple[str, st
             if task not in [t for t, _ in resolved]:
                 resolved.append((task, name))
     return resolved
-
-
-def _with_default_sweep(models: list[ModelEntry]) -> tuple[list[ModelEntry], dict[str, dict[str, Any]], set[str]]:
-    """The default models plus the default sweep: each model whose CCQ twin NAME-ccq is among them with CCQ
-    attached at DEFAULT_SWEEP_ATTACH's lambdas (the model itself is the sweep's lambda = 0, planned once).
-    Returns the models, the attachments (attached_models) and the names of the added models."""
-    names = {model.name for model in models}
-    baselines = [model for model in models if f"{model.name}-ccq" in names]
-    if not baselines:
-        return models, {}, set()
-    try:
-        expanded, attachments = attached_models(baselines, parse_ccq_attach(DEFAULT_SWEEP_ATTACH))
-    except PlanError as exc:
-        raise PlanError(f"the default run's CCQ sweep ({DEFAULT_SWEEP_ATTACH}): {exc}; run with --model to "
-                        "choose the models") from None
-    added = [model for model in expanded if model.name not in names]
-    return models + added, attachments, {model.name for model in added}
 
 
 def _suite_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, SuitePart],

@@ -18,7 +18,7 @@ import importlib.resources
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 TASKS_PACKAGE = "ccq_eval.tasks"  # tasks/ of the repository, installed as this package (pyproject.toml)
 TASK_FOLDERS = ("s_niah", "ppl", "longbench")
@@ -224,3 +224,29 @@ def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list
             leaves = _leaf_tasks(target, index) if expand_groups else [target]
             resolved += [leaf for leaf in leaves if leaf not in resolved]
     return resolved
+
+
+class TaskCatalog(Protocol):
+    """What planning and the runner need from a task registry (tests substitute their own)."""
+
+    def aliases(self) -> dict[str, str]:
+        """User-facing task names (aliases and our lm-eval tasks) -> one-line description."""
+
+    def resolve(self, name: str) -> list[str]:
+        """An alias or lm-eval task name -> lm-eval task names; KeyError when unknown."""
+
+    def make_task_manager(self, metadata: dict[str, Any]) -> Any:
+        """An lm_eval TaskManager that knows our tasks, with `metadata` for every task."""
+
+
+class RegistryTaskCatalog:
+    """TaskCatalog over this module: our task folders, and lm-eval's tasks by name."""
+
+    def aliases(self) -> dict[str, str]:
+        return dict(list_tasks())
+
+    def resolve(self, name: str) -> list[str]:
+        return list(resolve_tasks([name]))
+
+    def make_task_manager(self, metadata: dict[str, Any]) -> Any:
+        return make_task_manager(metadata=metadata)

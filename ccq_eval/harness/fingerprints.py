@@ -1,0 +1,73 @@
+"""What a unit's answers depend on besides its settings: the sha256 of its checkpoint files and of the
+LongBench data file it reads, recorded in its spec when it is planned and checked again before it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ccq_eval.model import checkpoint
+
+if TYPE_CHECKING:
+    from ccq_eval.harness.plan import Unit
+
+
+def longbench_data_file(task: str, data_dir: Path) -> Path | None:
+    """The jsonl file of a LongBench leaf task in data_dir, None when it has none (ccq_longbench_<dataset>
+    reads <dataset>.jsonl, ccq_longbench_e_<dataset> <dataset>_e.jsonl; first in data_dir, then under
+    data/, as tasks/longbench looks)."""
+    for prefix, suffix in (("ccq_longbench_e_", "_e.jsonl"), ("ccq_longbench_", ".jsonl")):
+        if task.startswith(prefix):
+            name = task[len(prefix) :] + suffix
+            return next(
+                (path for path in (data_dir / name, data_dir / "data" / name) if path.is_file()), None
+            )
+    return None
+
+
+def longbench_data_present(task: str, data_dir: Path) -> bool:
+    """Whether data_dir holds the jsonl file of a LongBench leaf task (longbench_data_file)."""
+    return longbench_data_file(task, data_dir) is not None
+
+
+def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | None:
+    """{file name: sha256} of the data file a task's documents are read from (a LongBench dataset in
+    --longbench-dir, metadata's data_dir); None for tasks built from the embedded corpora."""
+    data_dir = metadata.get("data_dir")
+    path = longbench_data_file(task, Path(data_dir)) if data_dir else None
+    return None if path is None else {path.name: checkpoint.file_sha256(path)}
+
+
+def changed_since_planning(unit: Unit) -> str | None:
+    """What of a unit's checkpoint and data files differs from the sha256 its spec recorded at planning
+    ("model.safetensors: planned 1a2b3c4d..., now 5e6f7a8b..."), None when nothing does."""
+    planned: dict[str, str] = {}
+    current: dict[str, str] = {}
+    if isinstance(unit.spec.get("checkpoint"), dict):
+        planned |= unit.spec["checkpoint"]["sha256"]
+        current |= (checkpoint_fingerprint(unit.model_source) or {"sha256": {}})["sha256"]
+    if unit.spec.get("data_files") is not None:
+        planned |= unit.spec["data_files"]
+        current |= data_fingerprint(unit.task, unit.spec["task_metadata"]) or {}
+    changed = sorted(name for name in set(planned) | set(current) if planned.get(name) != current.get(name))
+    return (
+        "; ".join(
+            f"{name}: planned {_digest(planned.get(name))}, now {_digest(current.get(name))}"
+            for name in changed
+        )
+        or None
+    )
+
+
+def _digest(value: str | None) -> str:
+    return "absent" if value is None else value[:8] + "..."
+
+
+def checkpoint_fingerprint(source: str) -> dict[str, Any] | None:
+    """Identity of a local checkpoint folder (every file that decides what it computes, hashed whole),
+    so that a resumed or skipped unit never mixes two checkpoints."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return None
+    return checkpoint.fingerprint(folder)

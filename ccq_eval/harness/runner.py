@@ -292,48 +292,24 @@ def execute_plan(
     A failing unit stops the run (or, with keep_going, is reported and the run goes on);
     what was finished or answered before stays on disk either way.
     """
-    evaluate = evaluate_unit or default_evaluator()
-    report = reporter or SilentReporter()
-    argv = list(options_command_line(plan.options) if command_line is None else command_line)
-    kernels = gpu_kernel_settings()  # read (and a bad value refused) before any unit runs
-    summary = RunSummary(skipped=[unit for unit in plan.units if unit.finished])
-    for unit in summary.skipped:  # a stored non-finite result stays a failure on every rerun
+    session = RunSession(
+        plan=plan,
+        evaluate=evaluate_unit or default_evaluator(),
+        report=reporter or SilentReporter(),
+        argv=list(options_command_line(plan.options) if command_line is None else command_line),
+        kernels=gpu_kernel_settings(),  # read (and a bad value refused) before any unit runs
+        summary=RunSummary(skipped=[unit for unit in plan.units if unit.finished]),
+    )
+    for unit in session.summary.skipped:  # a stored non-finite result stays a failure on every rerun
         non_finite = results_store.non_finite_values(results_store.read_json(unit.dir.results))
         if non_finite:
-            summary.failed.append((unit, results_store.non_finite_message(unit.model, non_finite)))
-    report.run_start(plan)
+            session.summary.failed.append((unit, results_store.non_finite_message(unit.model, non_finite)))
+    session.report.run_start(plan)
     try:
-        pending = plan.pending
-        if run_plan.environment_int("WORLD_SIZE", 1) > 1:
-            _execute_data_parallel(plan, pending, evaluate, report, argv, kernels, summary)
-            pending = []
-        # Units another worker holds are left for later; by then that worker has usually finished them.
-        held_elsewhere: list[Unit] = []
-        for index, unit in enumerate(pending):
-            if not _run_locked(plan, unit, index, len(pending), evaluate, report, argv, kernels, summary,
-                               blocking=False):
-                held_elsewhere.append(unit)
-        for unit in held_elsewhere:
-            logger.info("waiting for another worker on %s / %s", unit.model, unit.task)
-            _run_locked(plan, unit, pending.index(unit), len(pending), evaluate, report, argv, kernels, summary,
-                        blocking=True)
+        session.run(plan.pending)
     finally:
-        report.run_end()
-    return summary
-
-
-def _execute_data_parallel(plan: RunPlan, pending: list[Unit], evaluate: EvaluateUnit, report: Reporter,
-                           argv: list[str], kernels: dict[str, str | None], summary: RunSummary) -> None:
-    """The processes of one data-parallel run (torchrun / accelerate launch) take every unit together,
-    in plan order, each answering its share of the unit's requests (lm-eval splits them by rank): rank 0
-    holds the unit's lock and stores it, the others write nothing. Such a run should be the only worker
-    on its results folder: a unit another worker finished meanwhile would be skipped by rank 0 alone."""
-    for index, unit in enumerate(pending):
-        if process_rank() == 0:
-            _run_locked(plan, unit, index, len(pending), evaluate, report, argv, kernels, summary, blocking=True)
-        else:
-            _evaluate_and_store(plan, unit, evaluate, report, argv, kernels, summary, writes=False)
-    _end_data_parallel()
+        session.report.run_end()
+    return session.summary
 
 
 def _end_data_parallel() -> None:
@@ -346,106 +322,154 @@ def _end_data_parallel() -> None:
     end_process_group()
 
 
-def _run_locked(plan: RunPlan, unit: Unit, index: int, total: int, evaluate: EvaluateUnit, report: Reporter,
-                argv: list[str], kernels: dict[str, str | None], summary: RunSummary, *, blocking: bool) -> bool:
-    """Evaluate `unit` under its lock; False when another worker holds the lock (and not `blocking`).
-    A unit that another worker finished meanwhile with the same settings is counted, not computed again;
-    one it started or finished with other settings fails (check_against_disk)."""
-    lock = results_store.UnitLock(unit.dir)
-    if not lock.acquire(blocking=blocking):
-        return False
-    try:
+@dataclass
+class RunSession:
+    """One execution of a plan: what evaluates its units (`evaluate`), what reports on them (`report`),
+    the command line and GPU kernel settings recorded with each stored unit (`argv`, `kernels`), and
+    what was done so far (`summary`). The plan's lm-eval loggers get each stored unit."""
+
+    plan: RunPlan
+    evaluate: EvaluateUnit
+    report: Reporter
+    argv: list[str]
+    kernels: dict[str, str | None]
+    summary: RunSummary
+
+    def run(self, pending: list[Unit]) -> None:
+        """Evaluate and store the `pending` units: in a data-parallel launch all processes together, else
+        one at a time under each unit's lock. Units another worker holds are left for later; by then that
+        worker has usually finished them."""
+        if run_plan.environment_int("WORLD_SIZE", 1) > 1:
+            self.run_data_parallel(pending)
+            return
+        held_elsewhere: list[Unit] = []
+        for index, unit in enumerate(pending):
+            if not self.run_locked(unit, index, len(pending), blocking=False):
+                held_elsewhere.append(unit)
+        for unit in held_elsewhere:
+            logger.info("waiting for another worker on %s / %s", unit.model, unit.task)
+            self.run_locked(unit, pending.index(unit), len(pending), blocking=True)
+
+    def run_data_parallel(self, pending: list[Unit]) -> None:
+        """The processes of one data-parallel run (torchrun / accelerate launch) take every unit together,
+        in plan order, each answering its share of the unit's requests (lm-eval splits them by rank): rank 0
+        holds the unit's lock and stores it, the others write nothing. Such a run should be the only worker
+        on its results folder: a unit another worker finished meanwhile would be skipped by rank 0 alone."""
+        for index, unit in enumerate(pending):
+            if process_rank() == 0:
+                self.run_locked(unit, index, len(pending), blocking=True)
+            else:
+                self.evaluate_and_store(unit, writes=False)
+        _end_data_parallel()
+
+    def run_locked(self, unit: Unit, index: int, total: int, *, blocking: bool) -> bool:
+        """Evaluate `unit` under its lock; False when another worker holds the lock (and not `blocking`).
+        A unit that another worker finished meanwhile with the same settings is counted, not computed again;
+        one it started or finished with other settings fails (check_against_disk)."""
+        lock = results_store.UnitLock(unit.dir)
+        if not lock.acquire(blocking=blocking):
+            return False
         try:
-            run_plan.check_against_disk(unit)  # another worker may have run it with other settings
+            try:
+                run_plan.check_against_disk(unit)  # another worker may have run it with other settings
+            except run_plan.PlanError as exc:
+                return self.fail(unit, exc)
+            if unit.finished:
+                self.summary.elsewhere.append(unit)
+                self.report.unit_end(unit, "done by another worker")
+                return True
+            self.report.unit_start(unit, index, total)
+            self.evaluate_and_store(unit)
+        finally:
+            lock.release()
+        return True
+
+    def fail(self, unit: Unit, exc: Exception) -> bool:
+        """Report `unit` as failed; raise `exc` unless the plan keeps going."""
+        ours = isinstance(exc, (run_plan.PlanError, ResultsError))  # our messages name the problem already
+        detail = str(exc) if ours else f"{type(exc).__name__}: {exc}"
+        self.report.unit_end(unit, "failed", detail)
+        self.summary.failed.append((unit, detail))
+        if not self.plan.options.keep_going:
+            raise exc
+        return True
+
+    def evaluate_and_store(self, unit: Unit, *, writes: bool = True) -> None:
+        """Evaluate and store `unit`; with writes=False (a data-parallel rank other than 0) only evaluate."""
+        if writes:
+            results_store.atomic_write_json(unit.dir.spec, unit.spec)
+        started = time.time()
+        try:
+            cache = ResponseCache(unit.dir.responses_db, identity=results_store.spec_identity(unit.spec))
+        except ResultsError as exc:
+            self.fail(unit, exc)
+            return
+        try:
+            report = self.report
+            context = UnitContext(
+                plan=self.plan,
+                cache=cache,
+                on_progress=lambda done, total, cell, unit=unit: report.requests(unit, done, total, cell),
+            )
+            outcome = self.evaluate(unit, context)
+        except Exception as exc:  # noqa: BLE001  (any failure of a unit is reported, then raised or not)
+            self.fail(unit, exc)
+            return
+        finally:
+            cache.close()
+        wall_time = time.time() - started
+        try:
+            check_inputs_unchanged(unit)  # the data files were read during the evaluation
         except run_plan.PlanError as exc:
-            return _failed(plan, unit, exc, report, summary)
-        if unit.finished:
-            summary.elsewhere.append(unit)
-            report.unit_end(unit, "done by another worker")
-            return True
-        report.unit_start(unit, index, total)
-        _evaluate_and_store(plan, unit, evaluate, report, argv, kernels, summary)
-    finally:
-        lock.release()
-    return True
+            self.fail(unit, exc)
+            return
+        if not writes:
+            self.summary.done.append(unit)
+            return
+        self.store(unit, outcome, started, wall_time)
 
+    def unit_meta(self, unit: Unit, outcome: UnitOutcome, started: float, wall_time: float) -> dict[str, Any]:
+        """meta.json of a finished unit: what was asked, what ran (the evaluator's meta wins), where, when."""
+        plan = self.plan
+        return {
+            "model": unit.model,
+            "model_source": unit.model_source,
+            "task": unit.task,
+            "requested_as": unit.requested_as,
+            "spec": unit.spec,
+            "seed": plan.options.seed,
+            "device": plan.device,  # as run; *_requested: as asked (plan.resolve_device / resolve_dtype)
+            "device_requested": plan.options.device,
+            "dtype": plan.dtype,
+            "dtype_requested": plan.options.dtype,
+            "batch_size": plan.options.batch_size,  # the evaluator's meta says what ran
+            "batch_size_requested": plan.options.batch_size or "auto",
+            "wall_time_s": round(wall_time, 3),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command_line": shlex.join(self.argv),
+            "argv": list(sys.argv),
+            "cwd": os.getcwd(),
+            "versions": package_versions(),
+            "gpu_kernels": self.kernels if plan.device.startswith("cuda") else None,
+            "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
+            "cuda_graphs": plan.options.cuda_graphs,  # the evaluator's meta says what ran
+            "cuda_graphs_requested": "auto" if plan.options.cuda_graphs is None else plan.options.cuda_graphs,
+            "platform": platform.platform(),
+        } | outcome.meta
 
-def _failed(plan: RunPlan, unit: Unit, exc: Exception, report: Reporter, summary: RunSummary) -> bool:
-    detail = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (run_plan.PlanError, ResultsError)) else str(exc)
-    report.unit_end(unit, "failed", detail)
-    summary.failed.append((unit, detail))
-    if not plan.options.keep_going:
-        raise exc
-    return True
-
-
-def _evaluate_and_store(plan: RunPlan, unit: Unit, evaluate: EvaluateUnit, report: Reporter, argv: list[str],
-                        kernels: dict[str, str | None], summary: RunSummary, *, writes: bool = True) -> None:
-    """Evaluate and store `unit`; with writes=False (a data-parallel rank other than 0) only evaluate."""
-    if writes:
-        results_store.atomic_write_json(unit.dir.spec, unit.spec)
-    started = time.time()
-    try:
-        cache = ResponseCache(unit.dir.responses_db, identity=results_store.spec_identity(unit.spec))
-    except ResultsError as exc:
-        _failed(plan, unit, exc, report, summary)
-        return
-    try:
-        context = UnitContext(
-            plan=plan,
-            cache=cache,
-            on_progress=lambda done, total, cell, unit=unit: report.requests(unit, done, total, cell),
-        )
-        outcome = evaluate(unit, context)
-    except Exception as exc:
-        _failed(plan, unit, exc, report, summary)
-        return
-    finally:
-        cache.close()
-    wall_time = time.time() - started
-    try:
-        check_inputs_unchanged(unit)  # the data files were read during the evaluation
-    except run_plan.PlanError as exc:
-        _failed(plan, unit, exc, report, summary)
-        return
-    if not writes:
-        summary.done.append(unit)
-        return
-    meta = {
-        "model": unit.model,
-        "model_source": unit.model_source,
-        "task": unit.task,
-        "requested_as": unit.requested_as,
-        "spec": unit.spec,
-        "seed": plan.options.seed,
-        "device": plan.device,  # as run; "_requested": as asked (auto: plan.resolve_device / resolve_dtype)
-        "device_requested": plan.options.device,
-        "dtype": plan.dtype,
-        "dtype_requested": plan.options.dtype,
-        "batch_size": plan.options.batch_size,  # the evaluator's meta says what ran
-        "batch_size_requested": plan.options.batch_size or "auto",
-        "wall_time_s": round(wall_time, 3),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command_line": shlex.join(argv),
-        "argv": list(sys.argv),
-        "cwd": os.getcwd(),
-        "versions": package_versions(),
-        "gpu_kernels": kernels if plan.device.startswith("cuda") else None,
-        "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
-        "cuda_graphs": plan.options.cuda_graphs,  # the evaluator's meta says what ran
-        "cuda_graphs_requested": "auto" if plan.options.cuda_graphs is None else plan.options.cuda_graphs,
-        "platform": platform.platform(),
-    } | outcome.meta
-    results_store.write_unit(unit.dir, outcome.results, outcome.samples, meta)
-    results_store.remove_resume_cache(unit.dir)  # the unit is stored: its answers are in its samples
-    if plan.lm_eval_loggers:
-        log_to_wandb(plan.lm_eval_loggers, unit, outcome)
-    unit.finished = True
-    non_finite = results_store.non_finite_values(outcome.results)
-    if non_finite:
-        failure = ResultsError(results_store.non_finite_message(unit.model, non_finite))
-        _failed(plan, unit, failure, report, summary)
-        return
-    summary.done.append(unit)
-    report.unit_end(unit, "done", f"{wall_time:.1f} s")
+    def store(self, unit: Unit, outcome: UnitOutcome, started: float, wall_time: float) -> None:
+        """Write the evaluated `unit`, drop its resume cache, log it to the plan's lm-eval loggers; a
+        non-finite result is stored and then reported as a failure."""
+        results_store.write_unit(unit.dir, outcome.results, outcome.samples,
+                                 self.unit_meta(unit, outcome, started, wall_time))
+        results_store.remove_resume_cache(unit.dir)  # the unit is stored: its answers are in its samples
+        if self.plan.lm_eval_loggers:
+            log_to_wandb(self.plan.lm_eval_loggers, unit, outcome)
+        unit.finished = True
+        non_finite = results_store.non_finite_values(outcome.results)
+        if non_finite:
+            self.fail(unit, ResultsError(results_store.non_finite_message(unit.model, non_finite)))
+            return
+        self.summary.done.append(unit)
+        self.report.unit_end(unit, "done", f"{wall_time:.1f} s")

@@ -10,11 +10,16 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ccq_eval import logs
+
+if TYPE_CHECKING:  # the harness is imported lazily (see the module docstring)
+    from ccq_eval.harness.plan import RunPlan
+    from ccq_eval.harness.runner import RunSummary
+
 
 def _debugging() -> bool:
     """CCQ_EVAL_DEBUG=1 or --verbosity DEBUG: unexpected errors show their traceback."""
@@ -49,7 +54,7 @@ def _one_line_errors(command):
             _fail("interrupted; rerun the command to finish (a run resumes where it stopped)", code=130)
         except BrokenPipeError:
             _stdout_closed()
-        except Exception as exc:  # noqa: BLE001  (the point: no traceback for the user)
+        except Exception as exc:  # the point: no traceback for the user
             if _debugging():
                 raise
             _fail(f"{one_line(exc)} (CCQ_EVAL_DEBUG=1 shows the traceback; report it if the cause is unclear)",
@@ -96,7 +101,6 @@ app = _App(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # click's plain help: wraps long option names instead of cutting them off
 )
-
 
 
 class TableFormat(str, Enum):
@@ -240,6 +244,17 @@ def run(
         plan = run_plan.plan_run(options)
     except run_plan.PlanError as exc:
         _fail(str(exc))
+    _echo_plan(plan, output, shard)
+    summary, leader = _execute(plan, quiet)
+    _echo_run_summary(summary, output)
+    if report and leader:
+        _report_when_complete(plan, summary, output)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+def _echo_plan(plan: RunPlan, output: Path, shard: str | None) -> None:
+    """What the run holds: units, models x tasks, how many are finished, and the planning notes."""
     done = sum(unit.finished for unit in plan.units)  # with --shard, pending holds this shard's units only
     typer.echo(
         f"{len(plan.units)} units ({len({u.model for u in plan.units})} models x "
@@ -248,6 +263,11 @@ def run(
     )
     for note in plan.notes:
         typer.echo(note, err=True)
+
+
+def _execute(plan: RunPlan, quiet: bool) -> tuple[RunSummary, bool]:
+    """(summary, whether this process leads: rank 0 of a data-parallel launch shows progress unless quiet);
+    a failure ends the command with a line that says the finished units are kept."""
     from ccq_eval.harness import reporting, runner
 
     if _warnings_once is not None:
@@ -255,34 +275,39 @@ def run(
     leader = runner.process_rank() == 0  # data-parallel (torchrun): rank 0 reports and writes
     reporter = reporting.SilentReporter() if quiet or not leader else reporting.RichReporter()
     try:
-        summary = runner.execute_plan(plan, reporter=reporter)
+        return runner.execute_plan(plan, reporter=reporter), leader
     except KeyboardInterrupt:
         _fail("interrupted. Finished units and every answered request are saved; rerun the same command "
               "to resume.", code=130)
-    except Exception as exc:  # noqa: BLE001  (any failure of a unit: say which, and that nothing is lost)
+    except Exception as exc:  # any failure of a unit: say which, and that nothing is lost
         if _debugging():
             raise
         _fail(f"{one_line(exc)}; finished units are saved: fix the cause and rerun the same command to resume",
               code=1)
+
+
+def _echo_run_summary(summary: RunSummary, output: Path) -> None:
+    """Each failed unit, then the counts of evaluated, skipped and failed units."""
     for unit, detail in summary.failed:
         typer.echo(f"failed: {unit.model} / {unit.task}: {detail}", err=True)
     elsewhere = f", {len(summary.elsewhere)} finished by another worker" if summary.elsewhere else ""
     typer.echo(f"done: {len(summary.done)} evaluated, {len(summary.skipped)} skipped (already finished)"
                f"{elsewhere}, {len(summary.failed)} failed. Results in {output}", err=True)
-    if report and leader:
-        unfinished = [unit for unit in plan.units if not unit.dir.is_finished()]
-        if not unfinished:  # a failed unit that stored a non-finite result is shown as failed
-            _write_report(output)
-        elif summary.failed:
-            typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished; fix "
-                       f"the failures above and rerun the same command, or run `ccq-eval table {output}` for "
-                       "a table of the finished units", err=True)
-        else:
-            typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished yet (other "
-                       f"shards); the worker that finishes last writes it, or run `ccq-eval table {output}`",
-                       err=True)
-    if summary.failed:
-        raise typer.Exit(1)
+
+
+def _report_when_complete(plan: RunPlan, summary: RunSummary, output: Path) -> None:
+    """The table, figures and HTML report once every unit of the grid is finished; else why not."""
+    unfinished = [unit for unit in plan.units if not unit.dir.is_finished()]
+    if not unfinished:  # a failed unit that stored a non-finite result is shown as failed
+        _write_report(output)
+    elif summary.failed:
+        typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished; fix "
+                   f"the failures above and rerun the same command, or run `ccq-eval table {output}` for "
+                   "a table of the finished units", err=True)
+    else:
+        typer.echo(f"table.md not written: {len(unfinished)} units of this grid are not finished yet (other "
+                   f"shards); the worker that finishes last writes it, or run `ccq-eval table {output}`",
+                   err=True)
 
 
 def _write_report(results: Path) -> None:

@@ -29,19 +29,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import lzma
 import math
 import os
 import re
 import shutil
 import sqlite3
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from ccq_eval.atomic_io import (  # noqa: F401  (re-exported: the writers of every results file)
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    dumps,
+    json_default,
+)
+from ccq_eval.harness.unit_lock import LOCK_FILE, UnitLock  # noqa: F401  (re-exported)
 
 RESULTS_FILE = "results.json"
 META_FILE = "meta.json"
@@ -49,8 +56,6 @@ UNIT_SPEC_FILE = "unit.json"
 RESPONSES_DB = "responses.sqlite"
 TRACKER_DIR = "lm_eval"
 TRACKER_UNIT_KEY = "ccq_eval_unit"  # in a tracker copy: its unit folder, <model>/<task> below the output
-
-logger = logging.getLogger(__name__)
 
 
 class ResultsError(Exception):
@@ -64,71 +69,6 @@ def slugify(name: str) -> str:
     if not slug:
         raise ValueError(f"cannot make a folder name from {name!r}")
     return slug
-
-
-def _json_default(obj: Any) -> Any:
-    # Same conversions as lm-eval's handle_non_serializable, without importing lm-eval here.
-    try:
-        import numpy as np
-
-        if isinstance(obj, np.bool_):
-            return bool(obj)
-        if isinstance(obj, np.integer):
-            return int(obj)
-        if isinstance(obj, np.floating):
-            return float(obj)
-        if isinstance(obj, np.ndarray):
-            return obj.tolist()
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj, key=str)
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)
-
-
-def dumps(obj: Any, *, indent: int | None = 2) -> str:
-    return json.dumps(obj, indent=indent, default=_json_default, ensure_ascii=False)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the whole new one."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-_UMASK: int | None = None
-
-
-def _file_mode() -> int:
-    """0666 less the process umask: the mode open() would give a new file (mkstemp gives 0600, which
-    would make a shared results folder unreadable to colleagues)."""
-    global _UMASK
-    if _UMASK is None:
-        _UMASK = os.umask(0o022)
-        os.umask(_UMASK)
-    return 0o666 & ~_UMASK
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, _file_mode())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, dumps(obj) + "\n")
 
 
 def read_json(path: Path) -> Any:
@@ -349,7 +289,7 @@ class ResponseCache:
 
     @staticmethod
     def key(request_type: str, args: tuple[Any, ...]) -> str:
-        payload = json.dumps([request_type, list(args)], sort_keys=True, default=_json_default)
+        payload = json.dumps([request_type, list(args)], sort_keys=True, default=json_default)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
     def get_many(self, keys: list[str]) -> dict[str, Any]:
@@ -368,7 +308,7 @@ class ResponseCache:
             with self._conn:  # one transaction: all of a batch or none of it
                 self._conn.executemany(
                     "INSERT OR REPLACE INTO responses (key, value) VALUES (?, ?)",
-                    [(key, json.dumps(value, default=_json_default)) for key, value in items],
+                    [(key, json.dumps(value, default=json_default)) for key, value in items],
                 )
         except sqlite3.OperationalError as exc:
             raise ResultsError(cache_error_message(self.path, exc)) from None
@@ -427,50 +367,7 @@ def answered_count(path: Path) -> int:
 
 def spec_identity(spec: dict[str, Any]) -> str:
     """A digest of what a unit computes (its unit.json), stored with its resume cache."""
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=_json_default).encode("utf-8")).hexdigest()
-
-
-# --------------------------------------------------------------------------------------------
-# Per-unit locks: several processes (or machines sharing the folder) can run into one output folder;
-# whoever holds a unit's lock computes it, the others skip it or wait for it.
-
-LOCK_FILE = ".lock"
-
-
-class UnitLock:
-    """An exclusive lock on one unit folder (filelock: flock, released when the process dies, so a
-    killed worker never leaves a stale lock). On a filesystem without locks it warns once and lets
-    the caller go on unlocked (a single process is then still safe)."""
-
-    _warned = False
-
-    def __init__(self, unit: UnitDir):
-        import filelock
-
-        unit.path.mkdir(parents=True, exist_ok=True)
-        self._timeout = filelock.Timeout
-        self._lock = filelock.FileLock(str(unit.path / LOCK_FILE))
-        self.held = False
-
-    def acquire(self, blocking: bool) -> bool:
-        """Take the lock; False when another process holds it and `blocking` is False."""
-        try:
-            self._lock.acquire(timeout=-1 if blocking else 0)
-        except self._timeout:
-            return False
-        except (NotImplementedError, OSError) as exc:
-            if not UnitLock._warned:
-                logger.warning("cannot lock %s (%s): running without per-unit locks; do not run two "
-                               "workers into this folder (use --shard K/N instead)", self._lock.lock_file, exc)
-                UnitLock._warned = True
-            return True
-        self.held = True
-        return True
-
-    def release(self) -> None:
-        if self.held:
-            self._lock.release()
-            self.held = False
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=json_default).encode("utf-8")).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------

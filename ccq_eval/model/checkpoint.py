@@ -16,6 +16,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from ccq_eval.atomic_io import atomic_write_json
+
 SAFE_WEIGHT_PATTERNS = ("*.safetensors",)
 PICKLE_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # Files whose bytes decide what a checkpoint computes (README, training logs and the like do not).
@@ -115,8 +117,6 @@ def file_sha256(path: Path) -> str:
         prefix = f"{path.resolve()}|"
         cached = {k: v for k, v in cached.items() if not k.startswith(prefix)} | {key: value}
         try:  # best effort: a read-only home only costs the next run a re-hash
-            from ccq_eval.harness.results_store import atomic_write_json
-
             atomic_write_json(cache_file, cached)
         except OSError:
             pass

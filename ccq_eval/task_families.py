@@ -47,7 +47,7 @@ class TaskFamily:
     begin (the longest matching prefix wins); request_type: the lm-eval request its tasks send;
     metrics: the base metrics its tasks report (per-length and per-bucket variants are suffixed:
     acc_1024, ppl@4096, ppl@0-512, score_0-4k); primary_metric: the one tables and comparisons show
-    (None: the task's first metric); higher_is_better: that metric's direction (None: as the task says);
+    where a task reports it (else, and for None, the task's first metric); higher_is_better: that metric's direction (None: as the task says);
     metadata_keys: which of FAMILY_METADATA_KEYS its units' spec records (those that can change its
     documents; OTHER keeps lengths and samples_per_cell, which lm-eval hands every task); length_grid:
     its documents form a grid of nominal lengths (--lengths, --samples-per-cell); cell_rows: per-length and
@@ -67,6 +67,7 @@ class TaskFamily:
     cell_rows: bool = False
     bucket_metrics: bool = False
     tables: tuple[FamilyTable, ...] = ()
+    display_label: str = ""
 
     @property
     def takes_depths(self) -> bool:
@@ -89,6 +90,7 @@ S_NIAH = TaskFamily(
     metadata_keys=frozenset({"lengths", "depths", "samples_per_cell"}),
     length_grid=True,
     cell_rows=True,
+    display_label="S-NIAH-",
     tables=(
         FamilyTable(
             "per_length",
@@ -125,6 +127,7 @@ LONGBENCH = TaskFamily(
     primary_metric="score",
     higher_is_better=True,
     metadata_keys=frozenset({"data_dir"}),
+    display_label="LongBench ",
     tables=(FamilyTable("longbench_categories", "LongBench per dataset with category averages"),),
 )
 LONGBENCH_E = TaskFamily(
@@ -137,6 +140,7 @@ LONGBENCH_E = TaskFamily(
     higher_is_better=True,
     metadata_keys=frozenset({"data_dir"}),
     bucket_metrics=True,
+    display_label="LongBench-E ",
     tables=(FamilyTable("per_length_bucket", "LongBench-E per length bucket"),),
 )
 OTHER = TaskFamily(

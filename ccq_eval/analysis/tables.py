@@ -35,7 +35,7 @@ from ccq_eval.analysis.sweeps import (  # noqa: F401  (re-exported: the sweeps a
 )
 from ccq_eval.harness import results_store
 from ccq_eval.harness.results_store import ResultsError, StoredUnit
-from ccq_eval.task_families import DEPTH_KEYS, FAMILIES, LENGTH_KEYS, TaskFamily, family_of
+from ccq_eval.task_families import DEPTH_KEYS, FAMILIES, LENGTH_KEYS, OUR_TASK_PREFIX, TaskFamily, family_of
 from ccq_eval.tasks.longbench import categories as longbench_categories
 
 TIDY_COLUMNS = [
@@ -93,14 +93,16 @@ def task_family(task: str) -> str:
 
 def display_task(task: str) -> str:
     """'ccq_s_niah_1' -> 'S-NIAH-1', 'ccq_longbench_e_qasper' -> 'LongBench-E qasper', 'ccq_ppl_sweep'
-    -> 'ppl_sweep'; other names unchanged."""
-    name = task.removeprefix("ccq_")
-    if name.startswith("s_niah_"):
-        return "S-NIAH-" + name.removeprefix("s_niah_")
-    for prefix, label in (("longbench_e_", "LongBench-E"), ("longbench_", "LongBench")):
-        if name.startswith(prefix):
-            return f"{label} {name.removeprefix(prefix)}"
-    return name
+    -> 'ppl_sweep' (a family prefix and "_" become its display_label); other names unchanged."""
+    for prefix, label in _DISPLAY_PREFIXES:
+        if task.startswith(prefix):
+            return label + task.removeprefix(prefix)
+    return task.removeprefix(OUR_TASK_PREFIX)
+
+
+# (family prefix + "_", its display label), longest first
+_DISPLAY_PREFIXES = sorted(((prefix + "_", family.display_label) for family in FAMILIES if family.display_label
+                            for prefix in family.task_prefixes), key=lambda pair: -len(pair[0]))
 
 
 # --------------------------------------------------------------------------------------------

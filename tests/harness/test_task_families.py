@@ -96,3 +96,19 @@ def test_the_table_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("task", "shown"),
+    [
+        ("ccq_s_niah_1", "S-NIAH-1"),
+        ("ccq_longbench_e_qasper", "LongBench-E qasper"),
+        ("ccq_longbench_qasper", "LongBench qasper"),
+        ("ccq_ppl_sweep", "ppl_sweep"),
+        ("hellaswag", "hellaswag"),
+    ],
+)
+def test_tables_show_tasks_by_their_family_label(task, shown):
+    from ccq_eval.analysis import tables
+
+    assert tables.display_task(task) == shown

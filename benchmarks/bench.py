@@ -265,13 +265,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_report(report: dict[str, Any], out: Path, name: str) -> tuple[Path, Path]:
-    from benchlib.report import markdown
+    from benchlib.report import markdown, write_files
 
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
-    json_path.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-    md_path.write_text(markdown(report), encoding="utf-8")
-    return json_path, md_path
+    return write_files(report, markdown(report), out, name)
 
 
 def merge(paths: list[str]) -> dict[str, Any]:

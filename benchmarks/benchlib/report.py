@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +26,15 @@ PACKAGES = (
     "accelerate",
     "tokenizers",
 )
+
+
+def write_files(report: dict[str, Any], markdown_text: str, out: Path, name: str) -> tuple[Path, Path]:
+    """<out>/<name>.json (the report) and <out>/<name>.md (its markdown); returns both paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
+    json_path.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    md_path.write_text(markdown_text, encoding="utf-8")
+    return json_path, md_path
 
 
 def _version(name: str) -> str | None:
@@ -232,8 +243,10 @@ def markdown(report: dict[str, Any]) -> str:
         "- triton autotuning: "
         + (f"at most {env['autotune_configs_per_kernel']} candidate configs per kernel (CCQ_EVAL_AUTOTUNE_CONFIGS)"
            if env.get("autotune_configs_per_kernel") else "fla's full candidate lists"),
-        f"- CCQ read: {env.get('ccq_kernel', '?')} (CCQ_EVAL_CCQ_KERNEL); scoring log-softmax: "
-        f"{env.get('token_logprob', '?')} (CCQ_EVAL_TOKEN_LOGPROB)",
+        (
+            f"- CCQ read: {env.get('ccq_kernel', '?')} (CCQ_EVAL_CCQ_KERNEL); scoring log-softmax: "
+            f"{env.get('token_logprob', '?')} (CCQ_EVAL_TOKEN_LOGPROB)"
+        ),
         (
             f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls "
             f"({'CUDA events' if env['device_type'] == 'cuda' else 'perf_counter'}); generation median of "

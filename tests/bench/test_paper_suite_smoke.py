@@ -1,0 +1,134 @@
+"""benchmarks/paper_suite.py: the synthetic LongBench data it writes (fast) and its CPU smoke scale end to
+end (a checkpoint, the data, `ccq-eval run --suite paper` in a new process, the per-task report)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def suite_module():
+    return load("ccq_paper_suite", REPO / "benchmarks" / "paper_suite.py")  # puts benchmarks/ on sys.path
+
+
+@pytest.fixture(scope="module")
+def synthetic(suite_module):
+    from benchlib import synthetic_longbench
+
+    return synthetic_longbench
+
+
+def test_sizes_follow_longbench_counts_and_average_lengths(synthetic):
+    """At the paper scale every dataset has LongBench's sample count and about its average length; the
+    LongBench-E sizes fall in their buckets in the published numbers."""
+    from ccq_eval.tasks.longbench import spec
+
+    assert set(synthetic.V1_STATS) == set(spec.LONGBENCH_DATASETS)
+    assert set(synthetic.E_BUCKET_COUNTS) == set(spec.LONGBENCH_E_DATASETS)
+    assert sum(count for _, count in synthetic.V1_STATS.values()) == 4750  # LongBench's test samples
+    for dataset, (average, count) in synthetic.V1_STATS.items():
+        sizes = synthetic.sizes(
+            dataset, random.Random(dataset), samples=None, length_scale=1.0, longbench_e=False
+        )
+        assert len(sizes) == count
+        assert statistics.mean(sizes) == pytest.approx(average, rel=0.06)
+    sizes = synthetic.sizes("qasper", random.Random(0), samples=None, length_scale=1.0, longbench_e=True)
+    buckets = [spec.length_bucket(size) for size in sizes]
+    assert [buckets.count(name) for name in ("0-4k", "4-8k", "8k+")] == [100, 100, 24]
+    assert len(synthetic.sizes("lcc", random.Random(0), samples=3, length_scale=0.5, longbench_e=False)) == 3
+
+
+def test_records_load_and_fill_the_project_templates(synthetic, tmp_path):
+    """Every written file parses as LongBench records (tasks/longbench/utils.py) and fills its template;
+    lengths count words (characters in Chinese); answers have the form their metric reads."""
+    from ccq_eval.tasks.longbench import categories, spec
+
+    utils = load("ccq_longbench_utils_for_bench", REPO / "tasks" / "longbench" / "utils.py")
+    written = synthetic.write_longbench(tmp_path, samples=2, length_scale=0.05)
+    assert set(written) == set(spec.LONGBENCH_DATASETS)
+    for dataset in spec.LONGBENCH_DATASETS:
+        records = list(utils.load_longbench(dataset, data_dir=str(tmp_path))["test"])
+        assert len(records) == written[dataset]["samples"] == 2
+        for record in records:
+            language = categories.DATASET_LANGUAGE[dataset]
+            assert record["language"] == language and record["dataset"] == dataset
+            words = len(record["context"]) if language == "zh" else len(record["context"].split())
+            assert record["length"] == words > 0
+            assert "{context}" not in utils.doc_to_text(record) and record["context"] in utils.doc_to_text(
+                record
+            )
+            if dataset in ("trec", "lsht"):
+                assert record["answers"][0] in record["all_classes"]
+            utils.score_doc(record, record["answers"][0])  # the metric accepts the record
+    e_written = synthetic.write_longbench(tmp_path, datasets=("qasper",), samples=3, longbench_e=True)
+    assert e_written["qasper_e"]["samples"] == 3 and (tmp_path / "qasper_e.jsonl").is_file()
+
+
+def test_scale_defaults_and_bad_flags(suite_module):
+    paper = suite_module.parse_args([])
+    assert paper.archs == ["gla", "gated_deltanet"] and paper.ccq_settings == [True, False]
+    smoke = suite_module.parse_args(["--smoke"])
+    assert smoke.scale == "smoke" and smoke.archs == ["gla"] and smoke.ccq_settings == [True]
+    assert suite_module.parse_args(["--arch", "gdn", "--ccq", "off"]).archs == ["gated_deltanet"]
+    with pytest.raises(SystemExit, match="choose from gla, gdn"):
+        suite_module.parse_args(["--arch", "mamba"])
+
+
+def test_1p3b_shapes_are_fla_defaults(suite_module):
+    """The 1.3B shapes are fla's GLA / Gated DeltaNet config defaults (the papers' 1.3B models)."""
+    from fla.models import GatedDeltaNetConfig, GLAConfig
+
+    for arch, config in (("gla", GLAConfig()), ("gated_deltanet", GatedDeltaNetConfig())):
+        for key, value in suite_module.SHAPES_1P3B[arch].items():
+            if key not in ("bos_token_id", "eos_token_id"):
+                assert getattr(config, key) == value, (arch, key)
+
+
+@pytest.mark.slow
+def test_smoke_times_every_task_of_the_suite(suite_module, tmp_path):
+    out = tmp_path / "report"
+    assert suite_module.main(["--smoke", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    report = json.loads((out / "paper_suite.json").read_text(encoding="utf-8"))
+    markdown = (out / "paper_suite.md").read_text(encoding="utf-8")
+    assert report["schema"] == suite_module.SCHEMA and report["status"] == "complete"
+    (run,) = report["runs"]
+    assert run["returncode"] == 0 and run["arch"] == "gla" and run["ccq"] is True and run["parameters"] > 0
+    assert "--suite paper" in run["command"] and "--longbench-dir" in run["command"]
+    tasks = [row["task"] for row in run["units"]]
+    expected = {
+        "ccq_s_niah_1",
+        "ccq_s_niah_2",
+        "ccq_s_niah_3",
+        "ccq_ppl_buckets",
+        "ccq_ppl_sweep",
+        "ccq_longbench_narrativeqa",
+        "ccq_longbench_dureader",
+        "ccq_longbench_repobench-p",
+    }
+    assert sorted(tasks) == sorted(expected)  # one row per task, only the datasets with data
+    for row in run["units"]:
+        assert (
+            row["status"] == "done" and row["samples"] > 0 and row["wall_s"] > 0 and row["s_per_sample"] > 0
+        )
+        assert f"| {row['task']} | {row['family']} | done |" in markdown
+    summary = run["summary"]
+    assert summary["units"] == 8 and summary["failed"] == 0
+    assert summary["units_s"] == pytest.approx(sum(row["wall_s"] for row in run["units"]))
+    assert set(summary["by_family_s"]) == {"s-niah", "ppl", "longbench"}
+    assert run["wall_s"] > summary["units_s"]
+    assert set(report["longbench_data"]) == {"narrativeqa", "dureader", "repobench-p"}

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import importlib.util
 import json
+import math
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from benchlib import workload  # benchmarks/ is on sys.path from here on
 
 SCHEMA = "ccq-eval-paper-suite/1"
+POLL_S = 15  # while a run goes on, its units so far are written into the report this often
 ARCH_NAMES = {"gla": "gla", "gdn": "gated_deltanet", "gated_deltanet": "gated_deltanet"}
 
 # The 1.3B shapes: fla's 340M shapes (benchlib/workload.py, from flame's configs) at hidden size 2048, which
@@ -142,31 +146,44 @@ def shape_of(arch: str, smoke: bool) -> dict[str, Any]:
     return workload.SHAPES_SMOKE[arch] if smoke else SHAPES_1P3B[arch]
 
 
+def checkpoint_path(folder: Path, arch: str, ccq: bool, smoke: bool) -> Path:
+    return folder / f"{arch}-{'smoke' if smoke else '1.3b'}{'-ccq' if ccq else ''}"
+
+
 def write_checkpoints(
     folder: Path, arch: str, ccq_settings: list[bool], smoke: bool, tokenizer_name: str
 ) -> dict[bool, dict[str, Any]]:
     """One random-init checkpoint folder per CCQ setting, all with the same weights (CCQ switched in the
-    config, as benchlib.workload.set_ccq switches it); {ccq: {path, parameters}}."""
+    config, as benchlib.workload.set_ccq switches it); {ccq: {path, parameters}}. Folders an earlier call
+    wrote into --work are kept as they are, so that a later call resumes their runs."""
     import torch
 
-    tokenizer, _ = workload.load_tokenizer(tokenizer_name)
-    shape = shape_of(arch, smoke)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a 1.3B init is slow on a CPU
-    model = workload.build_model(arch, shape, vocab_size=len(tokenizer), device=device, dtype=torch.float32)
-    model.config.max_position_embeddings = TRAINING_CONTEXT
-    model = model.to(torch.float32 if smoke else torch.bfloat16)
-    parameters = workload.parameter_count(model)
-    written = {}
-    for ccq in ccq_settings:
-        path = folder / f"{arch}-{'smoke' if smoke else '1.3b'}{'-ccq' if ccq else ''}"
-        workload.set_ccq(model, ccq)
-        model.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
-        written[ccq] = {"path": path, "parameters": parameters}
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return written
+    paths = {ccq: checkpoint_path(folder, arch, ccq, smoke) for ccq in ccq_settings}
+    missing = [ccq for ccq, path in paths.items() if not (path / "model.safetensors").is_file()]
+    if missing:
+        tokenizer, _ = workload.load_tokenizer(tokenizer_name)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a 1.3B init is slow on a CPU
+        model = workload.build_model(
+            arch, shape_of(arch, smoke), vocab_size=len(tokenizer), device=device, dtype=torch.float32
+        )
+        model.config.max_position_embeddings = TRAINING_CONTEXT
+        model = model.to(torch.float32 if smoke else torch.bfloat16)
+        for ccq in missing:
+            workload.set_ccq(model, ccq)
+            model.save_pretrained(paths[ccq], safe_serialization=True)
+            tokenizer.save_pretrained(paths[ccq])
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {ccq: {"path": path, "parameters": stored_parameters(path)} for ccq, path in paths.items()}
+
+
+def stored_parameters(checkpoint: Path) -> int:
+    """Parameters in a checkpoint's model.safetensors, from the tensors' shapes (nothing is loaded)."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as weights:
+        return sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118
 
 
 def write_data(
@@ -196,48 +213,65 @@ def write_data(
 
 # ------------------------------------------------------------------------------------------ runs
 def timed_run(
-    checkpoint: Path, data: Path, out: Path, run_args: list[str], timeout: int, threads: int | None = None
+    checkpoint: Path,
+    data: Path,
+    out: Path,
+    run_args: list[str],
+    timeout: int,
+    threads: int | None = None,
+    on_poll: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """`ccq-eval run --suite paper` on one checkpoint in a new process (with OMP_NUM_THREADS=threads when
-    given): its wall time, exit status and the tail of its output."""
-    command = [
-        sys.executable,
-        "-m",
-        "ccq_eval",
-        "run",
-        "-m",
-        str(checkpoint),
-        "--suite",
-        "paper",
-        "--longbench-dir",
-        str(data),
-        "-o",
-        str(out),
-        "--keep-going",
-        *run_args,
-    ]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    )
+    given), its output in <out>.log: wall time, exit status (None when stopped), whether it was interrupted
+    (Ctrl-C, `timeout -s INT`) and the tail of its output. on_poll is called every POLL_S seconds meanwhile."""
+    command = [sys.executable, "-m", "ccq_eval", "run", "-m", str(checkpoint), "--suite", "paper"]
+    command += ["--longbench-dir", str(data), "-o", str(out), "--keep-going", *run_args]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    log = out.with_name(out.name + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        returncode, tail = done.returncode, (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired as expired:
-        returncode, tail = None, f"stopped after {timeout} s: {str(expired.stderr or '')[-2500:]}"
+    interrupted = False
+    with log.open("w", encoding="utf-8") as handle:
+        process = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                try:
+                    process.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() - start > timeout:
+                        handle.write(f"\n[paper_suite] stopped after {timeout} s\n")
+                        break
+                    if on_poll is not None:
+                        on_poll()
+        except KeyboardInterrupt:
+            interrupted = True
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    stopped = interrupted or time.perf_counter() - start > timeout
     return {
         "command": shlex.join(command),
-        "returncode": returncode,
+        "returncode": None if stopped else process.returncode,
+        "interrupted": interrupted,
         "wall_s": time.perf_counter() - start,
-        "output_tail": tail,
+        "log": str(log),
+        "output_tail": log.read_text(encoding="utf-8", errors="replace")[-3000:],
     }
 
 
-def unit_rows(run_folder: Path) -> list[dict[str, Any]]:
-    """One row per unit folder of a run (<out>/<model>/<task>/): its task, samples and meta.json's wall
-    time; a unit without results.json is "failed" (no time)."""
+def unit_rows(run_folder: Path, since: float, finished: bool) -> list[dict[str, Any]]:
+    """One row per unit folder of a run (<out>/<model>/<task>/), in the order they ran: task, samples and
+    meta.json's wall time. A unit without results.json is "running" until the run has `finished`, then
+    "failed" (no time); `earlier` marks a unit an earlier call stored (it started before `since`, a Unix
+    time: this call's run skipped it)."""
     from ccq_eval.task_families import family_of
 
     rows = []
@@ -247,12 +281,17 @@ def unit_rows(run_folder: Path) -> list[dict[str, Any]]:
         meta_path = folder / "meta.json"
         meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
         samples = sum(1 for path in folder.glob("samples_*.jsonl") for _ in path.open(encoding="utf-8"))
-        wall = meta.get("wall_time_s")
+        wall, started = meta.get("wall_time_s"), meta.get("started_at")
+        started_unix = dt.datetime.strptime(started, "%Y-%m-%dT%H:%M:%S%z").timestamp() if started else None
         rows.append(
             {
                 "task": task,
                 "family": family_of(task).name,
-                "status": "done" if (folder / "results.json").is_file() else "failed",
+                "status": "done"
+                if (folder / "results.json").is_file()
+                else "failed"
+                if finished
+                else "running",
                 "samples": samples,
                 "wall_s": wall,
                 "s_per_sample": wall / samples if wall and samples else None,
@@ -260,25 +299,30 @@ def unit_rows(run_folder: Path) -> list[dict[str, Any]]:
                 "cuda_graphs": meta.get("cuda_graphs"),
                 "device": meta.get("device"),
                 "dtype": meta.get("dtype"),
-                "started_at": meta.get("started_at"),
+                "started_at": started,
+                "earlier": started_unix is not None
+                and started_unix < since - 1,  # meta.json keeps whole seconds
             }
         )
-    return sorted(rows, key=lambda row: row["started_at"] or "~")  # in the order they ran
+    return sorted(rows, key=lambda row: row["started_at"] or "~")
 
 
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
-    """Totals of a run: seconds per task family, all units, and what the process spent outside them."""
+    """Totals of a run: seconds per task family, all units, and what this call's process spent outside
+    the units it ran (start-up, planning, tables)."""
     units = run["units"]
     by_family: dict[str, float] = {}
     for row in units:
         by_family[row["family"]] = by_family.get(row["family"], 0.0) + (row["wall_s"] or 0.0)
     total = sum(by_family.values())
+    earlier = [row for row in units if row["earlier"]]
     return {
         "units": len(units),
-        "failed": sum(row["status"] != "done" for row in units),
+        "failed": sum(row["status"] == "failed" for row in units),
+        "earlier_units": len(earlier),
         "units_s": total,
         "by_family_s": by_family,
-        "outside_units_s": run["wall_s"] - total,
+        "outside_units_s": run["wall_s"] - total + sum(row["wall_s"] or 0.0 for row in earlier),
     }
 
 
@@ -338,7 +382,8 @@ def markdown(report: dict[str, Any]) -> str:
     )
     parts.append(
         "\nA run's first unit includes loading the model; \"outside units\" is the process's start-up, "
-        "planning and the tables it prints.\n"
+        "planning and the tables it prints. Units an earlier call stored (into the same --work) keep the time "
+        "that call measured.\n"
     )
     for run in report["runs"]:
         parts.append(
@@ -351,7 +396,7 @@ def markdown(report: dict[str, Any]) -> str:
                     [
                         row["task"],
                         row["family"],
-                        row["status"],
+                        row["status"] + (" (earlier call)" if row["earlier"] else ""),
                         str(row["samples"]),
                         _f(row["wall_s"], 1),
                         _f(row["s_per_sample"], 3),
@@ -362,7 +407,7 @@ def markdown(report: dict[str, Any]) -> str:
                 ],
             )
         )
-        if run["returncode"] != 0:
+        if "output_tail" in run and run["returncode"] != 0:  # the run has ended, and not well
             parts.append(
                 f"\nExit status {run['returncode']}; output tail:\n\n```text\n{run['output_tail']}\n```\n"
             )
@@ -425,38 +470,77 @@ def main(argv: list[str] | None = None) -> int:
             "notes": notes,
             "runs": [],
         }
-        for arch in args.archs:
-            print(f"writing the {arch} checkpoints", file=sys.stderr)
-            checkpoints = write_checkpoints(
-                work / "checkpoints", arch, args.ccq_settings, smoke, scale["tokenizer"]
-            )
-            for ccq, checkpoint in checkpoints.items():
-                run_folder = work / "runs" / checkpoint["path"].name
-                print(f"running the suite on {checkpoint['path'].name}", file=sys.stderr)
-                run = timed_run(
-                    checkpoint["path"], data, run_folder, run_args, args.timeout, 1 if smoke else None
-                )
-                run |= {
-                    "arch": arch,
-                    "ccq": ccq,
-                    "checkpoint": str(checkpoint["path"]),
-                    "parameters": checkpoint["parameters"],
-                    "units": unit_rows(run_folder),
-                }
-                run["summary"] = summarise(run)
-                report["runs"].append(run)
-                print(
-                    f"  {run['wall_s']:.1f} s, exit {run['returncode']}, {run['summary']['units']} units, "
-                    f"{run['summary']['failed']} failed",
-                    file=sys.stderr,
-                )
-                report["wall_s"] = time.perf_counter() - clock
-                write_report(report, Path(args.out), args.name)  # after every run: a cut-short job keeps them
-    ok = all(run["returncode"] == 0 and run["summary"]["failed"] == 0 for run in report["runs"])
-    report |= {"status": "complete" if ok else "failed", "wall_s": time.perf_counter() - clock}
+        status = run_all(args, work, data, run_args, report, clock)
+    report |= {"status": status, "wall_s": time.perf_counter() - clock}
     json_path, md_path = write_report(report, Path(args.out), args.name)
-    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
-    return 0 if ok else 1
+    print(f"wrote {json_path} and {md_path} ({status})", file=sys.stderr)
+    return {"complete": 0, "interrupted": 130}.get(status, 1)
+
+
+def refresh_run(
+    report: dict[str, Any],
+    run: dict[str, Any],
+    run_folder: Path,
+    since: float,
+    begun: float,
+    clock: float,
+    args: argparse.Namespace,
+    finished: bool = False,
+) -> None:
+    """Bring a run's entry up to date with its unit folders (and, while it goes on, its wall time), and
+    rewrite the report: a job cut short keeps what it measured."""
+    if not finished:
+        run["wall_s"] = time.perf_counter() - begun
+    run["units"] = unit_rows(run_folder, since, finished)
+    run["summary"] = summarise(run)
+    report["wall_s"] = time.perf_counter() - clock
+    write_report(report, Path(args.out), args.name)
+
+
+def run_all(
+    args: argparse.Namespace,
+    work: Path,
+    data: Path,
+    run_args: list[str],
+    report: dict[str, Any],
+    clock: float,
+) -> str:
+    """Write each architecture's checkpoints and run the suite on each; every run's entry in report["runs"]
+    is kept current (the report rewritten while it runs). Returns "complete", "failed" or "interrupted"."""
+    smoke = args.scale == "smoke"
+    for arch in args.archs:
+        print(f"writing the {arch} checkpoints", file=sys.stderr)
+        checkpoints = write_checkpoints(
+            work / "checkpoints", arch, args.ccq_settings, smoke, SCALES[args.scale]["tokenizer"]
+        )
+        for ccq, checkpoint in checkpoints.items():
+            run_folder = work / "runs" / checkpoint["path"].name
+            run: dict[str, Any] = {
+                "arch": arch,
+                "ccq": ccq,
+                "checkpoint": str(checkpoint["path"]),
+                "parameters": checkpoint["parameters"],
+                "returncode": None,
+                "wall_s": 0.0,
+            }
+            report["runs"].append(run)
+            refresh = functools.partial(
+                refresh_run, report, run, run_folder, time.time(), time.perf_counter(), clock, args
+            )
+            print(f"running the suite on {checkpoint['path'].name}", file=sys.stderr)
+            threads = 1 if smoke else None
+            run |= timed_run(checkpoint["path"], data, run_folder, run_args, args.timeout, threads, refresh)
+            refresh(finished=True)
+            summary = run["summary"]
+            print(
+                f"  {run['wall_s']:.1f} s, exit {run['returncode']}, {summary['units']} units, "
+                f"{summary['failed']} failed, {summary['earlier_units']} from an earlier call",
+                file=sys.stderr,
+            )
+            if run["interrupted"]:
+                return "interrupted"
+    ok = all(run["returncode"] == 0 and run["summary"]["failed"] == 0 for run in report["runs"])
+    return "complete" if ok else "failed"
 
 
 if __name__ == "__main__":

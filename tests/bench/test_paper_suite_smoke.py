@@ -100,16 +100,20 @@ def test_1p3b_shapes_are_fla_defaults(suite_module):
 
 
 @pytest.mark.slow
-def test_smoke_times_every_task_of_the_suite(suite_module, tmp_path):
-    out = tmp_path / "report"
-    assert suite_module.main(["--smoke", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+def test_smoke_times_every_task_of_the_suite(suite_module, tmp_path, monkeypatch):
+    """One checkpoint through the whole suite: a row per task with its time; the report is rewritten while
+    the run goes on (every second here); a second call on the same --work resumes, every unit stored."""
+    monkeypatch.setattr(suite_module, "POLL_S", 1)
+    out, work = tmp_path / "report", tmp_path / "work"
+    assert suite_module.main(["--smoke", "--work", str(work), "--out", str(out)]) == 0
     report = json.loads((out / "paper_suite.json").read_text(encoding="utf-8"))
     markdown = (out / "paper_suite.md").read_text(encoding="utf-8")
     assert report["schema"] == suite_module.SCHEMA and report["status"] == "complete"
     (run,) = report["runs"]
     assert run["returncode"] == 0 and run["arch"] == "gla" and run["ccq"] is True and run["parameters"] > 0
-    assert "--suite paper" in run["command"] and "--longbench-dir" in run["command"]
-    tasks = [row["task"] for row in run["units"]]
+    assert (
+        "--suite paper" in run["command"] and "--longbench-dir" in run["command"] and not run["interrupted"]
+    )
     expected = {
         "ccq_s_niah_1",
         "ccq_s_niah_2",
@@ -120,15 +124,20 @@ def test_smoke_times_every_task_of_the_suite(suite_module, tmp_path):
         "ccq_longbench_dureader",
         "ccq_longbench_repobench-p",
     }
-    assert sorted(tasks) == sorted(expected)  # one row per task, only the datasets with data
+    assert sorted(row["task"] for row in run["units"]) == sorted(expected)  # only the datasets with data
     for row in run["units"]:
-        assert (
-            row["status"] == "done" and row["samples"] > 0 and row["wall_s"] > 0 and row["s_per_sample"] > 0
-        )
+        assert row["status"] == "done" and not row["earlier"]
+        assert row["samples"] > 0 and row["wall_s"] > 0 and row["s_per_sample"] > 0
         assert f"| {row['task']} | {row['family']} | done |" in markdown
     summary = run["summary"]
-    assert summary["units"] == 8 and summary["failed"] == 0
+    assert summary["units"] == 8 and summary["failed"] == 0 and summary["earlier_units"] == 0
     assert summary["units_s"] == pytest.approx(sum(row["wall_s"] for row in run["units"]))
     assert set(summary["by_family_s"]) == {"s-niah", "ppl", "longbench"}
-    assert run["wall_s"] > summary["units_s"]
+    assert 0 < summary["outside_units_s"] < run["wall_s"]
     assert set(report["longbench_data"]) == {"narrativeqa", "dureader", "repobench-p"}
+
+    assert suite_module.main(["--smoke", "--work", str(work), "--out", str(out), "--name", "again"]) == 0
+    (again,) = json.loads((out / "again.json").read_text(encoding="utf-8"))["runs"]
+    assert again["summary"]["earlier_units"] == 8 and again["summary"]["failed"] == 0
+    assert [row["wall_s"] for row in again["units"]] == [row["wall_s"] for row in run["units"]]
+    assert "done (earlier call)" in (out / "again.md").read_text(encoding="utf-8")

@@ -5,12 +5,17 @@ LongBench data file it reads, recorded in its spec when it is planned and checke
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ccq_eval.model import checkpoint
 
-if TYPE_CHECKING:
-    from ccq_eval.harness.plan import Unit
+
+class PlannedUnit(Protocol):
+    """What changed_since_planning reads of a unit (plan.Unit)."""
+
+    task: str
+    model_source: str
+    spec: dict[str, Any]
 
 
 def longbench_data_file(task: str, data_dir: Path) -> Path | None:
@@ -39,7 +44,7 @@ def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | No
     return None if path is None else {path.name: checkpoint.file_sha256(path)}
 
 
-def changed_since_planning(unit: Unit) -> str | None:
+def changed_since_planning(unit: PlannedUnit) -> str | None:
     """What of a unit's checkpoint and data files differs from the sha256 its spec recorded at planning
     ("model.safetensors: planned 1a2b3c4d..., now 5e6f7a8b..."), None when nothing does."""
     planned: dict[str, str] = {}

@@ -4,7 +4,6 @@ cache and commits new answers chunk by chunk, so a killed run loses at most one 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +26,14 @@ def describe_cell(doc: Any) -> str:
     return ", ".join(parts)
 
 
-# Float subclasses a rolling loglikelihood may return, rebuilt on resume (no pickle: listed here).
+# Float subclasses a rolling loglikelihood may return, rebuilt on resume (no pickle: listed here). Imported
+# when a cached answer needs it: scoring imports torch.
 def _token_nll_type() -> type | None:
     try:
-        return importlib.import_module("ccq_eval.harness.adapter").TokenNLL
-    except (ImportError, AttributeError):
+        from ccq_eval.harness.scoring import TokenNLL
+    except ImportError:
         return None
+    return TokenNLL
 
 
 def encode_response(request_type: str, response: Any) -> Any:
@@ -59,7 +60,7 @@ def decode_response(request_type: str, stored: Any) -> Any:
         if "token_nll" in stored:
             token_nll_type = _token_nll_type()
             if token_nll_type is None:
-                raise RuntimeError("cached per-token NLLs need ccq_eval.harness.adapter.TokenNLL, which is missing")
+                raise RuntimeError("cached per-token NLLs need ccq_eval.harness.scoring.TokenNLL, which is missing")
             return token_nll_type(stored["logprob"], stored["token_nll"])  # the stored float exactly
         return stored["logprob"]
     raise ValueError(f"unknown lm-eval request type {request_type!r}")

@@ -5,12 +5,16 @@ whoever holds a unit's lock computes it, the others skip it or wait for it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ccq_eval.harness.results_store import UnitDir
+from pathlib import Path
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
+
+
+class UnitFolder(Protocol):
+    """What a lock needs of a unit (results_store.UnitDir): its folder."""
+
+    path: Path
 
 
 LOCK_FILE = ".lock"
@@ -23,7 +27,7 @@ class UnitLock:
 
     _warned = False
 
-    def __init__(self, unit: UnitDir):
+    def __init__(self, unit: UnitFolder):
         import filelock
 
         unit.path.mkdir(parents=True, exist_ok=True)

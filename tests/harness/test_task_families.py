@@ -28,6 +28,8 @@ def _leaf_configs() -> dict[str, dict]:
 def test_every_task_group_and_tag_of_ours_has_a_family():
     from ccq_eval.harness import task_registry
 
+    folders = {path.parent.name for path in task_registry.tasks_dir().glob("*/*.yaml")}
+    assert folders == set(task_registry.TASK_FOLDERS), "a task folder the registry does not include"
     names = task_registry.our_task_names()
     assert names, "no task of ours found"
     unclaimed = [name for name in names if family_of(name) is OTHER]

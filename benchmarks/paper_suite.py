@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The wall time of `ccq-eval run --suite paper` at the papers' scale, per task (issue 28, item 4).
 
-  python benchmarks/paper_suite.py --out DIR                    # GPU: 1.3B shapes, GLA and Gated DeltaNet, CCQ on/off
+  python benchmarks/paper_suite.py --out DIR              # GPU: 1.3B GLA and Gated DeltaNet, CCQ on and off
   python benchmarks/paper_suite.py --arch gla --ccq on --out DIR
-  python benchmarks/paper_suite.py --smoke --out DIR            # CPU, tiny shapes, about a minute: the tooling
+  python benchmarks/paper_suite.py --smoke --out DIR      # CPU, tiny shapes, about a minute: the tooling
 
 For each architecture it writes a random-init checkpoint folder (safetensors, config, the 32K Mistral
 tokenizer fixture) per CCQ setting, both with the same weights, and LongBench-shaped synthetic data
@@ -11,12 +11,13 @@ tokenizer fixture) per CCQ setting, both with the same weights, and LongBench-sh
 runs `ccq-eval run -m <checkpoint> --suite paper --longbench-dir <data>` in a new process per checkpoint,
 with ccq-eval's defaults (device, dtype, batch size, CUDA graphs). Each unit's time is the wall_time_s its
 meta.json records (the first unit of a run includes loading the model); the process's own wall time adds
-start-up and planning. Writes <out>/<name>.json and <out>/<name>.md.
+start-up, planning and the end-of-run report. Writes <out>/<name>.json and <out>/<name>.md, rewritten
+while a run goes on; a later call with the same --work resumes (benchmarks/README.md).
 
-Scales (--scale): `paper` (the models' real shapes, the suite's own grid, every LongBench sample) and
-`smoke` (fla's tiny test shapes, one S-NIAH depth and one sample per cell, LongBench contexts at 1% of
-their length, one record per dataset, 8 new tokens at most). Extra `ccq-eval run` flags go through
---run-arg (e.g. --run-arg=--depths=0,25,50,75,100 --run-arg=--samples-per-cell=10).
+Scales (--scale): `paper` (the models' 1.3B shapes, the suite's own grid, every LongBench sample) and
+`smoke` (benchlib's tiny CPU shape of GLA with CCQ, byte-level tokens, one S-NIAH depth and one sample
+per cell, three LongBench datasets with one record at 1% of the average length, 8 new tokens at most).
+Extra `ccq-eval run` flags go through --run-arg (e.g. --run-arg=--depths=0,25,50,75,100).
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def shape_of(arch: str, smoke: bool) -> dict[str, Any]:
 
 
 def checkpoint_path(folder: Path, arch: str, ccq: bool, smoke: bool) -> Path:
+    """<folder>/<arch>-<1.3b|smoke>[-ccq]: the folder name is the model's name in the results."""
     return folder / f"{arch}-{'smoke' if smoke else '1.3b'}{'-ccq' if ccq else ''}"
 
 
@@ -223,7 +225,8 @@ def timed_run(
 ) -> dict[str, Any]:
     """`ccq-eval run --suite paper` on one checkpoint in a new process (with OMP_NUM_THREADS=threads when
     given), its output in <out>.log: wall time, exit status (None when stopped), whether it was interrupted
-    (Ctrl-C, `timeout -s INT`) and the tail of its output. on_poll is called every POLL_S seconds meanwhile."""
+    (Ctrl-C, `timeout -s INT`) and the tail of its output. on_poll is called every POLL_S seconds
+    meanwhile."""
     command = [sys.executable, "-m", "ccq_eval", "run", "-m", str(checkpoint), "--suite", "paper"]
     command += ["--longbench-dir", str(data), "-o", str(out), "--keep-going", *run_args]
     env = dict(os.environ)
@@ -338,7 +341,8 @@ def _header(report: dict[str, Any]) -> str:
     notes = "".join(f" Note: {note}." for note in report["notes"])
     return (
         f"# `ccq-eval run --suite paper`: wall time per task{smoke}\n\n"
-        f"{env['device_name']}, checkpoints in {settings['checkpoint_dtype']}, torch {packages.get('torch')}, "
+        f"{env['device_name']}, checkpoints in {settings['checkpoint_dtype']}, "
+        f"torch {packages.get('torch')}, "
         f"fla {fla}, lm_eval {packages.get('lm_eval')}, commit {commit}. Scale `{settings['scale']}`; extra "
         f"run flags: `{flags}`. {report['status']}, {report['wall_s']:.0f} s.{notes}"
     )
@@ -382,8 +386,8 @@ def markdown(report: dict[str, Any]) -> str:
     )
     parts.append(
         "\nA run's first unit includes loading the model; \"outside units\" is the process's start-up, "
-        "planning and the tables it prints. Units an earlier call stored (into the same --work) keep the time "
-        "that call measured.\n"
+        "planning and the tables it prints. Units an earlier call stored (into the same --work) keep the "
+        "time that call measured.\n"
     )
     for run in report["runs"]:
         parts.append(

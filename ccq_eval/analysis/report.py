@@ -16,12 +16,16 @@ of script are inline, and nothing is fetched. It holds
   perplexity (model, task, length) with its worst documents. Selects filter the blocks by model,
   task, length and depth; with scripts off every block is shown and the selects stay hidden.
 
-All sample text is escaped. Nothing here imports torch or fla.
+This module gathers that as plain data (tables as Table and Cell, sample blocks as SampleCell);
+the jinja2 templates in templates/ (package data) lay it out, report.html.j2 being the page. The
+template engine escapes every value it writes, so sample text cannot become markup. Nothing here
+imports torch or fla.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import json
 import math
@@ -33,8 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import pandas as pd
-from markupsafe import Markup  # HTML built here from escaped parts: table cells take it as it is
+from markupsafe import Markup
 
 from ccq_eval.analysis import figures as figure_module
 from ccq_eval.analysis import stats, tables
@@ -43,6 +48,7 @@ from ccq_eval.harness.results_store import UNIT_SPEC_FILE, ResultsError, StoredU
 from ccq_eval.task_families import PERPLEXITY, S_NIAH, family_of
 
 REPORT_FILE = "report.html"
+PAGE_TEMPLATE = "report.html.j2"
 # Characters of the prompt shown on each side of the needle, and of a document's start.
 CONTEXT_CHARS = 240
 EXCERPT_CHARS = 400
@@ -57,19 +63,93 @@ _NOT_ARCHIVED = "; not archived>"
 
 
 # --------------------------------------------------------------------------------------------
-# Reading: what the folder holds and what it lacks
+# What the templates show
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One table cell: its text, right-aligned when `numeric`, shown as <code> when `code` (with
+    `hover` as its title, when given)."""
+
+    text: str
+    numeric: bool = False
+    code: bool = False
+    hover: str | None = None
+
+
+@dataclass(frozen=True)
+class Table:
+    headers: list[str]
+    rows: list[list[Cell]]
+
+
+@dataclass(frozen=True)
+class PromptWindow:
+    """Characters `low` to `high` of a prompt of `length` characters, as (text, is an answer) pieces."""
+
+    pieces: list[tuple[str, bool]]
+    low: int
+    high: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SniahFailure:
+    """An S-NIAH sample scored below full marks. `window` is the prompt around the needle (None when
+    the prompt was not logged or was archived; `archived_prompt` is then the archive's placeholder)."""
+
+    doc_id: Any
+    score: float
+    expected: str  # every accepted answer, " / " between them
+    generated: str  # cut at GENERATED_CHARS
+    window: PromptWindow | None
+    archived_prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class PerplexityDocument:
+    """A document of a perplexity cell; `excerpt` is the start of its text (None when archived)."""
+
+    doc_id: Any
+    label: str
+    perplexity: float
+    tokens: int
+    excerpt: str | None
 
 
 @dataclass
 class SampleCell:
-    """One block of the sample browser: an S-NIAH cell or a perplexity (model, task, length)."""
+    """One block of the sample browser: an S-NIAH cell (its failures, the first FAILURES_PER_CELL
+    listed) or a perplexity (model, task, length) with its worst documents."""
 
     model: str
     task: str
     length: int | None
     depth: float | None
     summary: str
-    entries: list[str] = field(default_factory=list)  # HTML of each failure / document
+    failures: list[SniahFailure] = field(default_factory=list)
+    unlisted_failures: int = 0
+    documents: list[PerplexityDocument] = field(default_factory=list)
+
+    @property
+    def filter_values(self) -> dict[str, str]:
+        """The block's value for each select of the browser (its data-* attributes)."""
+        return {"model": self.model, "task": self.task,
+                "length": "" if self.length is None else str(self.length),
+                "depth": "" if self.depth is None else f"{self.depth:g}"}
+
+
+@dataclass(frozen=True)
+class Select:
+    """A select of the sample browser: `name` is the filter_values key it matches; options are
+    (value, text) pairs."""
+
+    name: str
+    options: list[tuple[str, str]]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: what the folder holds and what it lacks
 
 
 def missing_parts(root: Path, units: Sequence[StoredUnit]) -> list[str]:
@@ -110,36 +190,23 @@ def _unfinished_error(root: Path) -> ResultsError | None:
 
 
 # --------------------------------------------------------------------------------------------
-# HTML pieces
+# Tables
 
 
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _cell(value: Any, digits: int = 2) -> str:
-    """One <td>: numbers right-aligned; markup is escaped unless `value` is Markup (built here)."""
-    if isinstance(value, Markup):
-        return f"<td>{value}</td>"
-    text = _e(tables._format_cell(value, digits))
+def _cell(value: Any, digits: int = 2) -> Cell:
+    """A table's value as a Cell: numbers right-aligned, as `ccq-eval table` formats them."""
+    if isinstance(value, Cell):
+        return value
     numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return f'<td class="num">{text}</td>' if numeric else f"<td>{text}</td>"
+    return Cell(tables._format_cell(value, digits), numeric=numeric)
 
 
-def _rows_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits: int = 2) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(_cell(v, digits) for v in row) + "</tr>" for row in rows)
-    return f'<table class="data"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+def _table(headers: Sequence[Any], rows: Iterable[Sequence[Any]], digits: int = 2) -> Table:
+    return Table([str(header) for header in headers], [[_cell(v, digits) for v in row] for row in rows])
 
 
-def _html_table(frame: pd.DataFrame, digits: int) -> str:
-    headers, body = tables._flat(frame)
-    return _rows_table(headers, body, digits)
-
-
-def _key_value_table(pairs: Iterable[tuple[str, str]]) -> str:
-    rows = "".join(f"<tr><th>{_e(key)}</th><td>{_e(value)}</td></tr>" for key, value in pairs)
-    return f'<table class="kv"><tbody>{rows}</tbody></table>'
+def _frame_table(frame: pd.DataFrame, digits: int) -> Table:
+    return _table(*tables._flat(frame), digits)
 
 
 def _distinct(values: Iterable[Any]) -> str:
@@ -154,7 +221,7 @@ def _length_text(length: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Sections
+# The run, the paper tables, the comparisons, the figures
 
 
 def _unit_spec(unit: StoredUnit) -> dict[str, Any]:
@@ -174,7 +241,7 @@ def _fingerprint(spec: dict[str, Any]) -> tuple[str, str]:
     return f"sha256 {str(weights)[:16]}", every
 
 
-def _models_table(units: Sequence[StoredUnit]) -> str:
+def models_table(units: Sequence[StoredUnit]) -> Table:
     by_model: dict[str, list[StoredUnit]] = defaultdict(list)
     for unit in units:
         by_model[unit.model].append(unit)
@@ -183,14 +250,13 @@ def _models_table(units: Sequence[StoredUnit]) -> str:
         prints = [_fingerprint(_unit_spec(u)) for u in own]
         short, every = _distinct(p[0] for p in prints), _distinct(p[1] for p in prints)
         batch = (u.meta.get("batch_size") or (u.results.get("config") or {}).get("batch_size") for u in own)
-        rows.append([model, Markup(f'<code title="{_e(every)}">{_e(short)}</code>'),
-                     _distinct(u.meta.get("model_source") for u in own),
+        rows.append([model, Cell(short, code=True, hover=every), _distinct(u.meta.get("model_source") for u in own),
                      _distinct(u.meta.get("dtype") for u in own), _distinct(batch), len(own)])
     headers = ["model", "checkpoint (hover: every file)", "source", "dtype", "batch size", "units"]
-    return _rows_table(headers, rows)
+    return _table(headers, rows)
 
 
-def _tasks_table(units: Sequence[StoredUnit]) -> str:
+def tasks_table(units: Sequence[StoredUnit]) -> Table:
     by_task: dict[str, list[StoredUnit]] = defaultdict(list)
     for unit in units:
         for task in unit.leaf_tasks():
@@ -201,17 +267,18 @@ def _tasks_table(units: Sequence[StoredUnit]) -> str:
         grids = [s.get("task_metadata") or {} for s in specs]
         lengths = (", ".join(_length_text(x) for x in g["lengths"]) for g in grids if g.get("lengths"))
         depths = (", ".join(f"{d:g}%" for d in g["depths"]) for g in grids if g.get("depths"))
-        rows.append([tables.display_task(task), Markup(f"<code>{_e(task)}</code>"),
+        rows.append([tables.display_task(task), Cell(task, code=True),
                      _distinct(u.meta.get("requested_as") for u in own), _distinct(lengths),
                      _distinct(depths), _distinct(g.get("samples_per_cell") for g in grids),
                      _distinct(s.get("limit") for s in specs), _distinct(s.get("max_length") for s in specs),
                      ", ".join(sorted({u.model for u in own}))])
     headers = ["task", "lm-eval name", "requested as", "lengths", "depths", "samples per cell", "limit",
                "max length", "models"]
-    return _rows_table(headers, rows)
+    return _table(headers, rows)
 
 
-def _environment_table(units: Sequence[StoredUnit]) -> str:
+def environment_pairs(units: Sequence[StoredUnit]) -> list[tuple[str, str]]:
+    """(what, value) of the run's environment: commit, device, times, seed, command line, versions."""
     metas = [u.meta for u in units]
     versions: dict[str, list[Any]] = defaultdict(list)
     for unit in units:
@@ -221,7 +288,7 @@ def _environment_table(units: Sequence[StoredUnit]) -> str:
             versions["lm_eval"].append(unit.results.get("lm_eval_version"))
     wall = [m["wall_time_s"] for m in metas if isinstance(m.get("wall_time_s"), (int, float))]
     device = (u.meta.get("device") or (u.results.get("config") or {}).get("device") for u in units)
-    return _key_value_table([
+    return [
         ("commit (lm-eval's git_hash)", _distinct(u.results.get("git_hash") for u in units)),
         ("device", _distinct(device)),
         ("platform", _distinct(m.get("platform") for m in metas)),
@@ -231,37 +298,21 @@ def _environment_table(units: Sequence[StoredUnit]) -> str:
         ("seed", _distinct(m.get("seed") for m in metas)),
         ("processes", _distinct(m.get("world_size") for m in metas)),
         ("command line", _distinct(m.get("command_line") for m in metas)),
-    ] + [(f"version of {package}", _distinct(values)) for package, values in versions.items()])
+    ] + [(f"version of {package}", _distinct(values)) for package, values in versions.items()]
 
 
-def run_section(units: Sequence[StoredUnit]) -> str:
-    return ("<h3>Models</h3>" + _models_table(units) + "<h3>Tasks and grid</h3>" + _tasks_table(units)
-            + "<h3>Environment</h3>" + _environment_table(units))
+def paper_tables(tidy: pd.DataFrame, digits: int = 2) -> list[dict[str, Any]]:
+    """The paper tables (`ccq-eval table`): title, Table and markdown note of each."""
+    return [{"title": pivot.title, "table": _frame_table(pivot.frame, digits), "note": pivot.note}
+            for pivot in tables.paper_pivots(tidy)]
 
 
-def tables_section(tidy: pd.DataFrame, digits: int = 2) -> str:
-    parts = []
-    for pivot in tables.paper_pivots(tidy):
-        note = f'<p class="note">{_markdown_code(pivot.note)}</p>' if pivot.note else ""
-        parts.append(f'<section class="paper-table"><h3>{_e(pivot.title)}</h3>'
-                     f"{_html_table(pivot.frame, digits)}{note}</section>")
-    return "".join(parts) or "<p>No table: the results hold no values the paper tables show.</p>"
-
-
-def _markdown_code(text: str) -> str:
-    """Escaped `text` with its markdown `code` spans as <code> (the tables' notes are markdown)."""
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", _e(text))
-
-
-def comparisons_section(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed: int,
-                        alpha: float) -> str:
+def comparisons(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed: int,
+                alpha: float) -> dict[str, Any]:
+    """The paired statistics of every comparison pair (`ccq-eval compare`) as (title, Table); a pair
+    that cannot be compared adds its reason to `notes`."""
     pairs = stats.comparison_pairs(units)
-    if not pairs:
-        models = ", ".join(sorted({unit.model for unit in units}))
-        return (f"<p>No CCQ pair NAME / NAME-ccq and no <code>--ccq-attach</code> sweep with its baseline among "
-                f"the models ({_e(models)}); <code>ccq-eval compare --baseline A --variant B</code> compares any "
-                "two.</p>")
-    parts = []
+    shown = []
     for baseline, variant in pairs:
         try:
             frame = stats.compare_models(list(units), baseline, variant, n_boot=n_boot, seed=seed,
@@ -269,12 +320,12 @@ def comparisons_section(units: Sequence[StoredUnit], notes: list[str], n_boot: i
         except ResultsError as exc:
             notes.append(f"{variant} vs {baseline}: no comparison ({exc})")
             continue
-        parts.append(f'<section class="comparison"><h3>{_e(variant)} vs {_e(baseline)}</h3>'
-                     f"{_html_table(stats.comparison_display(frame, baseline, variant), 3)}</section>")
+        shown.append((f"{variant} vs {baseline}",
+                      _frame_table(stats.comparison_display(frame, baseline, variant), 3)))
         if (frame["verdict"] == "failed").any():
             notes.append(f"{variant} vs {baseline}: {tables.NON_FINITE_NOTE}")
-    return ("".join(parts) + f'<p class="note">{_e(stats.comparison_note(alpha))}; '
-            f"{n_boot} bootstrap resamples, seed {seed}.</p>")
+    return {"has_pairs": bool(pairs), "tables": shown, "note": stats.comparison_note(alpha),
+            "n_boot": n_boot, "seed": seed}
 
 
 def figure_images(tidy: pd.DataFrame, figure_paths: Sequence[Path] | None,
@@ -291,15 +342,8 @@ def figure_images(tidy: pd.DataFrame, figure_paths: Sequence[Path] | None,
         return [(p.stem, p.read_bytes()) for p in paths if p.suffix == ".png"]
 
 
-def figures_section(images: Sequence[tuple[str, bytes]]) -> str:
-    if not images:
-        return "<p>No figure for these results.</p>"
-    parts = []
-    for name, data in images:
-        encoded = base64.b64encode(data).decode("ascii")
-        parts.append(f'<figure><img src="data:image/png;base64,{encoded}" alt="{_e(name)}">'
-                     f"<figcaption>{_e(name)}</figcaption></figure>")
-    return "".join(parts)
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,14 +364,9 @@ def _archived(text: str) -> bool:
     return text.startswith("<") and text.endswith(_NOT_ARCHIVED)
 
 
-def needle_context(prompt: str, answers: Sequence[str], offset: Any = None) -> str:
-    """HTML of the prompt around the needle: CONTEXT_CHARS on each side of the first answer found
-    (from the needle's offset on, when the document records it), every answer marked."""
-    if not prompt:
-        return '<p class="muted">The prompt was not logged.</p>'
-    if _archived(prompt):
-        return (f'<p class="muted">The prompt is not in this folder ({_e(prompt)}): archived results keep '
-                "only its digest.</p>")
+def needle_context(prompt: str, answers: Sequence[str], offset: Any = None) -> PromptWindow:
+    """The prompt around the needle: CONTEXT_CHARS on each side of the first answer found (from the
+    needle's offset on, when the document records it), every answer marked."""
     start_at = int(offset) if isinstance(offset, (int, float)) and 0 <= offset < len(prompt) else 0
     positions = [prompt.find(a, start_at) for a in answers if a]
     positions = [p for p in positions if p >= 0] or [start_at]
@@ -344,13 +383,22 @@ def needle_context(prompt: str, answers: Sequence[str], offset: Any = None) -> s
     for begin, end in sorted(marks):
         if begin < cursor:
             continue
-        pieces.append(_e(window[cursor:begin]) + f"<mark>{_e(window[begin:end])}</mark>")
+        pieces += [(window[cursor:begin], False), (window[begin:end], True)]
         cursor = end
-    pieces.append(_e(window[cursor:]))
-    before = "…" if low > 0 else ""
-    after = "…" if high < len(prompt) else ""
-    return (f'<pre class="context" title="characters {low}-{high} of {len(prompt)}">{before}{"".join(pieces)}'
-            f"{after}</pre>")
+    pieces.append((window[cursor:], False))
+    return PromptWindow(pieces, low, high, len(prompt))
+
+
+def _sniah_failure(sample: dict[str, Any], score: float) -> SniahFailure:
+    doc = sample.get("doc") or {}
+    answers = [str(a) for a in doc.get("outputs") or [sample.get("target", "")]]
+    generated = _generated(sample)
+    shown = generated if len(generated) <= GENERATED_CHARS else generated[:GENERATED_CHARS] + "…"
+    prompt = str(doc.get("input", ""))
+    archived = _archived(prompt)
+    window = needle_context(prompt, answers, doc.get("needle_char_offset")) if prompt and not archived else None
+    return SniahFailure(sample.get("doc_id"), score, " / ".join(answers), shown, window,
+                        prompt if archived else None)
 
 
 def _full_marks(values: Iterable[float]) -> float:
@@ -378,23 +426,18 @@ def sniah_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
         where = f"{_length_text(length)}" + ("" if depth is None else f", depth {depth:g}%")
         outcome = f"{len(failures)} of {len(entries)} failed" if failures else f"all {len(entries)} right"
         summary = f"{unit.model} · {tables.display_task(task)} · {where}: {outcome}"
-        cell = SampleCell(unit.model, task, length, depth, summary)
-        for value, sample in failures[:FAILURES_PER_CELL]:
-            doc = sample.get("doc") or {}
-            answers = [str(a) for a in doc.get("outputs") or [sample.get("target", "")]]
-            generated = _generated(sample)
-            shown = generated if len(generated) <= GENERATED_CHARS else generated[:GENERATED_CHARS] + "…"
-            context = needle_context(str(doc.get("input", "")), answers, doc.get("needle_char_offset"))
-            cell.entries.append(
-                f'<div class="sample"><span>doc {_e(sample.get("doc_id"))}</span><span>score {value:g}</span>'
-                f'<span>expected</span><span><code class="expected">{_e(" / ".join(answers))}</code></span>'
-                f'<span>generated</span><pre class="generated">{_e(shown) or "(nothing)"}</pre>'
-                f"<span>around the needle</span>{context}</div>")
-        if len(failures) > FAILURES_PER_CELL:
-            cell.entries.append(f'<p class="muted">{len(failures) - FAILURES_PER_CELL} more failures in this '
-                                "cell are not listed.</p>")
-        cells.append(cell)
+        cells.append(SampleCell(unit.model, task, length, depth, summary,
+                                failures=[_sniah_failure(s, v) for v, s in failures[:FAILURES_PER_CELL]],
+                                unlisted_failures=max(0, len(failures) - FAILURES_PER_CELL)))
     return cells
+
+
+def _perplexity_document(sample: dict[str, Any], perplexity: float, tokens: int) -> PerplexityDocument:
+    doc = sample.get("doc") or {}
+    label = doc.get("document") or (f"block {doc['block_index']}" if "block_index" in doc else "")
+    text = str(doc.get("text", ""))
+    excerpt = None if _archived(text) else text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")
+    return PerplexityDocument(sample.get("doc_id"), str(label), perplexity, tokens, excerpt)
 
 
 def perplexity_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
@@ -418,22 +461,9 @@ def perplexity_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
         summary = (f"{unit.model} · {tables.display_task(task)} · {_length_text(length)}: worst "
                    f"{min(WORST_DOCUMENTS, len(documents))} of {len(documents)} documents "
                    f"(perplexity {documents[0][0]:.2f} to {documents[-1][0]:.2f})")
-        cell = SampleCell(unit.model, task, length, None, summary)
-        for perplexity, tokens, sample in documents[:WORST_DOCUMENTS]:
-            doc = sample.get("doc") or {}
-            label = doc.get("document") or (f"block {doc['block_index']}" if "block_index" in doc else "")
-            text = str(doc.get("text", ""))
-            if _archived(text):
-                excerpt = ('<p class="muted">The text is not in this folder: archived results keep only its '
-                           "digest.</p>")
-            else:
-                cut = text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")
-                excerpt = f'<pre class="context">{_e(cut)}</pre>'
-            cell.entries.append(
-                f'<div class="sample"><span>doc {_e(sample.get("doc_id"))} {_e(label)}</span>'
-                f"<span>perplexity <b>{perplexity:.3f}</b> over {tokens} tokens</span>"
-                f"<span>start of the text</span>{excerpt}</div>")
-        cells.append(cell)
+        worst = [_perplexity_document(sample, perplexity, tokens)
+                 for perplexity, tokens, sample in documents[:WORST_DOCUMENTS]]
+        cells.append(SampleCell(unit.model, task, length, None, summary, documents=worst))
     return cells
 
 
@@ -451,87 +481,41 @@ def sample_cells(units: Sequence[StoredUnit]) -> list[SampleCell]:
     return cells
 
 
-def _options(name: str, label: str, values: Iterable[tuple[str, str]]) -> str:
-    options = "".join(f'<option value="{_e(value)}">{_e(text)}</option>' for value, text in values)
-    return (f'<label>{_e(label)} <select name="{_e(name)}"><option value="">all</option>{options}'
-            "</select></label>")
-
-
-def samples_section(cells: Sequence[SampleCell]) -> str:
-    if not cells:
-        return "<p>No S-NIAH or perplexity sample log in this folder.</p>"
+def sample_selects(cells: Sequence[SampleCell]) -> list[Select]:
+    """The browser's selects: every model, task, length and depth of the cells."""
     lengths = sorted({c.length for c in cells if c.length is not None})
     depths = sorted({c.depth for c in cells if c.depth is not None})
-    filters = "".join([
-        _options("model", "model", ((m, m) for m in sorted({c.model for c in cells}))),
-        _options("task", "task", ((t, tables.display_task(t)) for t in sorted({c.task for c in cells}))),
-        _options("length", "length", ((str(x), _length_text(x)) for x in lengths)),
-        _options("depth", "depth", ((f"{d:g}", f"{d:g}%") for d in depths)),
-    ])
-    blocks = []
-    for cell in cells:
-        data = (f'data-model="{_e(cell.model)}" data-task="{_e(cell.task)}" '
-                f'data-length="{"" if cell.length is None else cell.length}" '
-                f'data-depth="{"" if cell.depth is None else f"{cell.depth:g}"}"')
-        failed = " failed" if cell.entries and family_of(cell.task) is S_NIAH else ""
-        inner = "".join(cell.entries) or '<p class="muted">Nothing to show: every sample is right.</p>'
-        blocks.append(f'<details class="cell{failed}" {data}><summary>{_e(cell.summary)}</summary>'
-                      f"{inner}</details>")
-    return (f'<form id="filters" hidden>{filters} <span id="shown" aria-live="polite"></span></form>'
-            f'<div id="cells">{"".join(blocks)}</div>')
+    return [
+        Select("model", [(m, m) for m in sorted({c.model for c in cells})]),
+        Select("task", [(t, tables.display_task(t)) for t in sorted({c.task for c in cells})]),
+        Select("length", [(str(x), _length_text(x)) for x in lengths]),
+        Select("depth", [(f"{d:g}", f"{d:g}%") for d in depths]),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
 # The page
 
-STYLE = """
-body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1b1b1b;margin:0 auto;
-max-width:1100px;padding:0 1.2em 3em}
-h1{font-size:1.6em;margin:.8em 0 .2em}
-h2{border-bottom:2px solid #0072B2;padding-bottom:.15em;margin-top:1.8em}
-h3{margin:1.2em 0 .4em}nav a{margin-right:1em}
-table{border-collapse:collapse;margin:.3em 0 .6em;font-size:.92em}
-th,td{border:1px solid #d0d7de;padding:.2em .55em;text-align:left;vertical-align:top}
-thead th{background:#eef3f8}td.num{text-align:right;font-variant-numeric:tabular-nums}
-table.kv th{background:#f6f8fa;white-space:nowrap}
-.note,.muted{color:#555;font-size:.9em}
-.missing{background:#fff4e5;border-left:4px solid #E69F00;padding:.4em 1em}
-figure{margin:1em 0}figure img{max-width:100%;height:auto;border:1px solid #e5e5e5}
-figcaption{color:#555;font-size:.85em}.comparison td{white-space:nowrap}
-#filters{position:sticky;top:0;background:#fff;padding:.5em 0;border-bottom:1px solid #d0d7de;z-index:1}
-#filters label{margin-right:1em}
-details.cell{border:1px solid #d0d7de;border-radius:4px;margin:.3em 0;padding:.2em .6em}
-details.cell.failed>summary{color:#a33b00}summary{cursor:pointer}
-.sample{border-top:1px dashed #d0d7de;padding:.3em 0;display:grid;grid-template-columns:9em 1fr;gap:.15em .6em}
-.sample>span:nth-child(odd){color:#555}.sample>p,.sample>pre{margin:0}
-pre{white-space:pre-wrap;word-break:break-word;background:#f6f8fa;padding:.4em .6em;margin:.2em 0;
-font-size:.88em}
-mark{background:#ffd66b}code.expected{background:#e6f4ea;padding:0 .3em}
-"""
 
-SCRIPT = """
-(function () {
-  var form = document.getElementById("filters");
-  if (!form) return;
-  form.hidden = false;
-  var cells = document.querySelectorAll("details.cell");
-  var selects = form.querySelectorAll("select");
-  function apply() {
-    var shown = 0;
-    cells.forEach(function (cell) {
-      var match = true;
-      selects.forEach(function (select) {
-        if (select.value && cell.dataset[select.name] !== select.value) match = false;
-      });
-      cell.hidden = !match;
-      if (match) shown += 1;
-    });
-    document.getElementById("shown").textContent = shown + " of " + cells.length + " shown";
-  }
-  selects.forEach(function (select) { select.addEventListener("change", apply); });
-  apply();
-})();
-"""
+def _escaped(value: Any) -> Markup:
+    """What the templates write for every {{ value }}: Markup (made by a template) as it is, anything
+    else escaped with html.escape, so that any text appears in the page as html.escape(text)."""
+    return value if isinstance(value, Markup) else Markup(html.escape(str(value), quote=True))
+
+
+def _code_spans(text: str) -> Markup:
+    """Escaped `text` with its markdown `code` spans as <code> (the paper tables' notes are markdown)."""
+    return Markup(re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text, quote=True)))
+
+
+@functools.cache
+def _templates() -> jinja2.Environment:
+    """The report's templates (package data of ccq_eval.analysis), escaping every value they write."""
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("ccq_eval.analysis", "templates"), autoescape=True, finalize=_escaped,
+        undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    environment.filters["code_spans"] = _code_spans
+    return environment
 
 
 def build_report(results: Path, *, figure_paths: Sequence[Path] | None = None,
@@ -550,29 +534,19 @@ def build_report(results: Path, *, figure_paths: Sequence[Path] | None = None,
     root = results if results.is_dir() else results.parent
     tidy = tables.tidy_table(units)
     notes = missing_parts(root, units)
-    comparisons = comparisons_section(units, notes, n_boot, seed, alpha)
+    compared = comparisons(units, notes, n_boot, seed, alpha)
     images = figure_images(tidy, figure_paths, notes)
-    samples = samples_section(sample_cells(units))
+    cells = sample_cells(units)
+    models = sorted({unit.model for unit in units})
     from ccq_eval import __version__
 
-    missing = ("<section id=\"missing\" class=\"missing\"><h2>What is missing</h2><ul>"
-               + "".join(f"<li>{_e(note)}</li>" for note in notes) + "</ul></section>") if notes else ""
-    title = f"ccq-eval report: {root.resolve().name}"
-    sections = [("run", "Run", run_section(units)), ("tables", "Tables", tables_section(tidy)),
-                ("comparisons", "CCQ vs baseline", comparisons),
-                ("figures", "Figures", figures_section(images)), ("samples", "Samples", samples)]
-    nav = "".join(f'<a href="#{key}">{_e(label)}</a>' for key, label, _ in sections)
-    body = "".join(f'<section id="{key}"><h2>{_e(label)}</h2>{content}</section>'
-                   for key, label, content in sections)
-    models = sorted({unit.model for unit in units})
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{_e(title)}</h1><p class=\"note\">{len(units)} finished units, {len(models)} models "
-        f"({_e(', '.join(models))}); made by ccq-eval {_e(__version__)} from <code>{_e(root)}</code>.</p>"
-        f"<nav>{nav}</nav>{missing}{body}<script>{SCRIPT}</script></body></html>\n"
-    )
+    return _templates().get_template(PAGE_TEMPLATE).render(
+        title=f"ccq-eval report: {root.resolve().name}", unit_count=len(units), model_count=len(models),
+        model_names=", ".join(models), version=__version__, root=str(root), missing=notes,
+        models=models_table(units), tasks=tasks_table(units), environment=environment_pairs(units),
+        paper_tables=paper_tables(tidy), comparisons=compared,
+        figures=[(name, _data_uri(png)) for name, png in images],
+        sample_cells=cells, sample_selects=sample_selects(cells))
 
 
 def write_report(results: Path, output: Path | None = None, **options: Any) -> Path:

@@ -133,6 +133,37 @@ def test_sample_text_is_escaped(tmp_path):
     assert text.count("<script>") == 1  # the page's own filter script only
 
 
+
+def _rewrite_samples(path: Path, change) -> None:
+    records = list(results_store.iter_jsonl(path))
+    change(records)
+    path.write_bytes(lzma.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+
+
+def test_script_and_ampersand_in_prompts_and_documents_are_escaped(tmp_path):
+    run = _copy_reference(tmp_path)
+    attack = "<script>window.hacked = 1</script> Q&A &amp; more"
+
+    def into_prompt(records):  # beside the needle: in the context shown around it
+        failed = next(r for r in records if r["acc"] < 100)
+        answer = failed["doc"]["outputs"][0]
+        failed["doc"]["input"] = failed["doc"]["input"].replace(answer, f"{attack} {answer}", 1)
+
+    def into_documents(records):  # the start of every document: the worst ones are listed
+        for record in records:
+            record["doc"]["text"] = f"{attack} {record['doc']['text']}"
+
+    _rewrite_samples(run / "tiny-gla" / "ccq_s_niah_1" / "samples_ccq_s_niah_1.jsonl.xz", into_prompt)
+    _rewrite_samples(run / "tiny-gla" / "ccq_ppl_sweep" / "samples_ccq_ppl_sweep.jsonl.xz", into_documents)
+    text = report.build_report(run, figure_paths=[])
+    escaped = "&lt;script&gt;window.hacked = 1&lt;/script&gt; Q&amp;A &amp;amp; more"
+    assert attack not in text and "window.hacked = 1</script>" not in text
+    contexts = re.findall(r'<pre class="context"[^>]*>(.*?)</pre>', text, re.DOTALL)
+    assert any(escaped in context and "<mark>" in context for context in contexts)  # the prompt
+    assert any(context.startswith(escaped) for context in contexts)  # a document's start
+    assert text.count("<script>") == 1  # the page's own filter script only
+
+
 def test_empty_folder_is_a_one_line_error(tmp_path):
     (tmp_path / "empty").mkdir()
     result = invoke("report", tmp_path / "empty")

@@ -33,6 +33,7 @@ EXPECTED_TASKS = {"ccq_s_niah_1", "ccq_ppl_buckets", "ccq_ppl_sweep", "ccq_longb
 SUBPROCESS_TIMEOUT_S = 600
 # What the distribution is built from (pyproject.toml names the rest of the tree nowhere).
 SOURCES = ("pyproject.toml", "README.md", "ccq_eval", "tasks", "models")
+REPORT_TEMPLATES = REPO / "ccq_eval" / "analysis" / "templates"
 
 
 def _environment() -> dict[str, str]:
@@ -102,6 +103,9 @@ def test_wheel_in_a_fresh_venv_runs_every_task_family_like_the_editable_install(
     # Only the package at the top level: no `cli` or `tasks` module of ours in site-packages.
     top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"ccq_eval"}
+    # The report's templates are package data: `ccq-eval report` loads them from the installed package.
+    templates = {f"ccq_eval/analysis/templates/{path.name}" for path in REPORT_TEMPLATES.iterdir()}
+    assert templates and templates <= set(zipfile.ZipFile(wheel).namelist())
 
     venv_bin = _venv_with_wheel(tmp_path / "venv", wheel)
     outside = tmp_path / "elsewhere"

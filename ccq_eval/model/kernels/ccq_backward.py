@@ -72,6 +72,32 @@ def _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE: tl.constexpr):
     return x
 
 
+@triton.jit
+def _query_pass_sums(r, kappa, m_in, P_in, dq, base, row_ok, state, inv_norm, from_start, A, D, n, alpha,
+                     lam_t, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CENTERED: tl.constexpr,
+                     NORMALIZE: tl.constexpr, IEEE: tl.constexpr):
+    """Pass 1 of _ccq_bwd_query_kernel: per position t of the chunk, dlam_t = -(dq_t . s_t), ds_t . m_t
+    and ds_t . Pu_t (ds = -lam dq), with Pu, m and s recomputed as in the forward, BK columns at a time."""
+    dlam = tl.zeros([C], dtype=tl.float32)
+    ds_dot_m = tl.zeros([C], dtype=tl.float32)
+    ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
+    for j0 in range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
+        Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
+        m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
+        s = Pu / n[:, None]
+        if CENTERED:
+            s -= (m / n[:, None]) * alpha[:, None]
+        dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        ds = -lam_t[:, None] * dq_j
+        dlam -= tl.sum(dq_j * s, 1)
+        ds_dot_m += tl.sum(ds * m, 1)
+        ds_dot_Pu += tl.sum(ds * Pu, 1)
+    return dlam, ds_dot_m, ds_dot_Pu
+
+
 @_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_bwd_query_kernel(
@@ -121,23 +147,9 @@ def _ccq_bwd_query_kernel(
     alpha = m_dot_r / n
 
     # Pass 1: the per-position sums dlam, ds . m, ds . Pu.
-    dlam = tl.zeros([C], dtype=tl.float32)
-    ds_dot_m = tl.zeros([C], dtype=tl.float32)
-    ds_dot_Pu = tl.zeros([C], dtype=tl.float32)
-    for j0 in range(0, K, BK):
-        js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(r, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
-        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
-        Pu = from_start[:, None] * carried + _mm(A, kap_j, IEEE)
-        m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
-        s = Pu / n[:, None]
-        if CENTERED:
-            s -= (m / n[:, None]) * alpha[:, None]
-        dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
-        ds = -lam_t[:, None] * dq_j
-        dlam -= tl.sum(dq_j * s, 1)
-        ds_dot_m += tl.sum(ds * m, 1)
-        ds_dot_Pu += tl.sum(ds * Pu, 1)
+    dlam, ds_dot_m, ds_dot_Pu = _query_pass_sums(r, kappa, m_in, P_in, dq, base, row_ok, state, inv_norm,
+                                                 from_start, A, D, n, alpha, lam_t,
+                                                 C, K, BK, CENTERED, NORMALIZE, IEEE)
     if CENTERED:
         dalpha = -ds_dot_m / n
         dmu_dot_m = -alpha * ds_dot_m + dalpha * m_dot_r

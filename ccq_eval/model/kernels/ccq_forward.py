@@ -329,6 +329,31 @@ def _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None)
     )
 
 
+@triton.jit
+def _sigma_r_columns(r, m_in, carried, kap_v, A, D, from_start, n, mu_dot_r, state, cols, col_in,
+                     K: tl.constexpr, CENTERED: tl.constexpr, IEEE: tl.constexpr):
+    """Columns `cols` (mask col_in) of Sigma_t r_t = Pu_t / n_t - mu_t (mu_t . r_t) for the read kernel's
+    chunk, fp32 [C, BW] (the mean term only when CENTERED): Pu = exp(b) carried + A @ kap_v and
+    m = exp(b) m_in[c] + D @ kap_v, where carried = r_t @ P_in[c][:, cols] and kap_v holds the chunk's
+    unit keys on those columns. The products take kap_v in fp32 with IEEE, else in r's dtype (that of
+    A and D then)."""
+    if IEEE:
+        kap_v = kap_v.to(tl.float32)
+        Pu = from_start[:, None] * carried + tl.dot(A, kap_v, input_precision="ieee")
+    else:
+        kap_v = kap_v.to(r.dtype.element_ty)
+        Pu = from_start[:, None] * carried + tl.dot(A, kap_v)
+    sigma_r = Pu / n[:, None]
+    if CENTERED:
+        m_v = tl.load(m_in + state * K + cols, mask=col_in, other=0.0)
+        if IEEE:
+            m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v, input_precision="ieee")
+        else:
+            m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v)
+        sigma_r -= (m / n[:, None]) * mu_dot_r[:, None]
+    return sigma_r
+
+
 @_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_read_kernel(
@@ -416,20 +441,8 @@ def _ccq_read_kernel(
         kap_v = tl.load(kappa + base[:, None] + cols[None, :], mask=col_mask, other=0.0)
         if NORMALIZE:
             kap_v = (kap_v.to(tl.float32) * inv_norm[:, None]).to(kap_v.dtype)
-        if IEEE:
-            kap_v = kap_v.to(tl.float32)
-            Pu = from_start[:, None] * carried + tl.dot(A, kap_v, input_precision="ieee")
-        else:
-            kap_v = kap_v.to(r.dtype.element_ty)
-            Pu = from_start[:, None] * carried + tl.dot(A, kap_v)
-        sigma_r = Pu / n[:, None]
-        if CENTERED:
-            m_v = tl.load(m_in + state * K + cols, mask=col_in, other=0.0)
-            if IEEE:
-                m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v, input_precision="ieee")
-            else:
-                m = from_start[:, None] * m_v[None, :] + tl.dot(D, kap_v)
-            sigma_r -= (m / n[:, None]) * mu_dot_r[:, None]
+        sigma_r = _sigma_r_columns(r, m_in, carried, kap_v, A, D, from_start, n, mu_dot_r, state, cols,
+                                   col_in, K, CENTERED, IEEE)
         r_v = tl.load(r + base[:, None] + cols[None, :], mask=col_mask, other=0.0).to(tl.float32)
         q = r_v - lam_t[:, None] * sigma_r
         tl.store(q_out + base[:, None] + cols[None, :], q.to(q_out.dtype.element_ty), mask=col_mask)

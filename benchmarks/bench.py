@@ -323,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(settings["threads"])
     settings["dtype"] = getattr(torch, settings["dtype_name"])
 
+    from benchlib.bench_context import Bench
     from benchlib.report import environment, targets
-    from benchlib.sections import SECTIONS, Bench
+    from benchlib.sections import SECTIONS
 
     from ccq_eval.model.modeling_ccq import prepare_runtime
 

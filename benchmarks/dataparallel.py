@@ -56,11 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def evaluate(args: argparse.Namespace) -> int:
+def _device_and_dtype(args: argparse.Namespace, local_rank: int):
+    """This rank's device (its own GPU under torchrun, the CPU with --smoke or without CUDA) and the
+    model dtype (--dtype, else bf16 on CUDA and fp32 on the CPU)."""
     import torch
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
         torch.set_num_threads(1)
@@ -72,29 +72,40 @@ def evaluate(args: argparse.Namespace) -> int:
         "fp32": torch.float32,
         None: torch.bfloat16 if on_cuda else torch.float32,
     }[args.dtype]
-    length = args.length or (1024 if args.smoke else 8192)
-    samples = args.samples or (4 if args.smoke else 16)
+    return device, dtype
+
+
+def _needle_depths(samples: int) -> list[int]:
+    """One needle depth per sample, spread evenly over 0..100%; exits when they would repeat."""
     depths = [round(100 * i / (samples - 1)) for i in range(samples)] if samples > 1 else [50]
     if len(set(depths)) != samples:
         raise SystemExit(f"error: --samples {samples}: at most 101 distinct needle depths")
+    return depths
 
+
+def _build_adapter(args: argparse.Namespace, device, dtype, length: int):
+    """The ccq adapter over the random-init model of --arch (CCQ per --ccq), and the tokenizer's spec."""
     from benchlib import workload
-    from lm_eval import simple_evaluate
-    from lm_eval.api.instance import Instance
 
     from ccq_eval.model.modeling_ccq import prepare_runtime
 
     prepare_runtime()  # the CCQ model types in transformers' Auto classes
     from ccq_eval.harness.adapter import CCQEvalLM
-    from ccq_eval.harness.task_registry import make_task_manager
 
     tokenizer, spec = workload.load_tokenizer(args.tokenizer)
     shapes = workload.SHAPES_SMOKE if args.smoke else workload.SHAPES_340M
     model = workload.build_model(args.arch, shapes[args.arch], len(tokenizer), device, dtype)
     workload.set_ccq(model, args.ccq == "on")
     lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=length, batch_size=1, device=str(device))
+    return lm, spec
 
-    # Warm-up on every rank (compilation for this length) with a prompt of the evaluated length.
+
+def _warm_up(lm, spec, length: int) -> None:
+    """One generation on every rank (compilation for this length) with a prompt of the evaluated
+    length, then a barrier so that the ranks start the timed evaluation together."""
+    from benchlib import workload
+    from lm_eval.api.instance import Instance
+
     utils = workload.s_niah_utils()
     doc = workload.sniah_docs(spec, [length], depths=[50], seed=7)[0]
     gen_kwargs = {"until": [], "do_sample": False, "max_gen_toks": utils.GENERATION_BUDGET}
@@ -103,7 +114,13 @@ def evaluate(args: argparse.Namespace) -> int:
     )
     lm.barrier()
 
-    # Time spent generating, per rank: the parallel part (building the docs is repeated on every rank).
+
+def _count_generate_seconds(lm, device) -> list[float]:
+    """Wraps lm.generate_until so that it adds its wall time (the GPU work synchronised) to the one
+    element of the returned list: the time this rank spends generating, the parallel part (building
+    the docs is repeated on every rank)."""
+    import torch
+
     generate_seconds = [0.0]
     generate = lm.generate_until
 
@@ -117,24 +134,14 @@ def evaluate(args: argparse.Namespace) -> int:
             generate_seconds[0] += time.perf_counter() - begin
 
     lm.generate_until = timed_generate
-    metadata = {"tokenizer": spec, "lengths": [length], "depths": depths, "samples_per_cell": 1}
-    start = time.perf_counter()
-    out = simple_evaluate(
-        model=lm,
-        tasks=["ccq_s_niah_1"],
-        task_manager=make_task_manager(metadata),
-        bootstrap_iters=0,
-        log_samples=True,
-    )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    per_rank = [generate_seconds[0]]
-    if world > 1:
-        per_rank = [None] * world
-        torch.distributed.all_gather_object(per_rank, generate_seconds[0])
-    if lm.rank != 0:
-        return 0
+    return generate_seconds
+
+
+def _write_report(args: argparse.Namespace, out: dict, world: int, device, dtype, length: int,
+                  seconds: float, per_rank: list[float]) -> None:
+    """<out>/<name>.json: the run's settings, throughput and the generated text of every sample."""
+    import torch
+
     rows = sorted(out["samples"]["ccq_s_niah_1"], key=lambda r: r["doc_id"])
     report = {
         "schema": SCHEMA,
@@ -161,6 +168,44 @@ def evaluate(args: argparse.Namespace) -> int:
         f"world_size {world}: {len(rows)} samples in {seconds:.2f} s -> {path / args.name}.json",
         file=sys.stderr,
     )
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """ccq_s_niah_1 through simple_evaluate on this process's rank; rank 0 writes the report."""
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device, dtype = _device_and_dtype(args, int(os.environ.get("LOCAL_RANK", "0")))
+    length = args.length or (1024 if args.smoke else 8192)
+    samples = args.samples or (4 if args.smoke else 16)
+    depths = _needle_depths(samples)
+
+    from lm_eval import simple_evaluate
+
+    lm, spec = _build_adapter(args, device, dtype, length)
+    from ccq_eval.harness.task_registry import make_task_manager
+
+    _warm_up(lm, spec, length)
+    generate_seconds = _count_generate_seconds(lm, device)
+    metadata = {"tokenizer": spec, "lengths": [length], "depths": depths, "samples_per_cell": 1}
+    start = time.perf_counter()
+    out = simple_evaluate(
+        model=lm,
+        tasks=["ccq_s_niah_1"],
+        task_manager=make_task_manager(metadata),
+        bootstrap_iters=0,
+        log_samples=True,
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    per_rank = [generate_seconds[0]]
+    if world > 1:
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, generate_seconds[0])
+    if lm.rank != 0:
+        return 0
+    _write_report(args, out, world, device, dtype, length, seconds, per_rank)
     return 0
 
 

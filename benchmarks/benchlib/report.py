@@ -221,8 +221,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(report: dict[str, Any]) -> str:
-    env, settings, results = report["environment"], report["settings"], report["results"]
+def _header(report: dict[str, Any]) -> list[str]:
+    """The title and the run's bullet list: device, versions, commit, command, kernels, timing, models."""
+    env, settings = report["environment"], report["settings"]
     pk = env["packages"]
     parts = [
         "# ccq-eval benchmark"
@@ -241,8 +242,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"- ccq-eval commit {env['git']['commit']}{' (uncommitted changes)' if env['git']['dirty'] else ''}",
         f"- command: `{report['command']}`",
         "- triton autotuning: "
-        + (f"at most {env['autotune_configs_per_kernel']} candidate configs per kernel (CCQ_EVAL_AUTOTUNE_CONFIGS)"
-           if env.get("autotune_configs_per_kernel") else "fla's full candidate lists"),
+        + (
+            f"at most {env['autotune_configs_per_kernel']} candidate configs per kernel "
+            "(CCQ_EVAL_AUTOTUNE_CONFIGS)"
+            if env.get("autotune_configs_per_kernel")
+            else "fla's full candidate lists"
+        ),
         (
             f"- CCQ read: {env.get('ccq_kernel', '?')} (CCQ_EVAL_CCQ_KERNEL); scoring log-softmax: "
             f"{env.get('token_logprob', '?')} (CCQ_EVAL_TOKEN_LOGPROB)"
@@ -262,199 +267,236 @@ def markdown(report: dict[str, Any]) -> str:
     for arch, info in report.get("models", {}).items():
         parts.append(f"- {arch}: {info['parameters'] / 1e6:.1f}M parameters")
     parts.append("")
+    return parts
 
-    model_rows = results.get("model", [])
-    if model_rows:
-        parts.append("## Model forward / forward+backward (CCQ off = fla's layers, on = CCQ; same weights)\n")
-        keyed = {(r["arch"], r["mode"], r["T"], r["ccq"]): r for r in model_rows}
-        rows = []
-        for arch, mode, T in dict.fromkeys((r["arch"], r["mode"], r["T"]) for r in model_rows):
-            base, ccq = keyed.get((arch, mode, T, False)), keyed.get((arch, mode, T, True))
 
-            def g(row, key, fmt=_f):
-                return fmt(row[key]) if row and row.get(key) is not None else "–"
+def _model_section(model_rows: list[dict[str, Any]]) -> list[str]:
+    """The model section's heading and table: one line per (arch, mode, T), CCQ off and on side by side."""
+    keyed = {(r["arch"], r["mode"], r["T"], r["ccq"]): r for r in model_rows}
+    rows = []
+    for arch, mode, T in dict.fromkeys((r["arch"], r["mode"], r["T"]) for r in model_rows):
+        base, ccq = keyed.get((arch, mode, T, False)), keyed.get((arch, mode, T, True))
 
-            rows.append(
+        def g(row, key, fmt=_f):
+            return fmt(row[key]) if row and row.get(key) is not None else "–"
+
+        rows.append(
+            [
+                arch,
+                ("fwd+bwd" if mode.startswith("train") else "fwd")
+                + (" graph" if mode.endswith("_graphed") else ""),
+                str(T),
+                g(base, "median_ms"),
+                g(ccq, "median_ms"),
+                g(ccq, "ratio_vs_baseline", lambda v: f"{v:.3f}"),
+                g(base, "tokens_per_s", lambda v: f"{v:,.0f}"),
+                g(ccq, "tokens_per_s", lambda v: f"{v:,.0f}"),
+                g(base, "peak_mem_bytes", _gib),
+                g(ccq, "peak_mem_bytes", _gib),
+                g(base, "mfu", lambda v: f"{100 * v:.1f}%"),
+                g(ccq, "mfu", lambda v: f"{100 * v:.1f}%"),
+                g(base, "first_call_ms", lambda v: f"{v / 1000:.1f}"),
+                g(ccq, "first_call_ms", lambda v: f"{v / 1000:.1f}"),
+            ]
+        )
+    return [
+        "## Model forward / forward+backward (CCQ off = fla's layers, on = CCQ; same weights)\n",
+        _table(
+            [
+                "arch",
+                "mode",
+                "T",
+                "base ms",
+                "CCQ ms",
+                "CCQ/base",
+                "base tok/s",
+                "CCQ tok/s",
+                "base peak GiB",
+                "CCQ peak GiB",
+                "base MFU",
+                "CCQ MFU",
+                "base 1st call s",
+                "CCQ 1st call s",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _ops_section(ops_rows: list[dict[str, Any]]) -> list[str]:
+    """The ops section's heading and table: one line per kernel."""
+    return [
+        "## Kernels (forward, no grad)\n",
+        _table(
+            ["op", "T x H x K (V)", "median ms", "first call ms"],
+            [
                 [
-                    arch,
-                    ("fwd+bwd" if mode.startswith("train") else "fwd") + (" graph" if mode.endswith("_graphed") else ""),
-                    str(T),
-                    g(base, "median_ms"),
-                    g(ccq, "median_ms"),
-                    g(ccq, "ratio_vs_baseline", lambda v: f"{v:.3f}"),
-                    g(base, "tokens_per_s", lambda v: f"{v:,.0f}"),
-                    g(ccq, "tokens_per_s", lambda v: f"{v:,.0f}"),
-                    g(base, "peak_mem_bytes", _gib),
-                    g(ccq, "peak_mem_bytes", _gib),
-                    g(base, "mfu", lambda v: f"{100 * v:.1f}%"),
-                    g(ccq, "mfu", lambda v: f"{100 * v:.1f}%"),
-                    g(base, "first_call_ms", lambda v: f"{v / 1000:.1f}"),
-                    g(ccq, "first_call_ms", lambda v: f"{v / 1000:.1f}"),
+                    r["op"],
+                    f"{r['T']} x {r['H']} x {r['K']} ({r['V']})",
+                    _f(r["median_ms"], 3),
+                    _f(r["first_call_ms"], 0),
                 ]
-            )
-        parts.append(
-            _table(
-                [
-                    "arch",
-                    "mode",
-                    "T",
-                    "base ms",
-                    "CCQ ms",
-                    "CCQ/base",
-                    "base tok/s",
-                    "CCQ tok/s",
-                    "base peak GiB",
-                    "CCQ peak GiB",
-                    "base MFU",
-                    "CCQ MFU",
-                    "base 1st call s",
-                    "CCQ 1st call s",
-                ],
-                rows,
-            )
-        )
+                for r in ops_rows
+            ],
+        ),
+    ]
 
-    if results.get("ops"):
-        parts.append("## Kernels (forward, no grad)\n")
-        parts.append(
-            _table(
-                ["op", "T x H x K (V)", "median ms", "first call ms"],
-                [
-                    [
-                        r["op"],
-                        f"{r['T']} x {r['H']} x {r['K']} ({r['V']})",
-                        _f(r["median_ms"], 3),
-                        _f(r["first_call_ms"], 0),
-                    ]
-                    for r in results["ops"]
-                ],
-            )
-        )
 
-    if results.get("harness"):
-        parts.append("## Harness: perplexity scoring of long documents (docs per timed call; tokens each)\n")
-        parts.append(
-            _table(
+def _harness_section(harness_rows: list[dict[str, Any]]) -> list[str]:
+    """The harness section's heading and table: one line per (arch, CCQ, scoring method)."""
+    return [
+        "## Harness: perplexity scoring of long documents (docs per timed call; tokens each)\n",
+        _table(
+            [
+                "arch",
+                "CCQ",
+                "method",
+                "docs",
+                "tokens",
+                "median ms",
+                "tok/s",
+                "vs bare",
+                "peak GiB",
+                "logprob sum",
+            ],
+            [
                 [
-                    "arch",
-                    "CCQ",
-                    "method",
-                    "docs",
-                    "tokens",
-                    "median ms",
-                    "tok/s",
-                    "vs bare",
-                    "peak GiB",
-                    "logprob sum",
-                ],
-                [
-                    [
-                        r["arch"],
-                        _f(r["ccq"]),
-                        r["method"],
-                        str(r.get("docs", 1)),
-                        str(r["tokens"]),
-                        _f(r["median_ms"]),
-                        f"{r['tokens_per_s']:,.0f}",
-                        _f(r.get("throughput_vs_bare"), 3),
-                        _gib(r.get("peak_mem_bytes")),
-                        _f(r.get("logprob_sum"), 1),
-                    ]
-                    for r in results["harness"]
-                ],
-            )
-        )
+                    r["arch"],
+                    _f(r["ccq"]),
+                    r["method"],
+                    str(r.get("docs", 1)),
+                    str(r["tokens"]),
+                    _f(r["median_ms"]),
+                    f"{r['tokens_per_s']:,.0f}",
+                    _f(r.get("throughput_vs_bare"), 3),
+                    _gib(r.get("peak_mem_bytes")),
+                    _f(r.get("logprob_sum"), 1),
+                ]
+                for r in harness_rows
+            ],
+        ),
+    ]
 
-    if results.get("generation"):
-        parts.append("## Generation (greedy, S-NIAH-1 prompts)\n")
-        parts.append(
-            _table(
-                [
-                    "arch",
-                    "CCQ",
-                    "method",
-                    "length",
-                    "prompt tok",
-                    "prefill ms",
-                    "decode steps",
-                    "decode ms/tok",
-                    "replay ms/tok",
-                    "decode tok/s",
-                    "total ms",
-                    "1st call ms",
-                    "peak GiB",
-                    "same text",
-                ],
-                [
-                    [
-                        r["arch"],
-                        _f(r["ccq"]),
-                        r["method"],
-                        str(r["length"]),
-                        str(r["prompt_tokens"]),
-                        _f(r["prefill_ms"]),
-                        _f(r["decode_steps"], 0),
-                        _f(r["decode_ms_per_token"], 3),
-                        _f(r.get("replay_ms_per_token"), 3),
-                        _f(r["decode_tokens_per_s"], 1),
-                        _f(r["total_ms"]),
-                        _f(r.get("first_call_ms")),
-                        _gib(r.get("peak_mem_bytes")),
-                        _f(r.get("same_text_as_other_method")),
-                    ]
-                    for r in results["generation"]
-                ],
-            )
-        )
 
-    if results.get("sniah"):
-        parts.append("## S-NIAH-1 through generate_until: adapter vs stock lm-eval HFLM\n")
-        parts.append(
-            _table(
+def _generation_section(generation_rows: list[dict[str, Any]]) -> list[str]:
+    """The generation section's heading and table: one line per (arch, CCQ, method, prompt length)."""
+    return [
+        "## Generation (greedy, S-NIAH-1 prompts)\n",
+        _table(
+            [
+                "arch",
+                "CCQ",
+                "method",
+                "length",
+                "prompt tok",
+                "prefill ms",
+                "decode steps",
+                "decode ms/tok",
+                "replay ms/tok",
+                "decode tok/s",
+                "total ms",
+                "1st call ms",
+                "peak GiB",
+                "same text",
+            ],
+            [
                 [
-                    "arch",
-                    "CCQ",
-                    "method",
-                    "batch",
-                    "graphs",
-                    "length",
-                    "samples",
-                    "s/sample",
-                    "speedup vs HFLM",
-                    "same text",
-                    "peak GiB",
-                ],
-                [
-                    [
-                        r["arch"],
-                        _f(r["ccq"]),
-                        r["method"],
-                        str(r.get("batch_size", r.get("batch", 1))),
-                        _f(r.get("cuda_graphs")),
-                        str(r["length"]),
-                        str(r["samples"]),
-                        _f(r["seconds_per_sample"], 3),
-                        _f(r.get("speedup_vs_hflm"), 1),
-                        _f(r.get("same_text_fraction")),
-                        _gib(r.get("peak_mem_bytes")),
-                    ]
-                    for r in results["sniah"]
-                ],
-            )
-        )
+                    r["arch"],
+                    _f(r["ccq"]),
+                    r["method"],
+                    str(r["length"]),
+                    str(r["prompt_tokens"]),
+                    _f(r["prefill_ms"]),
+                    _f(r["decode_steps"], 0),
+                    _f(r["decode_ms_per_token"], 3),
+                    _f(r.get("replay_ms_per_token"), 3),
+                    _f(r["decode_tokens_per_s"], 1),
+                    _f(r["total_ms"]),
+                    _f(r.get("first_call_ms")),
+                    _gib(r.get("peak_mem_bytes")),
+                    _f(r.get("same_text_as_other_method")),
+                ]
+                for r in generation_rows
+            ],
+        ),
+    ]
 
+
+def _sniah_section(sniah_rows: list[dict[str, Any]]) -> list[str]:
+    """The sniah section's heading and table: one line per (arch, CCQ, method, batch size)."""
+    return [
+        "## S-NIAH-1 through generate_until: adapter vs stock lm-eval HFLM\n",
+        _table(
+            [
+                "arch",
+                "CCQ",
+                "method",
+                "batch",
+                "graphs",
+                "length",
+                "samples",
+                "s/sample",
+                "speedup vs HFLM",
+                "same text",
+                "peak GiB",
+            ],
+            [
+                [
+                    r["arch"],
+                    _f(r["ccq"]),
+                    r["method"],
+                    str(r.get("batch_size", r.get("batch", 1))),
+                    _f(r.get("cuda_graphs")),
+                    str(r["length"]),
+                    str(r["samples"]),
+                    _f(r["seconds_per_sample"], 3),
+                    _f(r.get("speedup_vs_hflm"), 1),
+                    _f(r.get("same_text_fraction")),
+                    _gib(r.get("peak_mem_bytes")),
+                ]
+                for r in sniah_rows
+            ],
+        ),
+    ]
+
+
+def _targets_section(target_rows: list[dict[str, Any]]) -> list[str]:
+    """The issue-6 targets' heading and table: threshold, measured value and whether it is met."""
+    return [
+        "## Issue 6 targets\n",
+        _table(
+            ["target", "threshold", "measured", "met"],
+            [[t["name"], t["threshold"], _f(t["value"], 3), _f(t["passed"])] for t in target_rows],
+        ),
+    ]
+
+
+def _errors_section(errors: list[dict[str, Any]]) -> list[str]:
+    """The errors' heading and one bullet per failed case, its message cut to 300 characters."""
+    lines = ["## Errors\n"]
+    lines += [f"- {error['section']} {error['case']}: `{error['error'][:300]}`" for error in errors]
+    return [*lines, ""]
+
+
+# Each result section's markdown, in the report's order: (section name, its heading and table from its rows).
+RESULT_SECTIONS = (
+    ("model", _model_section),
+    ("ops", _ops_section),
+    ("harness", _harness_section),
+    ("generation", _generation_section),
+    ("sniah", _sniah_section),
+)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as markdown: the run's header, a table per measured section, the targets, the errors."""
+    results = report["results"]
+    parts = _header(report)
+    for section, render in RESULT_SECTIONS:
+        if results.get(section):
+            parts += render(results[section])
     if report.get("targets"):
-        parts.append("## Issue 6 targets\n")
-        parts.append(
-            _table(
-                ["target", "threshold", "measured", "met"],
-                [[t["name"], t["threshold"], _f(t["value"], 3), _f(t["passed"])] for t in report["targets"]],
-            )
-        )
-
+        parts += _targets_section(report["targets"])
     if report.get("errors"):
-        parts.append("## Errors\n")
-        for error in report["errors"]:
-            parts.append(f"- {error['section']} {error['case']}: `{error['error'][:300]}`")
-        parts.append("")
+        parts += _errors_section(report["errors"])
     return "\n".join(parts) + "\n"

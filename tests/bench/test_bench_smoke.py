@@ -144,7 +144,7 @@ def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypa
     from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from benchlib import sections
+    from benchlib import generation_sections
 
     replayed = []
     step = object.__new__(GraphedDecodeStep)  # no CUDA here: the parts __call__ touches, faked
@@ -159,8 +159,8 @@ def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypa
             step(torch.tensor([token]))
         return "text"
 
-    timing, out = sections._timed_generation(SimpleNamespace(device=torch.device("cpu")),
-                                             torch.nn.Linear(2, 2), generate, lambda: 3)
+    timing, out = generation_sections._timed_generation(SimpleNamespace(device=torch.device("cpu")),
+                                                        torch.nn.Linear(2, 2), generate, lambda: 3)
     assert out == "text" and replayed == [5, 6, 7]
     assert timing["decode_steps"] == 3
     assert 0 <= timing["replay_ms"] < timing["total_ms"] - 20

@@ -1,0 +1,322 @@
+"""The "generation" and "sniah" sections: greedy generation after S-NIAH prompts (prefill and decode
+timed apart) and S-NIAH-1 samples through generate_until, the ccq adapter against transformers'
+generate() and lm-eval's HFLM. Each appends rows to bench.results[section]."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchlib import workload
+from benchlib.bench_context import Bench
+from benchlib.timing import Stamp, read_peak, reset_peak, synchronize
+
+
+# ------------------------------------------------------------------------------------------ generation
+class CallRecorder:
+    """Stamps the start of every model call with its input length, to split a generate() call into
+    prefill (up to the first one-token call) and decode (one-token calls to the end)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device = device
+        self.calls: list[tuple[int, Stamp]] = []
+        # The backbone sees every call: generate() goes through the causal LM's forward, the adapter
+        # calls an fla model's backbone directly (and applies the LM head itself).
+        target = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self.handle = target.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        length = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else -1
+        self.calls.append((length, Stamp(self.device)))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def _timed_generation(bench: Bench, model, fn: Callable[[], Any],
+                      steps_counter: Callable[[], int] | None = None) -> tuple[dict[str, Any], Any]:
+    from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
+
+    recorder = CallRecorder(model, bench.device)
+    # The first CUDA-graph replay, stamped: the decode time from the first one-token call includes the
+    # graph's eager warm-up steps and its capture where this call captured one. A graph reused from an
+    # earlier call (the adapter keeps one per batch size) makes no one-token model call at all: then
+    # decoding starts at the first replay.
+    replays: list[Stamp] = []
+    replay = GraphedDecodeStep.__call__
+
+    def stamped_replay(step, tokens):
+        if not replays:
+            replays.append(Stamp(bench.device))
+            recorder.calls.append((1, replays[0]))
+        return replay(step, tokens)
+
+    GraphedDecodeStep.__call__ = stamped_replay
+    try:
+        start = Stamp(bench.device)
+        out = fn()
+        end = Stamp(bench.device)
+    finally:
+        GraphedDecodeStep.__call__ = replay
+        recorder.close()
+    total = start.ms_until(end)
+    decode_calls = [stamp for length, stamp in recorder.calls if length == 1]
+    prefill_calls = [length for length, _ in recorder.calls if length != 1]
+    prefill_ms = start.ms_until(decode_calls[0]) if decode_calls else total
+    decode_ms = decode_calls[0].ms_until(end) if decode_calls else 0.0
+    # CUDA-graph replays bypass the forward hook: the adapter counts its decode steps itself (the
+    # decode time then runs from the graph's capture, which the hook sees, to the end).
+    steps = steps_counter() if steps_counter is not None else len(decode_calls)
+    return {
+        "total_ms": total,
+        "prefill_ms": prefill_ms,
+        "decode_ms": decode_ms,
+        "decode_steps": steps,
+        # From the first graph replay to the end (None without graphs): the replays and the host's
+        # per-token loop only.
+        "replay_ms": replays[0].ms_until(end) if replays else None,
+        "prefill_calls": len(prefill_calls),
+    }, out
+
+
+def _graphs(bench: Bench, case: dict[str, Any]) -> bool:
+    """--cuda-graphs applies to the adapter's decoding (fla's layers and CCQ's alike)."""
+    return bench.settings["cuda_graphs"] and case["method"] == "ccq_adapter"
+
+
+def _generator(method: str, bench: Bench, model, prompt: str, ids: list[int],
+               cuda_graphs: bool = False) -> Callable[[], str]:
+    """Greedy generation of new_tokens tokens after `prompt` (token ids `ids`), returning the text."""
+    new_tokens = bench.settings["new_tokens"]
+    tokenizer = bench.tokenizer
+    if method == "ccq_adapter":
+        from lm_eval.api.instance import Instance
+
+        from ccq_eval.harness.adapter import CCQEvalLM
+
+        lm = CCQEvalLM(
+            model=model,
+            tokenizer=tokenizer,
+            max_length=len(ids) + new_tokens,
+            batch_size=1,
+            chunk_size=bench.settings["adapter_chunk_sizes"][0],
+            cuda_graphs=cuda_graphs,
+        )
+        request = Instance(
+            request_type="generate_until",
+            doc={},
+            idx=0,
+            task_name="bench_gen",
+            arguments=(prompt, {"until": [], "max_gen_toks": new_tokens, "do_sample": False}),
+        )
+        generate = lambda: lm.generate_until([request], disable_tqdm=True)[0]
+        generate.decode_steps = lambda: lm.last_decode_steps
+        return generate
+
+    input_ids = torch.tensor([ids], device=bench.device)
+    eos = tokenizer.eos_token_id
+
+    def hf_generate() -> str:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=eos,
+                eos_token_id=eos,
+            )
+        new = out[0, input_ids.shape[1] :].tolist()
+        if eos in new:
+            new = new[: new.index(eos)]
+        return tokenizer.decode(new, skip_special_tokens=True)
+
+    return hf_generate
+
+
+def _generation_case(
+    bench: Bench, model, case: dict[str, Any], prompt: str, ids: list[int]
+) -> dict[str, Any]:
+    s = bench.settings
+    with workload.ccq_mode(model, case["ccq"]):
+        fn = _generator(case["method"], bench, model, prompt, ids, cuda_graphs=_graphs(bench, case))
+        # The first call's wall time: compilation, and the adapter's decode-graph capture, which later
+        # calls of the same batch size reuse (the timed calls below).
+        first_call_ms = None
+        for i in range(s["gen_warmup"]):
+            started = time.perf_counter()
+            fn()
+            synchronize(bench.device)
+            if i == 0:
+                first_call_ms = (time.perf_counter() - started) * 1000.0
+        mem_before = reset_peak(bench.device)
+        runs, text = [], None
+        for _ in range(s["gen_repeats"]):
+            timing, text = _timed_generation(bench, model, fn, getattr(fn, "decode_steps", None))
+            runs.append(timing)
+        peak = read_peak(bench.device)
+    med = {
+        key: statistics.median(r[key] for r in runs)
+        for key in ("total_ms", "prefill_ms", "decode_ms", "decode_steps")
+    }
+    per_token = med["decode_ms"] / med["decode_steps"] if med["decode_steps"] else None
+    replay_ms = [r["replay_ms"] for r in runs if r["replay_ms"] is not None]
+    replay_per_token = (statistics.median(replay_ms) / med["decode_steps"]
+                        if replay_ms and med["decode_steps"] else None)
+    return {
+        **case,
+        "prompt_tokens": len(ids),
+        "max_new_tokens": s["new_tokens"],
+        "prefill_calls": runs[-1]["prefill_calls"],
+        "first_call_ms": first_call_ms,
+        **med,
+        "decode_ms_per_token": per_token,
+        "replay_ms_per_token": replay_per_token,
+        "decode_tokens_per_s": 1000.0 / per_token if per_token else None,
+        "prefill_tokens_per_s": len(ids) / (med["prefill_ms"] / 1000.0),
+        "runs": runs,
+        "peak_mem_bytes": peak,
+        "mem_before_bytes": mem_before,
+        "text": text,
+        "cuda_graphs": _graphs(bench, case),
+    }
+
+
+def run_generation(bench: Bench) -> None:
+    """Greedy generation of `new_tokens` tokens after S-NIAH prompts of each length: the ccq adapter's
+    generate_until (chunked prefill, cached one-token steps) vs transformers' model.generate() on the
+    same model and the same prompt tokens."""
+    s = bench.settings
+    docs = workload.sniah_docs(bench.tokenizer_spec, s["gen_lengths"], depths=[50])
+    for arch in s["archs"]:
+        model = bench.model(arch)
+        for ccq in bench.ccq_settings():
+            for doc in docs:
+                prompt = doc["input"]
+                ids = workload.prefix_ids(bench.tokenizer) + workload.encode(bench.tokenizer, prompt)
+                rows = {}
+                for method in ("ccq_adapter", "hf_generate"):
+                    case = {"arch": arch, "ccq": ccq, "method": method, "length": doc["length"]}
+                    bench.log(f"generation {case}")
+                    row = bench.attempt(
+                        "generation",
+                        case,
+                        functools.partial(_generation_case, bench, model, case, prompt, ids),
+                    )
+                    if row is not None:
+                        rows[method] = bench.add("generation", row)
+                if len(rows) == 2:
+                    same = rows["ccq_adapter"]["text"] == rows["hf_generate"]["text"]
+                    for row in rows.values():
+                        row["same_text_as_other_method"] = same
+
+
+# ------------------------------------------------------------------------------------------ sniah
+def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> dict[str, Any]:
+    s = bench.settings
+    with workload.ccq_mode(model, case["ccq"]):
+        if case["method"] == "lm_eval HFLM":
+            lm = bench.stock_hflm(model, max(s["sniah_length"], s["harness_tokens"]))
+        else:
+            from ccq_eval.harness.adapter import CCQEvalLM
+
+            lm = CCQEvalLM(
+                model=model,
+                tokenizer=bench.tokenizer,
+                max_length=s["sniah_length"],
+                batch_size=case["batch"] or "auto",
+                chunk_size=s["sniah_chunk_size"],
+                cuda_graphs="auto" if _graphs(bench, case) else False,
+            )
+        # Compilation for this length, and the adapter's decode graph for its batch size: captured once
+        # in an evaluation and then reused by every batch (HFLM's batch is 1).
+        for _ in range(s["sniah_warmup"]):
+            lm.generate_until(requests[:int(lm.batch_size)], disable_tqdm=True)
+        mem_before = reset_peak(bench.device)
+        totals, texts = [], []
+        for _ in range(s["sniah_repeats"]):
+            start = Stamp(bench.device)
+            texts = lm.generate_until(requests, disable_tqdm=True)
+            totals.append(start.ms_until(Stamp(bench.device)))
+        peak = read_peak(bench.device)
+    total = statistics.median(totals)
+    return {
+        **case,
+        "samples": len(requests),
+        "total_ms": total,
+        "times_ms": totals,
+        "seconds_per_sample": total / 1000.0 / len(requests),
+        "prompt_tokens": [r.doc["prompt_tokens"] for r in requests],
+        "peak_mem_bytes": peak,
+        "mem_before_bytes": mem_before,
+        "texts": list(texts),
+        "batch_size": int(getattr(lm, "batch_size", 1)),
+        "cuda_graphs": bool(getattr(lm, "cuda_graphs", False)),
+    }
+
+
+def run_sniah(bench: Bench) -> None:
+    """S-NIAH-1 samples at one length through generate_until: the ccq adapter vs lm-eval's stock HFLM
+    (max_length large enough, RULER's generation settings), same requests, same model: seconds per
+    sample and whether the generated texts agree."""
+    from lm_eval.api.instance import Instance
+
+    s = bench.settings
+    n = s["sniah_samples"]
+    depths = [round(100 * i / (n - 1)) for i in range(n)] if n > 1 else [50]
+    docs = workload.sniah_docs(bench.tokenizer_spec, [s["sniah_length"]], depths=depths)
+    utils = workload.s_niah_utils()
+    # The task YAML's generation_kwargs (tasks/s_niah/_s_niah_template_yaml); HFLM gets the same
+    # minus the adapter-only truncation key, which transformers' generate() would reject.
+    adapter_kwargs = {
+        "until": [],
+        "do_sample": False,
+        "temperature": 0.0,
+        "max_gen_toks": utils.GENERATION_BUDGET,
+        "ccq_truncation": "error",
+    }
+    hflm_kwargs = {k: v for k, v in adapter_kwargs.items() if k != "ccq_truncation"}
+    # (method, batch size asked for: None = the adapter's default, generation kwargs)
+    methods = [("ccq_adapter", batch, adapter_kwargs) for batch in s["sniah_batches"]]
+    methods += [("lm_eval HFLM", 1, hflm_kwargs)] if s["hflm"] else []
+    for arch in s["archs"]:
+        model = bench.model(arch)
+        for ccq in bench.ccq_settings():
+            rows = []
+            for method, batch, kwargs in methods:
+                requests = [
+                    Instance(
+                        request_type="generate_until",
+                        doc=doc,
+                        idx=0,
+                        task_name="ccq_s_niah_1",
+                        doc_id=i,
+                        arguments=(utils.doc_to_text(doc), dict(kwargs)),
+                    )
+                    for i, doc in enumerate(docs)
+                ]
+                case = {"arch": arch, "ccq": ccq, "method": method, "length": s["sniah_length"],
+                        "batch": batch}
+                bench.log(f"sniah {case}")
+                row = bench.attempt(
+                    "sniah", case, functools.partial(_sniah_case, bench, model, case, requests)
+                )
+                if row is not None:
+                    rows.append(bench.add("sniah", row))
+            hflm = next((r for r in rows if r["method"] == "lm_eval HFLM"), None)
+            if hflm is None:
+                continue
+            for adapter in (r for r in rows if r["method"] == "ccq_adapter"):
+                same = [a == b for a, b in zip(adapter["texts"], hflm["texts"], strict=True)]
+                adapter["same_text_fraction"] = sum(same) / len(same)
+                adapter["speedup_vs_hflm"] = hflm["seconds_per_sample"] / adapter["seconds_per_sample"]
+                hflm["same_text_fraction"] = min(
+                    hflm.get("same_text_fraction", 1.0), adapter["same_text_fraction"]
+                )

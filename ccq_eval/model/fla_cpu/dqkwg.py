@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -16,6 +17,111 @@ from ccq_eval.model.fla_cpu.common import (
     heads_first,
     pad_time,
 )
+
+
+@dataclass(frozen=True)
+class _Chunking:
+    """How a length-T sequence splits into N chunks of C steps (the tail zero-padded), and the moves
+    between fla's [B, T, heads, D] layout and the chunked [B, heads, N, C, D] one, in `dtype`."""
+
+    B: int
+    T: int
+    C: int
+    dtype: torch.dtype
+
+    @property
+    def N(self) -> int:
+        return -(-self.T // self.C)
+
+    @property
+    def pad(self) -> int:
+        return self.N * self.C - self.T
+
+    def chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, heads, D] -> [B, heads, N, C, D] in the compute dtype, zero-padded tail."""
+        x = pad_time(heads_first(x, self.dtype), self.pad)
+        return x.reshape(self.B, x.shape[1], self.N, self.C, x.shape[-1])
+
+    def unchunk(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, N, C, *] -> [B, T, heads, *]."""
+        return x.reshape(self.B, x.shape[1], self.N * self.C, *x.shape[4:])[:, :, : self.T].transpose(1, 2)
+
+    def states(self, x: torch.Tensor, state_v_first: bool) -> torch.Tensor:
+        """[B, N, HV, ., .] -> [B, HV, N, V, K]: V-first, the orientation the kernel loads."""
+        x = x.to(self.dtype).transpose(1, 2)
+        return x if state_v_first else x.transpose(-1, -2)
+
+
+def _chunk_log2_decay(
+    chunking: _Chunking, HV: int, g: torch.Tensor | None, g_gamma: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk-local cumulative log2 decay at every position [.., N, C] and at each chunk's last valid
+    position [.., N] (from g, else from the per-step g_gamma, else zero), and each chunk's number of
+    valid positions [N]."""
+    B, T, C, N, dtype = chunking.B, chunking.T, chunking.C, chunking.N, chunking.dtype
+    n_valid = (T - torch.arange(N, device=device) * C).clamp(max=C)
+    if g is not None:
+        gc = pad_time(g.to(dtype).transpose(1, 2), chunking.pad).reshape(B, HV, N, C)
+        g_last = gc.gather(-1, (n_valid - 1).expand(B, HV, N)[..., None])[..., 0]
+    elif g_gamma is not None:
+        gamma = g_gamma.to(dtype)[:, None, None]  # [HV, 1, 1]
+        gc = gamma * torch.arange(1, C + 1, device=device, dtype=dtype)
+        g_last = gamma[..., 0] * n_valid.to(dtype)
+    else:
+        gc = torch.zeros(1, 1, N, C, device=device, dtype=dtype)
+        g_last = gc[..., 0]
+    return gc, g_last, n_valid
+
+
+def _decay_factors(
+    chunking: _Chunking, gc: torch.Tensor, g_last: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """decay_k [.., N, C]: the decay from each position to its chunk's last valid position; rel
+    [.., N, C, C]: the decay from key position j to query position i of the same chunk (zero where j > i).
+    The exponents are masked to -inf before exp2, so padded / acausal entries are exact zeros (no
+    inf * 0)."""
+    valid = torch.arange(chunking.N * chunking.C, device=device).reshape(chunking.N, chunking.C) < chunking.T
+    decay_k = (g_last[..., None] - gc).masked_fill(~valid, float("-inf")).exp2()
+    causal = causal_mask(chunking.C, device) & valid[:, :, None] & valid[:, None, :]
+    rel = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp2()
+    return decay_k, rel
+
+
+def _query_key_grads(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, doc: torch.Tensor, hs: torch.Tensor,
+    dhs: torch.Tensor, gc: torch.Tensor, decay_k: torch.Tensor, rel: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked dq and dk (per value head), and dk's part through the chunk-end state (dk_inter):
+    dq from the state at the chunk start and the intra-chunk scores, dk from the gradient of the
+    chunk-end state and the intra-chunk scores."""
+    ds = (doc @ vc.transpose(-1, -2)) * rel * scale  # dL/d(intra-chunk scores) [.., C, C]
+    dq = (doc @ hs) * (gc.exp2()[..., None] * scale) + ds @ kc
+    dk_inter = (vc @ dhs) * decay_k[..., None]
+    dk = dk_inter + ds.transpose(-1, -2) @ qc
+    return dq, dk, dk_inter
+
+
+def _decay_grad(
+    qc: torch.Tensor, kc: torch.Tensor, hs: torch.Tensor, dhs: torch.Tensor, dq: torch.Tensor,
+    dk: torch.Tensor, dk_inter: torch.Tensor, g_last: torch.Tensor, n_valid: torch.Tensor,
+) -> torch.Tensor:
+    """Chunked dL/dg [B, HV, N, C] wrt the cumulative g: q.dq - k.dk at every position, plus at each
+    chunk's last valid position the gradient through g_last of the chunk-end state."""
+    C = qc.shape[-2]
+    # d/dg_last of the chunk-end state exp2(g_last) h + sum_i exp2(g_last - g_i) k_i v_i^T
+    dg_last = (hs * dhs).sum((-1, -2)) * g_last.exp2() + (dk_inter * kc).sum((-1, -2))
+    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)
+    is_last = torch.arange(C, device=qc.device) == (n_valid - 1)[:, None]  # [N, C]
+    return dg + is_last * dg_last[..., None]
+
+
+def _sum_over_value_groups(x: torch.Tensor, H: int, HV: int) -> torch.Tensor:
+    """[B, T, HV, K] -> [B, T, H, K]: a query/key head's gradient sums over the value heads sharing it."""
+    if H == HV:
+        return x
+    B, T, _, K = x.shape
+    return x.reshape(B, T, H, HV // H, K).sum(3)
 
 
 def torch_chunk_bwd_dqkwg(
@@ -55,72 +161,29 @@ def torch_chunk_bwd_dqkwg(
         raise ValueError("torch_chunk_bwd_dqkwg: w (delta rule) needs dv.")
     B, T, H, K = k.shape
     HV = v.shape[2]
-    C = chunk_size
-    N = -(-T // C)
-    pad = N * C - T
-    dtype = compute_dtype(q, k, v, do, h, dh, w, dv, g, g_gamma)
+    chunking = _Chunking(B, T, chunk_size, compute_dtype(q, k, v, do, h, dh, w, dv, g, g_gamma))
     if scale is None:
         scale = K**-0.5
 
-    def chunks(x: torch.Tensor) -> torch.Tensor:
-        """[B, T, heads, D] -> [B, heads, N, C, D] in the compute dtype, zero-padded tail."""
-        x = pad_time(heads_first(x, dtype), pad)
-        return x.reshape(B, x.shape[1], N, C, x.shape[-1])
-
-    def unchunk(x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, N, C, *] -> [B, T, heads, *]."""
-        return x.reshape(B, x.shape[1], N * C, *x.shape[4:])[:, :, :T].transpose(1, 2)
-
-    def states(x: torch.Tensor) -> torch.Tensor:
-        """[B, N, HV, ., .] -> [B, HV, N, V, K]: V-first, the orientation the kernel loads."""
-        x = x.to(dtype).transpose(1, 2)
-        return x if state_v_first else x.transpose(-1, -2)
-
     # value head i uses query/key head i // (HV // H) (grouped value heads)
-    qc = chunks(q).repeat_interleave(HV // H, dim=1)
-    kc = chunks(k).repeat_interleave(HV // H, dim=1)
-    vc, doc = chunks(v), chunks(do)
-    hs, dhs = states(h), states(dh)
+    qc = chunking.chunks(q).repeat_interleave(HV // H, dim=1)
+    kc = chunking.chunks(k).repeat_interleave(HV // H, dim=1)
+    vc, doc = chunking.chunks(v), chunking.chunks(do)
+    hs, dhs = chunking.states(h, state_v_first), chunking.states(dh, state_v_first)
 
-    # chunk-local log2 decay at every position [.., N, C] and at the last valid one [.., N]
-    n_valid = (T - torch.arange(N, device=q.device) * C).clamp(max=C)
-    if g is not None:
-        gc = pad_time(g.to(dtype).transpose(1, 2), pad).reshape(B, HV, N, C)
-        g_last = gc.gather(-1, (n_valid - 1).expand(B, HV, N)[..., None])[..., 0]
-    elif g_gamma is not None:
-        gamma = g_gamma.to(dtype)[:, None, None]  # [HV, 1, 1]
-        gc = gamma * torch.arange(1, C + 1, device=q.device, dtype=dtype)
-        g_last = gamma[..., 0] * n_valid.to(dtype)
-    else:
-        gc = q.new_zeros(1, 1, N, C, dtype=dtype)
-        g_last = gc[..., 0]
-    valid = torch.arange(N * C, device=q.device).reshape(N, C) < T
-    # exponents masked to -inf before exp2, so padded / acausal entries are exact zeros (no inf * 0)
-    decay_k = (g_last[..., None] - gc).masked_fill(~valid, float("-inf")).exp2()
-    causal = causal_mask(C, q.device) & valid[:, :, None] & valid[:, None, :]
-    rel = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp2()
-
-    ds = (doc @ vc.transpose(-1, -2)) * rel * scale  # dL/d(intra-chunk scores) [.., C, C]
-    dq = (doc @ hs) * (gc.exp2()[..., None] * scale) + ds @ kc
-    dk_inter = (vc @ dhs) * decay_k[..., None]
-    dk = dk_inter + ds.transpose(-1, -2) @ qc
+    gc, g_last, n_valid = _chunk_log2_decay(chunking, HV, g, g_gamma, q.device)
+    decay_k, rel = _decay_factors(chunking, gc, g_last, q.device)
+    dq, dk, dk_inter = _query_key_grads(qc, kc, vc, doc, hs, dhs, gc, decay_k, rel, scale)
 
     dg = None
     if g is not None:
-        # d/dg_last of the chunk-end state exp2(g_last) h + sum_i exp2(g_last - g_i) k_i v_i^T
-        dg_last = (hs * dhs).sum((-1, -2)) * g_last.exp2() + (dk_inter * kc).sum((-1, -2))
-        dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)
-        is_last = torch.arange(C, device=q.device) == (n_valid - 1)[:, None]  # [N, C]
-        dg = dg + is_last * dg_last[..., None]
-        dg = unchunk(dg).contiguous()
+        dg = chunking.unchunk(_decay_grad(qc, kc, hs, dhs, dq, dk, dk_inter, g_last, n_valid)).contiguous()
     dw = None
     if w is not None:
-        dw = unchunk(-(chunks(dv) @ hs)).to(w.dtype).contiguous()
+        dw = chunking.unchunk(-(chunking.chunks(dv) @ hs)).to(w.dtype).contiguous()
 
-    dq, dk = unchunk(dq), unchunk(dk)
-    if H != HV:
-        dq = dq.reshape(B, T, H, HV // H, K).sum(3)
-        dk = dk.reshape(B, T, H, HV // H, K).sum(3)
+    dq = _sum_over_value_groups(chunking.unchunk(dq), H, HV)
+    dk = _sum_over_value_groups(chunking.unchunk(dk), H, HV)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dw, dg
 
 

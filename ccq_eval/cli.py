@@ -194,7 +194,8 @@ def run(
         help="Weights and compute dtype; auto: bfloat16 on CUDA, float32 on CPU.")] = Dtype.auto,
     batch_size: Annotated[int | None, typer.Option(
         help="Requests per forward: scoring batches equal-length texts; generation with recurrent fla models "
-        "decodes prompts of any length together. Default: 4 for those on CUDA with CUDA graphs, else 1.")] = None,
+        "decodes prompts of any length together. Default: for those on CUDA with CUDA graphs, each batch "
+        "as many as free GPU memory holds for its longest (a power of two up to 64), else 1.")] = None,
     max_length: Annotated[int | None, typer.Option(
         help="Context budget of the adapter in tokens (default: the longest of --lengths).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")] = 0,

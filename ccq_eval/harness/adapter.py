@@ -39,6 +39,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from ccq_eval.harness.batching import PROBE_TOKENS, BatchSizer, free_memory_bytes, measure_row_cost
 from ccq_eval.harness.generation import Generator, as_bool
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, Scorer, TokenNLL
@@ -50,10 +51,6 @@ logger = logging.getLogger(__name__)
 
 # Linear attention has no positional limit; without a user/task value we allow this much.
 DEFAULT_MAX_LENGTH = 32768
-# batch_size="auto": rows per forward on the fast path (a recurrent fla model on CUDA with graphs),
-# where decoding several prompts together is what makes generation fast (one row's decode step
-# leaves the GPU idle); 1 elsewhere (CPU, other models, cuda_graphs=False), the eager path as it was.
-CUDA_AUTO_BATCH_SIZE = 4
 
 __all__ = ["DEFAULT_MAX_LENGTH", "CCQEvalLM", "TokenNLL"]
 
@@ -81,17 +78,19 @@ def _parse_cuda_graphs(value: bool | str) -> bool | None:
 
 
 def resolve_fast_path(device_type: str, recurrent: bool, batch_size: int | None, cuda_graphs: bool | None,
-                      *, model_name: str = "the model") -> tuple[int, bool]:
-    """(batch size, CUDA graphs on) from what was asked, None meaning "auto": the fast path (graph
-    replay, CUDA_AUTO_BATCH_SIZE rows) for a recurrent fla model on CUDA, eager batch 1 elsewhere and
-    when graphs are turned off. cuda_graphs=True where graphs cannot apply is an error, not a silent
-    fallback."""
+                      *, model_name: str = "the model") -> tuple[int | None, bool]:
+    """(batch size, CUDA graphs on) from what was asked, None meaning "auto". Auto is the fast path
+    for a recurrent fla model on CUDA: graph replay, and batch size None, i.e. each batch as many rows
+    as free GPU memory holds for its longest request (ccq_eval.harness.batching), where decoding several
+    prompts together is what makes generation fast (one row's decode step leaves the GPU idle). Eager
+    batch 1 elsewhere (CPU, other models) and when graphs are turned off. cuda_graphs=True where graphs
+    cannot apply is an error, not a silent fallback."""
     fits = device_type == "cuda" and recurrent
     if cuda_graphs and not fits:
         raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
                          f"device; got {model_name} on {device_type}")
     graphs = fits if cuda_graphs is None else cuda_graphs
-    return batch_size or (CUDA_AUTO_BATCH_SIZE if graphs else 1), graphs
+    return batch_size or (None if graphs else 1), graphs
 
 
 def end_process_group() -> None:
@@ -147,8 +146,9 @@ class CCQEvalLM(LM):
         batch_size: rows per forward; scoring batches only sequences of equal token length
             (no padding: a recurrent state has no attention mask to hide pad tokens); generation
             with a recurrent fla model prefills each prompt alone and decodes up to batch_size
-            prompts of any length together. "auto" (the default): CUDA_AUTO_BATCH_SIZE with CUDA
-            graphs (see resolve_fast_path), else 1.
+            prompts of any length together. "auto" (the default): with CUDA graphs (see
+            resolve_fast_path), each batch takes as many rows as free GPU memory holds for its longest
+            request, a power of two up to batching.AUTO_BATCH_CAP (batching.BatchSizer); else 1.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         cuda_graphs: replay each one-token decode step (ccq_eval.model.cuda_graphs.decode; one graph per
@@ -199,14 +199,31 @@ class CCQEvalLM(LM):
         self._device = self.runtime.device
         max_length, chunk_size, logits_chunk = _checked_limits(max_length, chunk_size, logits_chunk)
         self.truncator = Truncator(self.codec, max_length, default_truncation)
-        self._batch_size, self.cuda_graphs = resolve_fast_path(
+        fixed_batch_size, self.cuda_graphs = resolve_fast_path(
             self._device.type, self.runtime.recurrent, _parse_batch_size(batch_size),
             _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name)
+        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size)
         self.scorer = Scorer(self.runtime, self.codec, self.truncator, chunk_size=chunk_size,
-                             logits_chunk=logits_chunk, batch_size=self._batch_size,
-                             cuda_graphs=self.cuda_graphs)
+                             logits_chunk=logits_chunk, sizer=self.sizer, cuda_graphs=self.cuda_graphs)
         self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
-                                   batch_size=self._batch_size, cuda_graphs=self.cuda_graphs, seed=int(seed))
+                                   sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed))
+
+    def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int) -> BatchSizer:
+        """Rows per batch: `fixed_batch_size`, or None: sized from free memory, the row cost measured on
+        first need by one eager forward of one row of PROBE_TOKENS tokens (fewer when chunk_size is)."""
+        if fixed_batch_size is not None:
+            return BatchSizer(fixed_batch_size, chunk_size=chunk_size)
+        device = self._device
+        probe_tokens = min(PROBE_TOKENS, chunk_size)
+
+        def run_probe(ids: torch.Tensor) -> Any:
+            # Every position scored (logits and log-softmax are part of the peak) and the cache kept (its
+            # state is measured); probe_tokens <= chunk_size: the peak of one slice's forward.
+            return self.scorer.run(ids, 0, to_cpu=False)[3]
+
+        return BatchSizer(None, chunk_size=chunk_size, free_memory=lambda: free_memory_bytes(device),
+                          measure=lambda: measure_row_cost(run_probe, device, probe_tokens,
+                                                           self.codec.eot_token_id or 0))
 
     def _join_data_parallel(self, model: torch.nn.Module | None, device: str | None) -> Any:
         """The Accelerator of a data-parallel launch (`accelerate launch` / torchrun: WORLD_SIZE > 1), with
@@ -256,7 +273,18 @@ class CCQEvalLM(LM):
 
     @property
     def batch_size(self) -> int:
-        return self._batch_size
+        """The most rows one batch may take: the batch size asked, or with auto sizing its cap."""
+        return self.sizer.max_rows
+
+    @property
+    def batch_size_auto(self) -> bool:
+        """Batches sized from free GPU memory and request lengths (batch_size "auto" on the fast path)."""
+        return self.sizer.auto
+
+    @property
+    def batch_sizes_run(self) -> Counter[int]:
+        """Rows of a batch -> batches that ran with that many (this process, all calls so far)."""
+        return self.sizer.used
 
     @property
     def device(self) -> torch.device:

@@ -14,6 +14,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.resume import request_keys
 from ccq_eval.harness.scoring import Scorer, batches
@@ -66,20 +67,20 @@ class Generator:
     """generate_until of the adapter: chunked prefill by `scorer`, then one token per step through
     `runtime` with the recurrent cache.
 
-    Prompts with the same decoding settings go `batch_size` at a time; for a recurrent fla model
-    (runtime.recurrent) prompts of any length decode together. With `cuda_graphs`, each decode step is
-    replayed from a CUDA graph (ccq_eval.model.cuda_graphs.decode; one per batch size, reused by later
-    batches). `seed`: with a request's identity, the seed of its sampling. Prompts are fitted by
-    `truncator` under each request's policy.
+    Prompts with the same decoding settings go as many at a time as `sizer` allows for the longest of
+    them; for a recurrent fla model (runtime.recurrent) prompts of any length decode together. With
+    `cuda_graphs`, each decode step is replayed from a CUDA graph (ccq_eval.model.cuda_graphs.decode; one
+    per batch size, reused by later batches). `seed`: with a request's identity, the seed of its sampling.
+    Prompts are fitted by `truncator` under each request's policy.
     """
 
     def __init__(self, runtime: ModelRuntime, scorer: Scorer, codec: TokenCodec, truncator: Truncator, *,
-                 batch_size: int, cuda_graphs: bool, seed: int) -> None:
+                 sizer: BatchSizer, cuda_graphs: bool, seed: int) -> None:
         self.runtime = runtime
         self.scorer = scorer
         self.codec = codec
         self.truncator = truncator
-        self.batch_size = batch_size
+        self.sizer = sizer
         self.cuda_graphs = cuda_graphs
         self.seed = seed
         self.decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see decode_graph)
@@ -179,8 +180,9 @@ class Generator:
         for i in range(len(prepared)):
             groups[group_key(i)].append(i)
         grouped = []
+        rows_for = self.sizer.rows_for(generation=True)
         for indices in groups.values():
-            for sub in batches([len(prepared[i][0]) for i in indices], self.batch_size,
+            for sub in batches([len(prepared[i][0]) for i in indices], rows_for,
                                any_length=self.runtime.recurrent):
                 grouped.append([indices[j] for j in sub])
         return grouped
@@ -196,6 +198,7 @@ class Generator:
         results: list[str | None] = [None] * len(requests)
         for batch in tqdm(self._batches(prepared), desc="ccq generate_until", disable=disable_tqdm):
             settings = prepared[batch[0]][1]
+            self.sizer.record(len(batch))
             generators = ([self.sampling_generator(request_ids[i]) for i in batch] if settings["do_sample"]
                           else None)
             texts = self.generate([prepared[i][0] for i in batch], settings, generators)

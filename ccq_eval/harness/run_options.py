@@ -18,7 +18,7 @@ class RunOptions:
     limit: float | None = None
     device: str = "auto"  # resolve_device
     dtype: str | None = "auto"  # resolve_dtype
-    batch_size: int | None = None  # None: the adapter's auto (CUDA_AUTO_BATCH_SIZE on the fast path, else 1)
+    batch_size: int | None = None  # None: the adapter's auto (from free memory on the fast path, else 1)
     max_length: int | None = None
     seed: int = 0
     output: Path = Path("results/latest")

@@ -89,6 +89,16 @@ def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, ba
     return CCQEvalLM(**kwargs)
 
 
+def batch_sizes_meta(adapter: Any, batch_size: int) -> dict[str, Any]:
+    """meta.json's batch sizes as run: "batch_size" is `batch_size` (the most rows a batch may take), or with
+    the adapter's auto sizing the largest batch that ran; "batch_sizes_run" maps the rows of a batch to the
+    batches that ran with that many (None for an adapter that does not count them)."""
+    used = getattr(adapter, "batch_sizes_run", None)
+    largest = max(used) if getattr(adapter, "batch_size_auto", False) and used else batch_size
+    runs = None if used is None else {str(rows): used[rows] for rows in sorted(used, reverse=True)}
+    return {"batch_size": largest, "batch_sizes_run": runs}
+
+
 def model_config_sha256(model: Any) -> str | None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
@@ -170,7 +180,9 @@ class LmEvalUnitEvaluator:
         check_inputs_unchanged(unit)  # after loading: the weights in memory are the ones unit.json records
         adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
                                      options.cuda_graphs)
-        batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)  # what the adapter chose
+        # The most rows a batch may take (--batch-size, or the adapter's auto choice): also the requests per
+        # resumable chunk, so that a chunk can fill a batch.
+        batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)
         wrapped = ResumableLM(adapter, context.cache, chunk_size=batch_size, on_progress=context.on_progress)
         catalog = self._task_catalog or run_plan.default_task_catalog()
         metadata = dict(unit.spec["task_metadata"])
@@ -207,7 +219,7 @@ class LmEvalUnitEvaluator:
             "truncation": truncation,
             "requests_from_cache": wrapped.cached_count,
             "requests_computed": wrapped.computed_count,
-            "batch_size": batch_size,  # as run (--batch-size, or the adapter's auto choice)
+            **batch_sizes_meta(adapter, batch_size),
             "cuda_graphs": bool(getattr(adapter, "cuda_graphs", False)),  # as run
             "world_size": wrapped.world_size,  # processes sharing the unit (torchrun / accelerate launch)
         }

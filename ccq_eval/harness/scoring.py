@@ -8,7 +8,7 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
@@ -17,6 +17,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.tokens import TokenCodec
 from ccq_eval.harness.truncation import Truncator
@@ -70,41 +71,48 @@ class TokenNLL(float):
         return len(self.token_nll)
 
 
-def batches(lengths: list[int], batch_size: int, any_length: bool = False) -> Iterator[list[int]]:
+def batches(lengths: list[int], batch_size: int | Callable[[int], int],
+            any_length: bool = False) -> Iterator[list[int]]:
     """Index groups of equal length (longest first), at most batch_size each; with any_length,
-    groups of batch_size in order of decreasing length."""
+    groups in order of decreasing length. batch_size may be a function of the group's longest length
+    (BatchSizer.rows_for): each group then takes as many rows as that gives for its first (longest) row."""
+    rows_for = batch_size if callable(batch_size) else (lambda _length: batch_size)
     if any_length:
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        for i in range(0, len(order), batch_size):
-            yield order[i:i + batch_size]
+        i = 0
+        while i < len(order):
+            size = rows_for(lengths[order[i]])
+            yield order[i:i + size]
+            i += size
         return
     by_length: dict[int, list[int]] = defaultdict(list)
     for index, length in enumerate(lengths):
         by_length[length].append(index)
     for length in sorted(by_length, reverse=True):
         indices = by_length[length]
-        for i in range(0, len(indices), batch_size):
-            yield indices[i:i + batch_size]
+        size = rows_for(length)
+        for i in range(0, len(indices), size):
+            yield indices[i:i + size]
 
 
 class Scorer:
     """loglikelihood / loglikelihood_rolling of the adapter: token rows through `runtime` in slices of
     `chunk_size` tokens with one carried cache, logits formed `logits_chunk` positions at a time.
 
-    Scoring batches `batch_size` rows of equal token length (no padding: a recurrent state has no
-    attention mask to hide pad tokens). With `cuda_graphs`, a forward that fits one slice is replayed
-    from a CUDA graph (ccq_eval.model.cuda_graphs.score). Contexts of `loglikelihood` are fitted by
-    `truncator` under its default policy.
+    Scoring batches rows of equal token length, as many as `sizer` allows for that length (no padding:
+    a recurrent state has no attention mask to hide pad tokens). With `cuda_graphs`, a forward that fits
+    one slice is replayed from a CUDA graph (ccq_eval.model.cuda_graphs.score). Contexts of `loglikelihood`
+    are fitted by `truncator` under its default policy.
     """
 
     def __init__(self, runtime: ModelRuntime, codec: TokenCodec, truncator: Truncator, *, chunk_size: int,
-                 logits_chunk: int, batch_size: int, cuda_graphs: bool) -> None:
+                 logits_chunk: int, sizer: BatchSizer, cuda_graphs: bool) -> None:
         self.runtime = runtime
         self.codec = codec
         self.truncator = truncator
         self.chunk_size = chunk_size
         self.logits_chunk = logits_chunk
-        self.batch_size = batch_size
+        self.sizer = sizer
         self.graphed = None
         if cuda_graphs:
             from ccq_eval.model.cuda_graphs.score import GraphedScoring
@@ -215,8 +223,9 @@ class Scorer:
         """(log-likelihood, greedy) of each request's continuation; each answer also goes to `cache_hook`."""
         prepared = self._prepare_loglikelihood(requests)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        grouped = list(batches([len(ids) for ids, _ in prepared], self.batch_size))
+        grouped = list(batches([len(ids) for ids, _ in prepared], self.sizer.rows_for(generation=False)))
         for batch in tqdm(grouped, desc="ccq loglikelihood", disable=disable_tqdm):
+            self.sizer.record(len(batch))
             rows = [prepared[i][0] for i in batch]
             total = len(rows[0])
             n_scored = [prepared[i][1] for i in batch]
@@ -241,13 +250,13 @@ class Scorer:
         prefix = self.codec.prefix
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             encoded = pool.map(self.codec.encode, [request.args[0] for request in requests])
-            if self.batch_size == 1:  # in request order, each text as soon as it is tokenised
+            if self.sizer.max_rows == 1:  # in request order, each text as soon as it is tokenised
                 rolling: Iterator[list[tuple[int, list[int]]]] = (
                     [(i, prefix + ids)] for i, ids in enumerate(encoded))
                 n_batches = len(requests)
             else:  # equal-length batches need every length first
                 rows_all = [prefix + ids for ids in encoded]
-                grouped = list(batches([len(r) for r in rows_all], self.batch_size))
+                grouped = list(batches([len(r) for r in rows_all], self.sizer.rows_for(generation=False)))
                 rolling = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
                 n_batches = len(grouped)
             pending = None
@@ -264,6 +273,7 @@ class Scorer:
     def _start_rolling(self, batch: list[tuple[int, list[int]]]):
         """Queue the scoring of one batch of rows; returns what _finish_rolling needs."""
         indices, rows = [i for i, _ in batch], [row for _, row in batch]
+        self.sizer.record(len(rows))
         longest = max(len(row) for row in rows)
         max_length = self.truncator.max_length
         if longest > max_length and not self._warned_rolling_over_length:

@@ -44,17 +44,31 @@ def test_auto_device_and_dtype_follow_cuda(fake_world, monkeypatch):
 
 def test_meta_records_what_was_asked_and_what_ran(fake_world, monkeypatch):
     """With CUDA faked, a run with no flags asks the adapter for its auto batch size and graphs and
-    loads the model on CUDA in bfloat16; meta.json holds both the request and the resolution."""
-    from ccq_eval.harness.adapter import CUDA_AUTO_BATCH_SIZE, resolve_fast_path
+    loads the model on CUDA in bfloat16; meta.json holds both the request and the resolution, the batch
+    size as run being the largest batch the adapter ran and batch_sizes_run every batch's rows."""
+    from collections import Counter
+
+    from ccq_eval.harness.adapter import resolve_fast_path
+    from ccq_eval.harness.batching import AUTO_BATCH_CAP
+
+    class CountingLM(FakeLM):
+        """Answers each call as one batch and counts its rows, as the adapter does."""
+
+        def generate_until(self, requests, disable_tqdm=False):
+            self.batch_sizes_run[len(requests)] += 1
+            return super().generate_until(requests, disable_tqdm)
 
     monkeypatch.setattr(run_plan, "cuda_available", lambda: True)
-    asked, loads = [], []
+    asked, loads, made = [], [], []
 
     def make_evaluator():
         def make_adapter(model, tokenizer, max_length, batch_size, seed, cuda_graphs):
             asked.append((batch_size, cuda_graphs))
-            lm = FakeLM(model, fake_world.calls)
-            lm.batch_size, lm.cuda_graphs = resolve_fast_path("cuda", True, batch_size, cuda_graphs)
+            lm = CountingLM(model, fake_world.calls)
+            fixed, lm.cuda_graphs = resolve_fast_path("cuda", True, batch_size, cuda_graphs)
+            lm.batch_size, lm.batch_size_auto = fixed or AUTO_BATCH_CAP, fixed is None
+            lm.batch_sizes_run = Counter()
+            made.append(lm)
             return lm
 
         return runner.LmEvalUnitEvaluator(
@@ -69,8 +83,10 @@ def test_meta_records_what_was_asked_and_what_ran(fake_world, monkeypatch):
     assert {key: meta[key] for key in ("device", "device_requested", "dtype", "dtype_requested", "batch_size",
                                        "batch_size_requested", "cuda_graphs", "cuda_graphs_requested")} == {
         "device": "cuda", "device_requested": "auto", "dtype": "bfloat16", "dtype_requested": "auto",
-        "batch_size": CUDA_AUTO_BATCH_SIZE, "batch_size_requested": "auto", "cuda_graphs": True,
+        "batch_size": max(made[0].batch_sizes_run), "batch_size_requested": "auto", "cuda_graphs": True,
         "cuda_graphs_requested": "auto"}
+    assert meta["batch_sizes_run"] == {str(rows): n for rows, n in made[0].batch_sizes_run.items()}
+    assert max(made[0].batch_sizes_run) <= AUTO_BATCH_CAP and made[0].batch_sizes_run.total() >= 1
     assert meta["gpu_kernels"] is not None and "--no-cuda-graphs" not in meta["command_line"]
 
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "eager", "--no-cuda-graphs", "--batch-size",

@@ -38,17 +38,18 @@ def test_cuda_graphs_are_refused_without_cuda():
 
 
 def test_fast_path_defaults_resolve_by_device_and_model():
-    """batch_size / cuda_graphs "auto" (None): graphs and CUDA_AUTO_BATCH_SIZE for a recurrent model on
-    CUDA, eager batch 1 on the CPU, for other models and with graphs off (today's eager path); explicit
-    values win; True where graphs cannot run is refused, while the default falls back."""
-    from ccq_eval.harness.adapter import CUDA_AUTO_BATCH_SIZE, resolve_fast_path
+    """batch_size / cuda_graphs "auto" (None): graphs and batches sized from free memory (batch size None)
+    for a recurrent model on CUDA, eager batch 1 on the CPU, for other models and with graphs off (today's
+    eager path); explicit values win; True where graphs cannot run is refused, while the default falls
+    back."""
+    from ccq_eval.harness.adapter import resolve_fast_path
 
-    assert resolve_fast_path("cuda", True, None, None) == (CUDA_AUTO_BATCH_SIZE, True)
+    assert resolve_fast_path("cuda", True, None, None) == (None, True)
     assert resolve_fast_path("cuda", False, None, None) == (1, False)  # e.g. the Llama reference
     assert resolve_fast_path("cpu", True, None, None) == (1, False)
     assert resolve_fast_path("cuda", True, 2, False) == (2, False)
     assert resolve_fast_path("cuda", True, None, False) == (1, False)  # --no-cuda-graphs: the eager path
-    assert resolve_fast_path("cuda", True, None, True) == (CUDA_AUTO_BATCH_SIZE, True)
+    assert resolve_fast_path("cuda", True, None, True) == (None, True)
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
         resolve_fast_path("cuda", False, None, True)
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
@@ -127,14 +128,14 @@ def test_default_on_cuda_is_the_graphed_batched_path():
     greedy texts equal the eager path's; a softmax-attention model falls back to eager batch 1."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ccq_eval.harness.adapter import CUDA_AUTO_BATCH_SIZE
+    from ccq_eval.harness.batching import AUTO_BATCH_CAP
 
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
     model = MODELS["gla"](True).cuda().eval()
     default_lm = CCQEvalLM(model=model, tokenizer=tokenizer)
-    assert default_lm.cuda_graphs and default_lm.batch_size == CUDA_AUTO_BATCH_SIZE
-    eager_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=CUDA_AUTO_BATCH_SIZE, cuda_graphs=False)
+    assert default_lm.cuda_graphs and default_lm.batch_size_auto and default_lm.batch_size == AUTO_BATCH_CAP
+    eager_lm = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=4, cuda_graphs=False)
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 24}), i)
                 for i, p in enumerate(["Once upon a time", "Call me", "It was the best of times", "A"])]
     assert default_lm.generate_until(requests) == eager_lm.generate_until(requests)

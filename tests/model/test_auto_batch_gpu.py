@@ -1,0 +1,58 @@
+"""Auto batch sizes on CUDA (ccq_eval.harness.batching) give the answers of batch 1 on trained weights: the
+embedded tiny-gla and tiny-gdn, greedy S-NIAH-1 generation and rolling log-likelihoods of texts of mixed
+lengths, each model at batch 1 and at the auto size, both with CUDA graphs (the default fast path)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.model.loading import load_model
+
+sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
+
+# Rolling NLL per token, batch of several rows vs one row: the bf16 matrix products of a batch take other
+# kernel tiles than those of one row, so hidden states differ in the last bf16 bit (2^-8 relative) and a
+# token's NLL moves by up to a few hundredths of a nat; over a text that rounding averages out well below
+# this. A real batching error (a row scored with another row's state or tokens) moves NLLs by nats.
+MEAN_NLL_TOLERANCE = 0.01
+TOKEN_NLL_TOLERANCE = 0.25  # any one token: rounding near a flat softmax moves a few tokens by more
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["tiny-gla", "tiny-gdn"])
+def test_auto_batches_answer_as_batch_one_does(name: str) -> None:
+    model, tokenizer = load_model(name, device="cuda", dtype="bfloat16")
+    docs = sn.generate_docs("s_niah_1", tokenizer=name, lengths=[1024, 2048], depths=[0, 50, 100],
+                            samples_per_cell=1)  # prompts of about 800 to 1900 tokens
+    generate = [Instance("generate_until", doc, (doc["input"], {"until": [], "max_gen_toks": 24}), i)
+                for i, doc in enumerate(docs)]
+    # Scoring batches texts of one token length: slices of the (ASCII, byte-token) prompts, four of 1500
+    # tokens, two of 700, and two that stand alone.
+    short, long = [doc["input"] for doc in docs[:3]], [doc["input"] for doc in docs[3:]]
+    texts = [long[0][:1500], long[1][:1500], long[2][:1500], long[0][300:1800],
+             short[0][:700], short[1][:700], long[2], short[2][:200]]
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
+
+    single = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=4096, batch_size=1)
+    auto = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=4096)
+    assert auto.batch_size_auto and auto.cuda_graphs and single.cuda_graphs
+
+    texts_auto = auto.generate_until(generate, disable_tqdm=True)
+    assert texts_auto == single.generate_until(generate, disable_tqdm=True)
+    assert max(auto.batch_sizes_run) > 1  # prompts of mixed lengths decoded together
+    auto.batch_sizes_run.clear()
+
+    got = auto.loglikelihood_rolling(rolling, disable_tqdm=True)
+    want = single.loglikelihood_rolling(rolling, disable_tqdm=True)
+    assert max(auto.batch_sizes_run) >= 4  # the four texts of 1500 tokens in one batch
+    for text, a, b in zip(texts, got, want, strict=True):
+        nll_a, nll_b = torch.tensor(a.token_nll), torch.tensor(b.token_nll)
+        assert nll_a.shape == nll_b.shape
+        assert abs(nll_a.mean() - nll_b.mean()) <= MEAN_NLL_TOLERANCE, len(text)
+        assert (nll_a - nll_b).abs().max() <= TOKEN_NLL_TOLERANCE, len(text)

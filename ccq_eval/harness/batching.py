@@ -5,20 +5,24 @@ Auto sizing (`BatchSizer` with fixed=None): once per model, one eager forward of
 measures the peak memory per token of a forward (with ROW_COST_MARGIN on top) and the recurrent state of
 one row (`measure_row_cost`). Each scoring or generation call then reads the free memory once
 (`free_memory_bytes`), and each batch, formed from requests sorted longest first, takes the rows that
-`auto_batch_size` allows for its longest row. A row is counted as one forward slice of its tokens
-(min(tokens, chunk_size)) plus its recurrent state, twice for generation (the eager cache and the CUDA
-graph's copy of it). This is an upper bound: generation prefills rows of unequal length one at a time,
-and logits are formed logits_chunk positions at a time, so long rows cost less per token than measured.
+`auto_batch_size` allows for its longest row (one row where it says none fits). A row is counted as one
+forward slice of its tokens (min(tokens, chunk_size)) plus its recurrent state, twice for generation (the
+eager cache and the CUDA graph's copy of it). This is an upper bound: generation prefills rows of unequal
+length one at a time, and logits are formed logits_chunk positions at a time, so long rows cost less per
+token than measured.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Auto batches are powers of two up to this: CUDA graphs are captured per batch size (decode) and per
 # (rows, length) shape (scoring), so at most seven full-batch sizes exist, and a 64-row decode step of a
@@ -147,8 +151,18 @@ class BatchSizer:
         cost = self.row_cost
         free = MEMORY_SHARE * self._free_memory()  # type: ignore[misc]
         state = cost.state_bytes * (2 if generation else 1)
-        return lambda tokens: auto_batch_size(free, min(tokens, self.chunk_size), cost.bytes_per_token,
-                                              self.cap, state)
+
+        def rows(tokens: int) -> int:
+            try:
+                return auto_batch_size(free, min(tokens, self.chunk_size), cost.bytes_per_token, self.cap,
+                                       state)
+            except MemoryError as err:
+                # The row cost is an upper bound (margins on a probe), so one row may still fit: run it as a
+                # fixed batch of 1 would, rather than refuse what batch_size=1 could do.
+                logger.warning("auto batch size: %s; running one row at a time", err)
+                return 1
+
+        return rows
 
     def record(self, rows: int) -> None:
         """Count one batch of `rows` rows that ran."""

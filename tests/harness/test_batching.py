@@ -121,8 +121,12 @@ def test_auto_adapter_sizes_scoring_batches_by_their_length(auto_lm):
         assert got.token_nll == pytest.approx(want.token_nll, rel=1e-9, abs=1e-9)  # float64: rounding only
 
 
-def test_auto_adapter_refuses_a_prompt_no_batch_can_hold(auto_lm, monkeypatch):
+def test_auto_adapter_runs_one_row_where_the_estimate_fits_none(auto_lm, monkeypatch, caplog):
+    """The row cost is an upper bound: where it says not even one row fits, batches of one run (as
+    batch_size=1 would), with a warning that says why."""
     monkeypatch.setattr(adapter_module, "free_memory_bytes", lambda device: 30_000 / MEMORY_SHARE)
-    request = Instance("generate_until", {}, ("x" * 40, {"until": [], "max_gen_toks": 2}), 0)
-    with pytest.raises(MemoryError, match="one row of 40 tokens"):
-        auto_lm.generate_until([request])
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 2}), i)
+                for i, p in enumerate(["x" * 40, "y" * 40, "z" * 10, "w" * 10])]
+    auto_lm.generate_until(requests)
+    assert auto_lm.batch_sizes_run == {1: 2, 2: 1}  # 40 tokens: none fits by the estimate; 10: 3 (2)
+    assert "one row of 40 tokens needs about" in caplog.text

@@ -220,6 +220,9 @@ def run(
         help="Attach CCQ training-free to each plain GLA / Gated DeltaNet --model with the constant gate: every "
         "lambda is evaluated as its own model <model>+ccq-lambda<L>; other CCQ config fields fixed after ';', "
         "e.g. \"lambda=0,0.5,1,2,4;order=2\". `figures` draws score vs lambda.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="Processes that share the units (each under its lock). Default: on a CPU, one per core "
+        "the evaluation's torch threads leave free (2 on a 2-core machine); on a GPU, 1.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
     report: Annotated[bool, typer.Option(
         help="After the run, write the paper-style table (table.md), figures (figures/) and an HTML "
@@ -246,7 +249,7 @@ def run(
     except run_plan.PlanError as exc:
         _fail(str(exc))
     _echo_plan(plan, output, shard)
-    summary, leader = _execute(plan, quiet)
+    summary, leader = _execute(plan, quiet, workers)
     _echo_run_summary(summary, output)
     if report and leader:
         _report_when_complete(plan, summary, output)
@@ -266,9 +269,9 @@ def _echo_plan(plan: RunPlan, output: Path, shard: str | None) -> None:
         typer.echo(note, err=True)
 
 
-def _execute(plan: RunPlan, quiet: bool) -> tuple[RunSummary, bool]:
+def _execute(plan: RunPlan, quiet: bool, workers: int | None) -> tuple[RunSummary, bool]:
     """(summary, whether this process leads: rank 0 of a data-parallel launch shows progress unless quiet);
-    a failure ends the command with a line that says the finished units are kept."""
+    a failure ends the command with a line that says the finished units are kept. workers None: "auto"."""
     from ccq_eval.harness import reporting, runner
 
     if _warnings_once is not None:
@@ -276,7 +279,7 @@ def _execute(plan: RunPlan, quiet: bool) -> tuple[RunSummary, bool]:
     leader = runner.process_rank() == 0  # data-parallel (torchrun): rank 0 reports and writes
     reporter = reporting.SilentReporter() if quiet or not leader else reporting.RichReporter()
     try:
-        return runner.execute_plan(plan, reporter=reporter), leader
+        return runner.execute_plan(plan, reporter=reporter, workers=workers), leader
     except KeyboardInterrupt:
         _fail("interrupted. Finished units and every answered request are saved; rerun the same command "
               "to resume.", code=130)

@@ -4,3 +4,5 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One process per run unless a test asks for more: fakes and monkeypatches live in this process only.
+os.environ.setdefault("CCQ_EVAL_WORKERS", "1")

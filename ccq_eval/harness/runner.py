@@ -20,10 +20,12 @@ import time
 import unittest.mock
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import results_store
+from ccq_eval.harness import workers as workers_module
 from ccq_eval.harness.plan import RunPlan, TaskCatalog, Unit, options_command_line
 from ccq_eval.harness.reporting import Reporter, SilentReporter
 from ccq_eval.harness.results_store import ResponseCache, ResultsError
@@ -298,11 +300,14 @@ def execute_plan(
     evaluate_unit: EvaluateUnit | None = None,
     reporter: Reporter | None = None,
     command_line: Sequence[str] | None = None,
+    workers: int | None = 1,
 ) -> RunSummary:
     """Evaluate every unfinished unit of `plan` and store it; finished units are skipped.
 
     A failing unit stops the run (or, with keep_going, is reported and the run goes on);
-    what was finished or answered before stays on disk either way.
+    what was finished or answered before stays on disk either way. workers > 1 starts that many - 1
+    helper processes on the same plan (harness/workers.py), None as many as suit the device; helpers
+    evaluate with the default evaluator.
     """
     session = RunSession(
         plan=plan,
@@ -317,10 +322,17 @@ def execute_plan(
         if non_finite:
             session.summary.failed.append((unit, results_store.non_finite_message(unit.model, non_finite)))
     session.report.run_start(plan)
+    if workers is None:
+        workers = workers_module.auto_workers(plan, cpu_threads())
+    helpers = workers_module.start_helpers(plan, workers - 1, session.argv) if workers > 1 else None
+    completed = False
     try:
         session.run(plan.pending)
+        completed = True
     finally:
         session.report.run_end()
+        if helpers is not None:
+            session.count_helpers_units(helpers.finish(wait=completed))
     return session.summary
 
 
@@ -361,6 +373,12 @@ class RunSession:
         for unit in held_elsewhere:
             logger.info("waiting for another worker on %s / %s", unit.model, unit.task)
             self.run_locked(unit, pending.index(unit), len(pending), blocking=True)
+
+    def count_helpers_units(self, folders: set[Path]) -> None:
+        """Units this run's helper processes finished count as evaluated here, not by another worker."""
+        ours = [unit for unit in self.summary.elsewhere if unit.dir.path in folders]
+        self.summary.elsewhere = [unit for unit in self.summary.elsewhere if unit not in ours]
+        self.summary.done.extend(ours)
 
     def run_data_parallel(self, pending: list[Unit]) -> None:
         """The processes of one data-parallel run (torchrun / accelerate launch) take every unit together,
@@ -462,6 +480,7 @@ class RunSession:
             "command_line": shlex.join(self.argv),
             "argv": list(sys.argv),
             "cwd": os.getcwd(),
+            "pid": os.getpid(),  # which worker process computed it (`run --workers`)
             "versions": package_versions(),
             "gpu_kernels": self.kernels if plan.device.startswith("cuda") else None,
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,

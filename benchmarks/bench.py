@@ -66,7 +66,7 @@ FULL = {
     "gen_repeats": 3,
     "sniah_length": 8192,
     "sniah_samples": 4,
-    "sniah_batches": "1,auto",  # auto: the adapter's default batch size (CUDA_AUTO_BATCH_SIZE with graphs)
+    "sniah_batches": "1,auto",  # auto: the adapter's default batch size (from free memory with graphs)
     # The adapter's default (lm_adapter.DEFAULT_CHUNK_SIZE): an 8K prompt prefilled in one slice, as
     # HFLM prefills it. Slices of another length give other segment sums in the CCQ state kernels, so
     # the states, and on an untrained model the greedy texts, differ by rounding.

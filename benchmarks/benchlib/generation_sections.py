@@ -257,7 +257,8 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
         "peak_mem_bytes": peak,
         "mem_before_bytes": mem_before,
         "texts": list(texts),
-        "batch_size": int(getattr(lm, "batch_size", 1)),
+        # The largest batch that ran (auto batches are sized per batch; lm.batch_size is their cap).
+        "batch_size": max(map(int, getattr(lm, "batch_sizes_run", None) or [getattr(lm, "batch_size", 1)])),
         "cuda_graphs": bool(getattr(lm, "cuda_graphs", False)),
     }
 

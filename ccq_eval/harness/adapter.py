@@ -39,7 +39,13 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from ccq_eval.harness.batching import PROBE_TOKENS, BatchSizer, free_memory_bytes, measure_row_cost
+from ccq_eval.harness.batching import (
+    CPU_GENERATION_BATCH,
+    PROBE_TOKENS,
+    BatchSizer,
+    free_memory_bytes,
+    measure_row_cost,
+)
 from ccq_eval.harness.generation import Generator, as_bool
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, Scorer, TokenNLL
@@ -148,7 +154,9 @@ class CCQEvalLM(LM):
             with a recurrent fla model prefills each prompt alone and decodes up to batch_size
             prompts of any length together. "auto" (the default): with CUDA graphs (see
             resolve_fast_path), each batch takes as many rows as free GPU memory holds for its longest
-            request, a power of two up to batching.AUTO_BATCH_CAP (batching.BatchSizer); else 1.
+            request, a power of two up to batching.AUTO_BATCH_CAP (batching.BatchSizer); on the CPU,
+            generation with a recurrent fla model decodes batching.CPU_GENERATION_BATCH prompts together
+            and scoring takes one row; else 1.
         chunk_size: tokens per forward slice when scoring / prefilling.
         logits_chunk: positions whose logits are formed at once (fla models; others: a slice).
         cuda_graphs: replay each one-token decode step (ccq_eval.model.cuda_graphs.decode; one graph per
@@ -199,20 +207,25 @@ class CCQEvalLM(LM):
         self._device = self.runtime.device
         max_length, chunk_size, logits_chunk = _checked_limits(max_length, chunk_size, logits_chunk)
         self.truncator = Truncator(self.codec, max_length, default_truncation)
+        asked_batch_size = _parse_batch_size(batch_size)
         fixed_batch_size, self.cuda_graphs = resolve_fast_path(
-            self._device.type, self.runtime.recurrent, _parse_batch_size(batch_size),
+            self._device.type, self.runtime.recurrent, asked_batch_size,
             _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name)
-        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size)
+        cpu_generation = (CPU_GENERATION_BATCH if asked_batch_size is None and self._device.type == "cpu"
+                          and self.runtime.recurrent else None)
+        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size, cpu_generation)
         self.scorer = Scorer(self.runtime, self.codec, self.truncator, chunk_size=chunk_size,
                              logits_chunk=logits_chunk, sizer=self.sizer, cuda_graphs=self.cuda_graphs)
         self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
                                    sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed))
 
-    def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int) -> BatchSizer:
-        """Rows per batch: `fixed_batch_size`, or None: sized from free memory, the row cost measured on
-        first need by one eager forward of one row of PROBE_TOKENS tokens (fewer when chunk_size is)."""
+    def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int,
+                     generation_rows: int | None = None) -> BatchSizer:
+        """Rows per batch: `fixed_batch_size` (generation: `generation_rows` when given), or None: sized
+        from free memory, the row cost measured on first need by one eager forward of one row of
+        PROBE_TOKENS tokens (fewer when chunk_size is)."""
         if fixed_batch_size is not None:
-            return BatchSizer(fixed_batch_size, chunk_size=chunk_size)
+            return BatchSizer(fixed_batch_size, chunk_size=chunk_size, generation_rows=generation_rows)
         device = self._device
         probe_tokens = min(PROBE_TOKENS, chunk_size)
 

@@ -250,7 +250,7 @@ class Scorer:
         prefix = self.codec.prefix
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
             encoded = pool.map(self.codec.encode, [request.args[0] for request in requests])
-            if self.sizer.max_rows == 1:  # in request order, each text as soon as it is tokenised
+            if self.sizer.scoring_max_rows == 1:  # in request order, each text as soon as it is tokenised
                 rolling: Iterator[list[tuple[int, list[int]]]] = (
                     [(i, prefix + ids)] for i, ids in enumerate(encoded))
                 n_batches = len(requests)

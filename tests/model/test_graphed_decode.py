@@ -54,12 +54,17 @@ def test_fast_path_defaults_resolve_by_device_and_model():
         resolve_fast_path("cuda", False, None, True)
     with pytest.raises(ValueError, match="cuda_graphs=True needs"):
         resolve_fast_path("cpu", True, 1, True)
-    # On this CPU the adapter's defaults are the eager batch-1 path CPU runs always had.
+    # On this CPU "auto" is the eager path: scoring one row at a time, a recurrent model's generation
+    # CPU_GENERATION_BATCH prompts together (the most rows a batch may take, which batch_size reports).
+    from ccq_eval.harness.batching import CPU_GENERATION_BATCH
+
     lm = CCQEvalLM(model=MODELS["gla"](False).eval(), tokenizer=byte_tokenizer())
-    assert (lm.batch_size, lm.cuda_graphs) == (1, False)
+    assert (lm.batch_size, lm.cuda_graphs, lm.sizer.scoring_max_rows) == (CPU_GENERATION_BATCH, False, 1)
     auto = CCQEvalLM(model=MODELS["gla"](False).eval(), tokenizer=byte_tokenizer(), batch_size="auto:8",
                      cuda_graphs="auto")
-    assert (auto.batch_size, auto.cuda_graphs) == (1, False)
+    assert (auto.batch_size, auto.cuda_graphs) == (CPU_GENERATION_BATCH, False)
+    fixed = CCQEvalLM(model=MODELS["gla"](False).eval(), tokenizer=byte_tokenizer(), batch_size=1)
+    assert (fixed.batch_size, fixed.sizer.rows_for(generation=True)(100)) == (1, 1)
 
 
 def test_padded_lengths_add_under_an_eighth_and_few_shapes():

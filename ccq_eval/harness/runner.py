@@ -324,7 +324,9 @@ def execute_plan(
     session.report.run_start(plan)
     if workers is None:
         workers = workers_module.auto_workers(plan, cpu_threads())
-    helpers = workers_module.start_helpers(plan, workers - 1, session.argv) if workers > 1 else None
+    helpers = None
+    if workers > 1:
+        helpers = workers_module.start_helpers(execute_plan, plan, workers - 1, session.argv)
     completed = False
     try:
         session.run(plan.pending)

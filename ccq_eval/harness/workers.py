@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,28 +66,30 @@ class Helpers:
         return done
 
 
-def start_helpers(plan: run_plan.RunPlan, count: int, command_line: list[str]) -> Helpers:
-    """Start `count` helper processes on `plan` (spawned: a fresh interpreter, no forked torch state)."""
+def start_helpers(execute: Callable[..., Any], plan: run_plan.RunPlan, count: int,
+                  command_line: list[str]) -> Helpers:
+    """Start `count` helper processes that run `execute` (runner.execute_plan, a module-level function:
+    the child imports it by name) on `plan`; spawned: a fresh interpreter, no forked torch state."""
     context = multiprocessing.get_context("spawn")
     finished = context.Queue()
-    processes = [context.Process(target=_helper_main, args=(plan, command_line, index, finished),
+    processes = [context.Process(target=_helper_main, args=(execute, plan, command_line, index, finished),
                                  name=f"ccq-eval-worker-{index}") for index in range(count)]
     for process in processes:
         process.start()
     return Helpers(processes, finished)
 
 
-def _helper_main(plan: run_plan.RunPlan, command_line: list[str], index: int, finished: Any) -> None:
+def _helper_main(execute: Callable[..., Any], plan: run_plan.RunPlan, command_line: list[str], index: int,
+                 finished: Any) -> None:
     """A helper: run the plan silently and report the units it finished. A unit that fails here is left to
     the command's own process, which takes it up again and reports the failure with its full message."""
     from ccq_eval import logs
-    from ccq_eval.harness import runner
 
     logs.silence_progress_bars()
     logging.disable(logging.WARNING)
     plan = replace(plan, options=replace(plan.options, keep_going=True))
     try:
-        summary = runner.execute_plan(plan, command_line=command_line)
+        summary = execute(plan, command_line=command_line)
         done = [str(unit.dir.path) for unit in summary.done]
     except BaseException:  # noqa: BLE001  (the command's process reports it, see above)
         done = []

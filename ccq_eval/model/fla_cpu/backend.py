@@ -16,7 +16,6 @@ instance) are replaced on that module by the dispatching ones.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from functools import cache
 
@@ -33,34 +32,7 @@ from ccq_eval.model.fla_cpu.modules import (
     torch_rms_norm,
     torch_rms_norm_gated,
 )
-
-
-def rebind(function: Callable, **names: object) -> Callable:
-    """A copy of `function` (its code, defaults and closure) that finds `names` in place of the module
-    globals of those names; the original function and its module are untouched.
-
-    Every name must be one the function's own code looks up, so that a change in fla (an op renamed, a
-    call moved into a helper) fails here, when the copy is made, instead of silently calling fla's op.
-    """
-    if hasattr(function, "__wrapped__"):
-        raise TypeError(f"rebind: {function.__qualname__} is a decorated wrapper; rebind the function it wraps")
-    unknown = sorted(set(names) - set(function.__code__.co_names))
-    if unknown:
-        raise ValueError(
-            f"rebind: {function.__module__}.{function.__qualname__} does not look up {unknown}; the installed "
-            "fla differs from the one ccq-eval was written against (pyproject.toml pins it)."
-        )
-    namespace = dict(function.__globals__)
-    namespace.update(names)
-    copy = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__,
-                              function.__closure__)
-    copy.__kwdefaults__ = function.__kwdefaults__
-    copy.__qualname__ = function.__qualname__
-    copy.__doc__ = function.__doc__
-    copy.__module__ = function.__module__
-    copy.__annotations__ = dict(function.__annotations__)
-    return copy
-
+from ccq_eval.model.fla_cpu.rebinding import rebind
 
 # --------------------------------------------------------------------------------------------
 # torch forwards of fla's norm, convolution and loss modules

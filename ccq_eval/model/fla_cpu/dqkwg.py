@@ -17,6 +17,7 @@ from ccq_eval.model.fla_cpu.common import (
     heads_first,
     pad_time,
 )
+from ccq_eval.model.fla_cpu.rebinding import rebind
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def hopper_safe_op(name: str) -> Callable:
     """fla's op `name` (a key of DQKWG_CALLERS) with its backward's chunk_bwd_dqkwg served by
     torch_chunk_bwd_dqkwg where fla refuses it (fla #640); everything else is fla's code.
 
-    Built from fla's functions without changing them (backend.rebind): a copy of the backward function
+    Built from fla's functions without changing them (rebinding.rebind): a copy of the backward function
     that calls our chunk_bwd_dqkwg, a subclass of fla's autograd Function whose backward (fla's code,
     fla's decorators) calls that copy, and a copy of the op's entry point that applies the subclass.
     The entry point skips fla's backend registry, so callers use it only on affected machines.
@@ -240,7 +241,6 @@ def hopper_safe_op(name: str) -> Callable:
     from fla.ops.common import chunk_o
     from fla.utils import autocast_custom_bwd, input_guard
 
-    from ccq_eval.model.fla_cpu.backend import rebind
 
     module_name, function_name, bwd_name = DQKWG_CALLERS[name]
     module = importlib.import_module(module_name)

@@ -286,7 +286,8 @@ class CCQEvalLM(LM):
 
     @property
     def batch_size(self) -> int:
-        """The most rows one batch may take: the batch size asked, or with auto sizing its cap."""
+        """The most rows one batch may take: the batch size asked, with auto sizing its cap, and on the
+        CPU's auto the rows of a generation batch (CPU_GENERATION_BATCH)."""
         return self.sizer.max_rows
 
     @property

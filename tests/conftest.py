@@ -6,3 +6,24 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One process per run unless a test asks for more: fakes and monkeypatches live in this process only.
 os.environ.setdefault("CCQ_EVAL_WORKERS", "1")
+# Under pytest-xdist each worker takes its share of the cores for torch's CPU references, not all of them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_autotune_as_ccq_eval_runs(request):
+    """GPU tests run fla's kernels as ccq-eval's harness does: inside its autotune scope (a few candidates
+    per kernel, kernels/autotune.py). Outside it fla would tune over every candidate, minutes per kernel set."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    from ccq_eval.model.kernels.autotune import capped_autotuning
+
+    with capped_autotuning():
+        yield

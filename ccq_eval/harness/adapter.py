@@ -51,6 +51,7 @@ from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, Scorer, TokenNLL
 from ccq_eval.harness.tokens import TokenCodec
 from ccq_eval.harness.truncation import Truncator
+from ccq_eval.model.kernels.autotune import capped_autotuning
 from ccq_eval.model.modeling_ccq import prepare_runtime
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class CCQEvalLM(LM):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        prepare_runtime()  # the autotune cap and the CCQ model types, before any model is built or used
+        prepare_runtime()  # the shipped autotune winners and the CCQ model types, before any model is built
         ignored = {k: v for k, v in kwargs.items() if k not in ("max_batch_size",)}
         if ignored:
             logger.warning("ccq adapter: ignoring unknown model arguments %s", sorted(ignored))
@@ -353,19 +354,24 @@ class CCQEvalLM(LM):
         """No progress bar when asked, and on every data-parallel rank but 0."""
         return disable_tqdm or self.rank != 0
 
+    # lm-eval's three entry points run the model inside autotune.capped_autotuning(): fla's kernels
+    # tune over a few candidates each there, and are left as they were afterwards.
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return self.scorer.loglikelihood(requests, self.cache_hook, self._quiet(disable_tqdm))
+        with capped_autotuning():
+            return self.scorer.loglikelihood(requests, self.cache_hook, self._quiet(disable_tqdm))
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[TokenNLL]:
-        return self.scorer.loglikelihood_rolling(requests, self.cache_hook, self._quiet(disable_tqdm))
+        with capped_autotuning():
+            return self.scorer.loglikelihood_rolling(requests, self.cache_hook, self._quiet(disable_tqdm))
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False,
                        request_ids: list[str] | None = None) -> list[str]:
         """Answers of `requests`. request_ids (resume.request_keys of the whole unit's requests, from the
         resuming wrapper) identify each request for its sampling seed; by default they are computed over
         `requests`."""
-        return self.generator.generate_until(requests, self.cache_hook, self._quiet(disable_tqdm),
-                                             request_ids)
+        with capped_autotuning():
+            return self.generator.generate_until(requests, self.cache_hook, self._quiet(disable_tqdm),
+                                                 request_ids)
 
     # ------------------------------------------------------------------ truncation bookkeeping
     @property

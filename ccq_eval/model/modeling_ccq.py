@@ -371,13 +371,12 @@ _winners_seeded = False  # prepare_runtime copies the shipped autotune winners o
 
 
 def prepare_runtime() -> None:
-    """Make this process ready for the CCQ models (idempotent): the cap on triton's autotuning
-    (CCQ_EVAL_AUTOTUNE_CONFIGS) and, with CUDA, the shipped autotune winners in triton's cache
-    (kernels/autotune.py) and the model types in transformers' Auto classes. fla is left as it is:
-    the CCQ classes run on CPU through their own modules (fla_cpu.use_torch_backend). The loader, the lm-eval adapter and the models' constructors call
-    it; importing ccq_eval does not.
+    """Make this process ready for the CCQ models (idempotent): with CUDA, the shipped autotune winners
+    in triton's cache (kernels/autotune.py), and the model types in transformers' Auto classes. fla is
+    left as it is: the CCQ classes run on CPU through their own modules (fla_cpu.use_torch_backend), and
+    the cap on triton's autotuning holds only inside autotune.capped_autotuning(). The loader, the
+    lm-eval adapter and the models' constructors call it; importing ccq_eval does not.
     """
-    autotune.install_limit_from_env()
     global _winners_seeded
     if not _winners_seeded and torch.cuda.is_available():
         try:

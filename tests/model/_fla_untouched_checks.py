@@ -42,6 +42,24 @@ def fla_attributes() -> dict:
     return found
 
 
+def autotuner_state() -> dict:
+    """(module, attribute) -> what ccq-eval's autotune scope touches in each triton autotuner of fla: whether
+    it has a prune_configs of its own, which winner table it holds and the keys in it."""
+    from triton.runtime.autotuner import Autotuner
+
+    state = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "fla" or module_name.startswith("fla.")):
+            continue
+        for name, value in list(vars(module).items()):
+            for _ in range(4):
+                if isinstance(value, Autotuner):
+                    state[f"{module_name}.{name}"] = ("prune_configs" in vars(value), id(value.cache),
+                                                      sorted(map(repr, value.cache)))
+                value = getattr(value, "fn", None)
+    return state
+
+
 def changed_attributes(before: dict, after: dict) -> list[str]:
     """Attributes replaced or removed since `before`, and new ones other than submodules (a submodule
     imported later appears on its package)."""
@@ -55,9 +73,11 @@ def changed_attributes(before: dict, after: dict) -> list[str]:
 
 def run_ccq_models(device: str) -> float:
     """Build a CCQ-GLA and a CCQ-Gated-DeltaNet (CCQ on), run prefill, a decode step, loss and backward on
-    `device`; returns the sum of the logits (a finite number says they ran)."""
+    `device` as ccq-eval's harness runs them (inside its autotune scope: fla's kernels tune over a few
+    candidates); returns the sum of the logits (a finite number says they ran)."""
     from fla.models.utils import Cache
 
+    from ccq_eval.model.kernels.autotune import capped_autotuning
     from ccq_eval.model.modeling_ccq import (
         CCQGatedDeltaNetConfig,
         CCQGatedDeltaNetForCausalLM,
@@ -74,15 +94,16 @@ def run_ccq_models(device: str) -> float:
               CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(head_dim=16, **common))]
     total = 0.0
     ids = torch.randint(0, 128, (1, 80), device=device)
-    for model in models:
-        model.to(device)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        with torch.no_grad():
-            cache = Cache()
-            model.eval()(ids[:, :79], past_key_values=cache, use_cache=True)
-            total += model(ids[:, 79:], past_key_values=cache, use_cache=True).logits.float().sum().item()
-        total += loss.item()
+    with capped_autotuning():
+        for model in models:
+            model.to(device)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            with torch.no_grad():
+                cache = Cache()
+                model.eval()(ids[:, :79], past_key_values=cache, use_cache=True)
+                total += model(ids[:, 79:], past_key_values=cache, use_cache=True).logits.float().sum().item()
+            total += loss.item()
     return total
 
 
@@ -116,9 +137,13 @@ def plain_fla_outcome(device: str) -> dict:
 def main(mode: str, device: str) -> None:
     result = {}
     if mode == "after-ccq":
-        before = fla_attributes()
+        before, tuners_before = fla_attributes(), autotuner_state()
         result["ccq_logits_sum"] = run_ccq_models(device)
         result["changed"] = changed_attributes(before, fla_attributes())
+        tuners_after = autotuner_state()
+        result["autotuners"] = len(tuners_before)
+        result["autotuners_changed"] = sorted(name for name, state in tuners_before.items()
+                                              if tuners_after.get(name) != state)
     elif mode != "plain":
         sys.exit(f"unknown mode {mode!r}: use 'plain' or 'after-ccq'")
     result["plain"] = plain_fla_outcome(device)

@@ -1,5 +1,6 @@
-"""triton's autotuning candidates are capped (CCQ_EVAL_AUTOTUNE_CONFIGS, default 4, "all": no cap), and
-the shipped autotune winners are copied into triton's cache without overwriting anything."""
+"""triton's autotuning candidates of fla's kernels are capped inside ccq-eval's scope
+(CCQ_EVAL_AUTOTUNE_CONFIGS, default 4, "all": no cap) and left as they were outside it, and the shipped
+autotune winners are copied into triton's cache without overwriting anything."""
 
 import io
 import json
@@ -7,7 +8,6 @@ import tarfile
 
 import pytest
 import triton
-from triton.runtime.autotuner import Autotuner
 
 from ccq_eval.model.kernels import autotune
 
@@ -25,38 +25,69 @@ def test_pick_prefers_middle_warps_and_stages_and_spreads_block_sizes():
     assert autotune.pick_configs(_configs()[:3], 4) == _configs()[:3]
 
 
-def test_env_var_wraps_prune_configs_and_bad_values_are_refused(monkeypatch):
-    # triton's own method, whether or not an earlier prepare_runtime() in this process wrapped it
-    original = getattr(Autotuner.prune_configs, "_ccq_original", Autotuner.prune_configs)
-    monkeypatch.setattr(Autotuner, "prune_configs", Autotuner.prune_configs)  # restored after the test
-    monkeypatch.setenv(autotune.ENV_VAR, "2")
-    autotune.install_limit_from_env()
-    tuner = Autotuner.__new__(Autotuner)
-    tuner.configs, tuner.early_config_prune, tuner.perf_model, tuner.configs_top_k = _configs(), None, None, 1.0
-    assert len(Autotuner.prune_configs(tuner, {})) == 2
-    from ccq_eval.model.kernels import ccq_forward
-
-    tuner.fn = ccq_forward._ccq_read_kernel.fn  # ccq-eval's own kernels keep their candidates
-    assert len(Autotuner.prune_configs(tuner, {})) == len(_configs())
-    autotune.install_limit_from_env()  # idempotent: wraps the original, not the wrapper
-    assert Autotuner.prune_configs._ccq_original is original
+def test_bad_values_are_refused_and_the_default_is_four(monkeypatch):
     monkeypatch.setenv(autotune.ENV_VAR, "zero")
     with pytest.raises(ValueError, match=autotune.ENV_VAR):
         autotune.configured_limit()
-    monkeypatch.delenv(autotune.ENV_VAR)
-    assert autotune.configured_limit() == autotune.DEFAULT_LIMIT == 4
-    autotune.install_limit_from_env()
-    assert len(Autotuner.prune_configs(_tuner(), {})) == 4  # the default cap
     monkeypatch.setenv(autotune.ENV_VAR, "all")
     assert autotune.configured_limit() is None
-    autotune.install_limit_from_env()  # every candidate: triton's own prune_configs again
-    assert Autotuner.prune_configs is original
+    monkeypatch.delenv(autotune.ENV_VAR)
+    assert autotune.configured_limit() == autotune.DEFAULT_LIMIT == 4
 
 
-def _tuner():
-    tuner = Autotuner.__new__(Autotuner)
-    tuner.configs, tuner.early_config_prune, tuner.perf_model, tuner.configs_top_k = _configs(), None, None, 1.0
-    return tuner
+def _many_candidates():
+    """A loaded fla autotuner with more candidates than the default cap."""
+    import fla.ops.gla.chunk  # noqa: F401  (loads fla's GLA kernels)
+
+    tuners = [t for t in autotune.fla_autotuners() if len(t.configs) > autotune.DEFAULT_LIMIT]
+    assert tuners, "no fla autotuner with more than DEFAULT_LIMIT candidates"
+    return tuners
+
+
+def test_the_cap_holds_inside_the_scope_and_is_gone_after_it(monkeypatch):
+    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+    tuners = _many_candidates()
+    tuner = tuners[0]
+    tuner.nargs = {}
+    own_tables = [t.cache for t in tuners]
+    full = tuner.prune_configs({})
+    assert len(full) == len(tuner.configs)  # triton's own pruning outside the scope
+    with autotune.capped_autotuning():
+        assert len(tuner.prune_configs({})) == autotune.DEFAULT_LIMIT
+        assert tuner.prune_configs({}) == autotune.pick_configs(full, autotune.DEFAULT_LIMIT)
+        capped_table = tuner.cache
+        assert capped_table is not own_tables[0]  # winners under the cap are kept apart
+        with autotune.capped_autotuning():  # reentrant: the inner scope changes nothing
+            assert tuner.cache is capped_table
+        assert tuner.cache is capped_table and "prune_configs" in vars(tuner)
+        capped_table[("probe",)] = "a winner under the cap"
+    assert all("prune_configs" not in vars(t) for t in tuners)
+    assert all(t.cache is table for t, table in zip(tuners, own_tables, strict=True))
+    assert ("probe",) not in tuner.cache and len(tuner.prune_configs({})) == len(tuner.configs)
+    with autotune.capped_autotuning():
+        assert tuner.cache is capped_table  # the next scope finds the winners tuned under the cap
+    capped_table.pop(("probe",))
+
+
+def test_the_scope_is_undone_when_the_run_fails_and_all_means_no_cap(monkeypatch):
+    monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+    tuners = _many_candidates()
+    own_tables = [t.cache for t in tuners]
+    with pytest.raises(RuntimeError, match="boom"), autotune.capped_autotuning():
+        raise RuntimeError("boom")
+    assert all("prune_configs" not in vars(t) and t.cache is table for t, table in zip(tuners, own_tables, strict=True))
+    monkeypatch.setenv(autotune.ENV_VAR, "all")
+    with autotune.capped_autotuning():
+        assert all("prune_configs" not in vars(t) and t.cache is table
+                   for t, table in zip(tuners, own_tables, strict=True))
+
+
+def test_ccq_evals_own_kernels_are_not_capped():
+    from ccq_eval.model.kernels import ccq_forward
+
+    tuners = autotune.fla_autotuners()
+    assert all(t is not ccq_forward._ccq_read_kernel and t is not getattr(ccq_forward._ccq_read_kernel, "fn", None)
+               for t in tuners)
 
 
 def _bundle(path, entries: dict[str, bytes]) -> None:
@@ -117,7 +148,6 @@ def test_a_read_only_cache_only_warns(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(autotune, "seed_tuned_winners", refuse)
     monkeypatch.setattr(modeling_ccq, "_winners_seeded", False)
-    monkeypatch.setattr(Autotuner, "prune_configs", Autotuner.prune_configs)  # restored after the test
     with caplog.at_level("WARNING", logger="ccq_eval.model.modeling_ccq"):
         modeling_ccq.prepare_runtime()
         modeling_ccq.prepare_runtime()

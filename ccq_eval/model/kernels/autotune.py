@@ -1,12 +1,20 @@
-"""A cap on triton autotuning, and autotune winners shipped for the GPUs they were measured on.
+"""A cap on triton autotuning while ccq-eval runs, and autotune winners shipped for the GPUs they were
+measured on.
 
 fla's kernels autotune over up to 48 configurations each (block sizes x warps x stages), and triton
 compiles every candidate: on a fresh machine the full GLA / Gated DeltaNet kernel set takes about 20
-minutes before the first result. So a user's first run does not wait that long, fla's kernels keep
-at most DEFAULT_LIMIT candidates each (those with 4 or 8 warps and 2 or 3 stages first, spread over
-the block sizes); CCQ_EVAL_AUTOTUNE_CONFIGS=N keeps N, and CCQ_EVAL_AUTOTUNE_CONFIGS=all every
-candidate. ccq-eval's own kernels, which list a few chosen candidates, keep them all. The project's
-GPU benchmarks were measured with the default cap; fully tuned kernels may be faster.
+minutes before the first result. So a user's first run does not wait that long, inside
+`capped_autotuning()` (the lm-eval adapter's calls, the inspection, training and benchmark scripts)
+fla's kernels keep at most DEFAULT_LIMIT candidates each (those with 4 or 8 warps and 2 or 3 stages
+first, spread over the block sizes); CCQ_EVAL_AUTOTUNE_CONFIGS=N keeps N, and
+CCQ_EVAL_AUTOTUNE_CONFIGS=all every candidate. ccq-eval's own kernels, which list a few chosen
+candidates, keep them all. The project's GPU benchmarks were measured with the default cap; fully
+tuned kernels may be faster.
+
+The cap is a scope, not a patch: on entry each fla autotuner gets a capped `prune_configs` of its own
+and a winner table of its own (the winners found under the cap), and on exit both are taken away
+again. Outside the scope, in the same process, a plain fla model tunes over all of triton's
+candidates and keeps its own winners, as it would without ccq-eval.
 
 Triton stores each autotuned kernel's winner in its cache directory (fla passes cache_results=True),
 keyed by the triton version, the GPU's backend, the kernel's source, the tuning key and the candidate
@@ -17,8 +25,13 @@ only the winning candidate compiles; elsewhere the files are never looked up.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import sys
 import tarfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 ENV_VAR = "CCQ_EVAL_AUTOTUNE_CONFIGS"
@@ -50,25 +63,65 @@ def pick_configs(configs: list, limit: int) -> list:
     return [preferred[int(i * step)] for i in range(limit)]
 
 
-def install_limit_from_env() -> None:
-    """Wrap triton's Autotuner.prune_configs with the configured cap (idempotent; "all" restores
-    triton's own)."""
+def fla_autotuners() -> list:
+    """Every triton autotuner of the fla modules loaded now (module attributes and the kernels they wrap)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:  # no triton: no fla kernel can run
+        return []
+
+    found = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "fla" or module_name.startswith("fla.")):
+            continue
+        for value in list(vars(module).values()):
+            for _ in range(4):  # heuristics -> autotune -> jit: a few wrappers at most
+                if isinstance(value, Autotuner):
+                    found[id(value)] = value
+                value = getattr(value, "fn", None)
+                if value is None:
+                    break
+    return list(found.values())
+
+
+_scope_lock = threading.Lock()
+_scope_depth = 0
+_scoped: list[tuple] = []  # (autotuner, its own winner table) while the scope is open
+_capped_winners: dict[tuple[int, int], dict] = {}  # (id(autotuner), cap) -> winners under that cap
+
+
+@contextlib.contextmanager
+def capped_autotuning() -> Iterator[None]:
+    """Within this scope fla's autotuners keep at most configured_limit() candidates and their own table of
+    winners; on exit every autotuner has triton's prune_configs and its own winners back. Reentrant (an
+    inner scope inside an outer one changes nothing); with CCQ_EVAL_AUTOTUNE_CONFIGS=all it does nothing."""
+    global _scope_depth
     limit = configured_limit()
-    from triton.runtime.autotuner import Autotuner
-
-    original = getattr(Autotuner.prune_configs, "_ccq_original", Autotuner.prune_configs)
     if limit is None:
-        Autotuner.prune_configs = original
+        yield
         return
+    with _scope_lock:
+        _scope_depth += 1
+        if _scope_depth == 1:
+            for tuner in fla_autotuners():
+                _scoped.append((tuner, tuner.cache))
+                tuner.cache = _capped_winners.setdefault((id(tuner), limit), {})
+                tuner.prune_configs = functools.partial(_capped_prune, tuner, limit)
+    try:
+        yield
+    finally:
+        with _scope_lock:
+            _scope_depth -= 1
+            if _scope_depth == 0:
+                for tuner, own_winners in _scoped:
+                    tuner.cache = own_winners
+                    vars(tuner).pop("prune_configs", None)
+                _scoped.clear()
 
-    def prune_configs(self, *args, **kwargs):
-        configs = original(self, *args, **kwargs)
-        if getattr(getattr(self, "fn", None), "__module__", "").startswith("ccq_eval."):
-            return configs  # ccq-eval's own kernels list a few candidates each on purpose
-        return pick_configs(configs, limit)
 
-    prune_configs._ccq_original = original
-    Autotuner.prune_configs = prune_configs
+def _capped_prune(tuner, limit: int, kwargs: dict) -> list:
+    """triton's pruning of `tuner`'s candidates, then at most `limit` of them (pick_configs)."""
+    return pick_configs(type(tuner).prune_configs(tuner, kwargs), limit)
 
 
 def triton_cache_dir() -> Path:

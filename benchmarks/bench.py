@@ -65,7 +65,10 @@ FULL = {
     "gen_warmup": 1,
     "gen_repeats": 3,
     "sniah_length": 8192,
-    "sniah_samples": 4,
+    # Enough samples for the adapter's automatic batch to fill (it sizes batches up to 64 rows); stock
+    # HFLM, at about 2 s a sample, runs the first sniah_hflm_samples of them and is compared per sample.
+    "sniah_samples": 64,
+    "sniah_hflm_samples": 8,
     "sniah_batches": "1,auto",  # auto: the adapter's default batch size (from free memory with graphs)
     # The adapter's default (lm_adapter.DEFAULT_CHUNK_SIZE): an 8K prompt prefilled in one slice, as
     # HFLM prefills it. Slices of another length give other segment sums in the CCQ state kernels, so
@@ -94,6 +97,7 @@ SMOKE = {
     "gen_repeats": 1,
     "sniah_length": 1024,
     "sniah_samples": 1,
+    "sniah_hflm_samples": 1,
     "sniah_warmup": 0,
     "modes": "forward,train",
     "ops_shape": "256,2,16,32",
@@ -149,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-repeats", type=int)
     p.add_argument("--sniah-length", type=int, help="sniah: S-NIAH-1 length")
     p.add_argument("--sniah-samples", type=int, help="sniah: samples (needle depths spread over 0..100%%)")
+    p.add_argument("--sniah-hflm-samples", type=int,
+                   help="sniah: how many of the samples stock HFLM runs (the first ones; compared per sample)")
     p.add_argument("--sniah-batches", help="sniah: the adapter's batch sizes, e.g. 1,auto (auto: its default)")
     p.add_argument("--sniah-chunk-size", type=int, help="sniah: the adapter's chunk_size (prefill slice)")
     p.add_argument("--sniah-warmup", type=int, help="sniah: untimed generate_until calls on one sample first")
@@ -243,6 +249,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "gen_repeats": max(1, raw["gen_repeats"]),
         "sniah_length": raw["sniah_length"],
         "sniah_samples": max(1, raw["sniah_samples"]),
+        "sniah_hflm_samples": max(1, min(raw["sniah_hflm_samples"], raw["sniah_samples"])),
         "sniah_batches": _batches(raw["sniah_batches"]),
         "sniah_chunk_size": max(1, raw["sniah_chunk_size"]),
         "sniah_warmup": max(0, raw["sniah_warmup"]),

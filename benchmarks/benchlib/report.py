@@ -136,10 +136,10 @@ def targets(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) 
                 _target(
                     f"{row['arch']} ccq={row['ccq']} {row['method']} tokens/s vs bare forward "
                     f"({row.get('docs', 1)} docs x {row['tokens']} tokens)",
-                    ">= 0.90",
+                    ">= 0.95",
                     row["throughput_vs_bare"],
-                    row["throughput_vs_bare"] >= 0.90,
-                    "issue: harness scoring at 20K",
+                    row["throughput_vs_bare"] >= 0.95,
+                    "issue 28: harness scoring at 20K",
                 )
             )
         if row["method"].startswith("ccq_adapter") and row.get("peak_mem_bytes"):
@@ -173,16 +173,17 @@ def targets(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) 
         )
     for row in results.get("sniah", []):
         if "speedup_vs_hflm" in row:
-            # The adapter at batch size 1 against HFLM at 1, and at its own default batch size.
+            # The adapter at batch size 1 against HFLM at 1 (same texts asked), and at its own default
+            # batch size (issue 28: >= 100x; batched bf16 kernels may round a near-tie the other way).
             default_batch = row.get("batch", 1) is None
-            limit = 40 if default_batch else 15
-            ok = row["speedup_vs_hflm"] >= limit and row.get("same_text_fraction") == 1.0
+            limit = 100 if default_batch else 15
+            ok = row["speedup_vs_hflm"] >= limit and (default_batch or row.get("same_text_fraction") == 1.0)
             batch = f"default batch {row.get('batch_size')}" if default_batch else f"batch {row.get('batch', 1)}"
             out.append(
                 _target(
                     f"{row['arch']} ccq={row['ccq']} S-NIAH-1 at {row['length']}, adapter {batch}: HFLM "
                     "s/sample / adapter s/sample (same text)",
-                    f">= {limit} and same text",
+                    f">= {limit}" if default_batch else f">= {limit} and same text",
                     row["speedup_vs_hflm"],
                     ok,
                     f"same_text_fraction={row.get('same_text_fraction')}, cuda_graphs={row.get('cuda_graphs')}",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -24,6 +24,11 @@ from ccq_eval.harness.truncation import Truncator
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GEN_TOKS = 256
+# On CUDA a batch of prompts of different lengths is prefilled together up to its shortest prompt, and
+# the longer prompts' last tokens go through the decode steps (one graph replay each), as long as there
+# are at most this many such steps per row of the batch; else each prompt is prefilled alone. A replayed
+# step costs a small fraction of one row's prefill: this keeps the fed tokens well below break-even.
+FORCED_TOKENS_PER_ROW = 8
 # generation_kwargs keys this adapter understands; anything else is an error, not ignored.
 _GEN_KWARGS = {
     "until", "max_gen_toks", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
@@ -85,6 +90,9 @@ class Generator:
         self.seed = seed
         self.decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see decode_graph)
         self.last_decode_steps = 0  # one-token model calls of the last generate batch (for benchmarks)
+        # Prompts of different lengths share their prefill on CUDA (_prefill); the CPU prefills each
+        # alone, so its answers keep the bits they had.
+        self.forced_tails = runtime.device.type == "cuda"
 
     def eos_ids(self) -> set[int]:
         """Token ids that end an answer: the tokenizer's EOS and the model's generation_config ones."""
@@ -221,45 +229,69 @@ class Generator:
         self.decode_graphs[batch] = graph
         return graph
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any]:
-        """(logits at each prompt's last position, the cache of all rows)."""
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any, list[list[int]]]:
+        """(logits at the last prefilled position of each row, the cache of all rows, each row's prompt
+        tokens left for the decode steps to feed)."""
         tensor = self.runtime.tensor
-        if len({len(p) for p in prompts}) == 1:
-            _, _, logits, cache = self.scorer.run(tensor(prompts), len(prompts[0]))
-            return logits, cache
+        lengths = [len(p) for p in prompts]
+        shortest = min(lengths)
+        spread = max(lengths) - shortest
+        if spread == 0 or (self.forced_tails and spread <= FORCED_TOKENS_PER_ROW * len(prompts)):
+            _, _, logits, cache = self.scorer.run(tensor([p[:shortest] for p in prompts]), shortest)
+            return logits, cache, [p[shortest:] for p in prompts]
         # recurrent fla models only (see _batches): prefill one by one, decode together
         prefilled = [self.scorer.run(tensor([p]), len(p)) for p in prompts]
         logits = torch.cat([last for _, _, last, _ in prefilled])
-        return logits, _stack_caches([cache for _, _, _, cache in prefilled])
+        return logits, _stack_caches([cache for _, _, _, cache in prefilled]), [[] for _ in prompts]
+
+    def _step_tokens(self, logits: torch.Tensor, settings: dict[str, Any], generators: list[torch.Generator] | None,
+                     tails: list[deque]) -> tuple[torch.Tensor, list[bool]]:
+        """The token each row feeds next: its next prompt token while its prompt lasts, else its choice
+        from `logits` (drawn only for those rows, so a sampled answer does not depend on its batch); and
+        which rows chose."""
+        chose = [not tail for tail in tails]
+        if all(chose):
+            return self.next_tokens(logits, settings, generators), chose
+        rows = [row for row, free in enumerate(chose) if free]
+        chosen = (self.next_tokens(logits[rows], settings, [generators[r] for r in rows] if generators else None)
+                  .tolist() if rows else [])
+        picks = iter(chosen)
+        tokens = [next(picks) if free else tail.popleft() for free, tail in zip(chose, tails, strict=True)]
+        return torch.tensor(tokens, device=logits.device), chose
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], settings: dict[str, Any],
                  generators: list[torch.Generator] | None = None) -> list[str]:
         """Chunked prefill, then one token per step with the recurrent cache; with do_sample each prompt
-        draws from its own generator."""
+        draws from its own generator. Rows whose prompt is longer than the batch's shortest may feed
+        their last prompt tokens through the first decode steps (see _prefill)."""
         eos_ids = self.eos_ids()
         stops = settings["until"]
-        logits, cache = self._prefill(prompts)
+        max_new = settings["max_gen_toks"]
+        logits, cache, tails = self._prefill(prompts)
+        tails = [deque(tail) for tail in tails]
         graphed = None
-        if self.cuda_graphs and settings["max_gen_toks"] > 1:
+        if self.cuda_graphs and (max_new > 1 or any(tails)):
             graphed = self.decode_graph(cache, len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
+        done = [max_new < 1] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
-        for step in range(settings["max_gen_toks"]):
-            tokens = self.next_tokens(logits, settings, generators)
+        while not all(done):
+            tokens, chose = self._step_tokens(logits, settings, generators, tails)
             for row, token in enumerate(tokens.tolist()):
-                if done[row]:
+                if done[row] or not chose[row]:
                     continue
                 if token in eos_ids:
                     done[row] = True
                     continue
                 generated[row].append(token)
-                if stops:
+                if len(generated[row]) >= max_new:
+                    done[row] = True
+                elif stops:
                     tail = self.codec.decode(generated[row])
                     if any(stop in tail for stop in stops):
                         done[row] = True
-            if all(done) or step == settings["max_gen_toks"] - 1:
+            if all(done):
                 break
             if graphed is not None:
                 logits = graphed(tokens)

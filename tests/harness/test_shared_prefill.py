@@ -1,0 +1,69 @@
+"""Prompts of different lengths in one generate batch (generation.Generator._prefill, the CUDA default):
+prefilled together up to the shortest prompt, the longer prompts' last tokens fed through the decode
+steps. In float64 on the CPU backend this answers every prompt as prefilling each alone does, greedy and
+sampled; a spread wider than FORCED_TOKENS_PER_ROW per row falls back to one prefill per prompt."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from lm_eval.api.instance import Instance
+
+from ccq_eval.harness import generation
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.model.loading import load_model
+
+sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
+
+
+def _adapter(name: str, **extra) -> CCQEvalLM:
+    model, tokenizer = load_model(name, device="cpu", dtype="float64", **extra)
+    return CCQEvalLM(model=model, tokenizer=tokenizer, max_length=2048, batch_size=8)
+
+
+def _requests(name: str, gen_kwargs: dict) -> list[Instance]:
+    docs = sn.generate_docs("s_niah_1", tokenizer=name, lengths=[1024], depths=[0, 25, 50, 75, 100],
+                            samples_per_cell=1)
+    return [Instance("generate_until", doc, (doc["input"], dict(gen_kwargs)), i) for i, doc in enumerate(docs)]
+
+
+def _answers(lm: CCQEvalLM, requests: list[Instance], shared: bool, monkeypatch) -> tuple[list[str], int]:
+    """The answers, and how many scorer passes the prefill took."""
+    lm.generator.forced_tails = shared
+    passes = []
+    run = lm.scorer.run
+    monkeypatch.setattr(lm.scorer, "run", lambda *args, **kwargs: passes.append(1) or run(*args, **kwargs))
+    answers = lm.generate_until(requests, disable_tqdm=True)
+    monkeypatch.setattr(lm.scorer, "run", run)
+    return answers, len(passes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,extra", [("tiny-gla", {}), ("tiny-gdn-ccq", {})])
+def test_shared_prefill_answers_as_one_prefill_per_prompt(name, extra, monkeypatch):
+    monkeypatch.setattr(generation, "FORCED_TOKENS_PER_ROW", 64)  # these prompts differ by up to 90 tokens
+    lm = _adapter(name, **extra)
+    for gen_kwargs in ({"until": ["\n"], "max_gen_toks": 24},
+                       {"until": [], "max_gen_toks": 24, "do_sample": True, "temperature": 1.0}):
+        requests = _requests(name, gen_kwargs)
+        lengths = {len(lm.tok_encode(r.args[0])) for r in requests}
+        assert len(lengths) > 1, "the prompts must differ in length"
+        shared, shared_passes = _answers(lm, requests, True, monkeypatch)
+        alone, alone_passes = _answers(lm, requests, False, monkeypatch)
+        assert shared == alone, gen_kwargs
+        assert (shared_passes, alone_passes) == (1, len(requests))
+        assert any(text.strip() for text in shared)
+
+
+def test_a_wide_spread_of_lengths_is_prefilled_one_by_one(monkeypatch):
+    lm = _adapter("tiny-gla")
+    short, long = "a" * 40, "b" * (40 + generation.FORCED_TOKENS_PER_ROW * 2 + 1)  # byte-level: 1 token a char
+    requests = [Instance("generate_until", {}, (text, {"until": [], "max_gen_toks": 3}), i)
+                for i, text in enumerate((short, long))]
+    _, passes = _answers(lm, requests, True, monkeypatch)
+    assert passes == 2
+    requests[1] = Instance("generate_until", {}, ("b" * (40 + generation.FORCED_TOKENS_PER_ROW * 2), {
+        "until": [], "max_gen_toks": 3}), 1)
+    _, passes = _answers(lm, requests, True, monkeypatch)
+    assert passes == 1 and lm.last_decode_steps == generation.FORCED_TOKENS_PER_ROW * 2 + 2

@@ -24,10 +24,10 @@ from ccq_eval.harness.truncation import Truncator
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GEN_TOKS = 256
-# On CUDA a batch of prompts of different lengths is prefilled together up to its shortest prompt, and
-# the longer prompts' last tokens go through the decode steps (one graph replay each), as long as there
-# are at most this many such steps per row of the batch; else each prompt is prefilled alone. A replayed
-# step costs a small fraction of one row's prefill: this keeps the fed tokens well below break-even.
+# On CUDA the prompts of a batch that differ in length by at most this many tokens per row are prefilled
+# together up to the shortest of them, and the longer ones' last tokens go through the decode steps (one
+# graph replay each; prefill_groups). A replayed step costs a small fraction of one row's prefill: this
+# keeps the fed tokens well below break-even.
 FORCED_TOKENS_PER_ROW = 8
 # generation_kwargs keys this adapter understands; anything else is an error, not ignored.
 _GEN_KWARGS = {
@@ -51,12 +51,27 @@ def _stack_states(states: list[Any]) -> Any:
 
 
 def _stack_caches(caches: list[Any]) -> Any:
-    """fla Caches of single rows -> one Cache of all rows, in order. Recurrent layers keep no
+    """fla Caches of one or more rows each -> one Cache of all rows, in order. Recurrent layers keep no
     per-position state, so rows of different prompt lengths decode together without padding."""
     stacked = caches[0]
     for index, layer in enumerate(stacked.layers):
         layer.state = _stack_states([cache.layers[index].state for cache in caches])
     return stacked
+
+
+def prefill_groups(lengths: list[int]) -> list[list[int]]:
+    """Runs of consecutive rows to prefill together up to the run's shortest prompt: a run's lengths
+    differ by at most FORCED_TOKENS_PER_ROW per row of the run (the batch's rows come longest first)."""
+    groups: list[list[int]] = []
+    for row, length in enumerate(lengths):
+        if groups:
+            run = [lengths[i] for i in groups[-1]] + [length]
+            if max(run) - min(run) <= FORCED_TOKENS_PER_ROW * len(run):
+                groups[-1].append(row)
+                continue
+        groups.append([row])
+    return groups
+
 
 def as_bool(value: Any) -> bool:
     if isinstance(value, str):
@@ -231,18 +246,24 @@ class Generator:
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any, list[list[int]]]:
         """(logits at the last prefilled position of each row, the cache of all rows, each row's prompt
-        tokens left for the decode steps to feed)."""
+        tokens left for the decode steps to feed). Prompts of one length take one pass. Otherwise (recurrent
+        fla models only, see _batches) each prompt is prefilled alone, or with forced_tails each run of
+        rows in prefill_groups together up to its shortest prompt."""
         tensor = self.runtime.tensor
         lengths = [len(p) for p in prompts]
-        shortest = min(lengths)
-        spread = max(lengths) - shortest
-        if spread == 0 or (self.forced_tails and spread <= FORCED_TOKENS_PER_ROW * len(prompts)):
-            _, _, logits, cache = self.scorer.run(tensor([p[:shortest] for p in prompts]), shortest)
-            return logits, cache, [p[shortest:] for p in prompts]
-        # recurrent fla models only (see _batches): prefill one by one, decode together
-        prefilled = [self.scorer.run(tensor([p]), len(p)) for p in prompts]
-        logits = torch.cat([last for _, _, last, _ in prefilled])
-        return logits, _stack_caches([cache for _, _, _, cache in prefilled]), [[] for _ in prompts]
+        if len(set(lengths)) == 1:
+            _, _, logits, cache = self.scorer.run(tensor(prompts), lengths[0])
+            return logits, cache, [[] for _ in prompts]
+        groups = prefill_groups(lengths) if self.forced_tails else [[i] for i in range(len(prompts))]
+        logits_parts, caches, tails = [], [], []
+        for group in groups:
+            shortest = min(lengths[i] for i in group)
+            _, _, logits, cache = self.scorer.run(tensor([prompts[i][:shortest] for i in group]), shortest)
+            logits_parts.append(logits)
+            caches.append(cache)
+            tails += [prompts[i][shortest:] for i in group]
+        cache = caches[0] if len(caches) == 1 else _stack_caches(caches)
+        return torch.cat(logits_parts), cache, tails
 
     def _step_tokens(self, logits: torch.Tensor, settings: dict[str, Any], generators: list[torch.Generator] | None,
                      tails: list[deque]) -> tuple[torch.Tensor, list[bool]]:

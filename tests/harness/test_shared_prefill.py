@@ -56,6 +56,28 @@ def test_shared_prefill_answers_as_one_prefill_per_prompt(name, extra, monkeypat
         assert any(text.strip() for text in shared)
 
 
+def test_prefill_groups_keep_the_spread_within_the_allowance():
+    per_row = generation.FORCED_TOKENS_PER_ROW
+    assert generation.prefill_groups([120, 118, 60, 60, 20]) == [[0, 1], [2, 3], [4]]
+    assert generation.prefill_groups([100] * 5) == [[0, 1, 2, 3, 4]]
+    assert generation.prefill_groups([100, 100 - 2 * per_row, 100 - 3 * per_row]) == [[0, 1, 2]]
+    assert generation.prefill_groups([100, 100 - 2 * per_row - 1]) == [[0], [1]]
+    assert generation.prefill_groups([7]) == [[0]]
+
+
+@pytest.mark.slow
+def test_mixed_lengths_in_groups_answer_as_one_prefill_per_prompt(monkeypatch):
+    """Runs of near lengths share a prefill, the others go alone; every answer is as alone (float64)."""
+    lm = _adapter("tiny-gla")
+    texts = ["The key is " + "x" * 90, "The key is " + "y" * 86, "A note: " + "z" * 40, "A note: " + "w" * 40, "Hi"]
+    requests = [Instance("generate_until", {}, (text, {"until": [], "max_gen_toks": 12}), i)
+                for i, text in enumerate(texts)]
+    shared, shared_passes = _answers(lm, requests, True, monkeypatch)
+    alone, alone_passes = _answers(lm, requests, False, monkeypatch)
+    assert shared == alone
+    assert (shared_passes, alone_passes) == (3, 5)
+
+
 def test_a_wide_spread_of_lengths_is_prefilled_one_by_one(monkeypatch):
     lm = _adapter("tiny-gla")
     short, long = "a" * 40, "b" * (40 + generation.FORCED_TOKENS_PER_ROW * 2 + 1)  # byte-level: 1 token a char

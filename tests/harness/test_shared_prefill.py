@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 from lm_eval.api.instance import Instance
 
 from ccq_eval.harness import generation
@@ -17,8 +18,8 @@ from ccq_eval.model.loading import load_model
 sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
 
 
-def _adapter(name: str, **extra) -> CCQEvalLM:
-    model, tokenizer = load_model(name, device="cpu", dtype="float64", **extra)
+def _adapter(name: str, device: str = "cpu", **extra) -> CCQEvalLM:
+    model, tokenizer = load_model(name, device=device, dtype="float64" if device == "cpu" else "float32", **extra)
     return CCQEvalLM(model=model, tokenizer=tokenizer, max_length=2048, batch_size=8)
 
 
@@ -40,10 +41,23 @@ def _answers(lm: CCQEvalLM, requests: list[Instance], shared: bool, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,extra", [("tiny-gla", {}), ("tiny-gdn-ccq", {})])
-def test_shared_prefill_answers_as_one_prefill_per_prompt(name, extra, monkeypatch):
+@pytest.mark.parametrize("name", ["tiny-gla", "tiny-gdn-ccq"])
+def test_shared_prefill_answers_as_one_prefill_per_prompt(name, monkeypatch):
+    _check_shared_prefill(name, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["tiny-gla", "tiny-gdn", "tiny-gla-ccq", "tiny-gdn-ccq"])
+def test_shared_prefill_answers_as_one_prefill_per_prompt_cuda(name, monkeypatch):
+    """On CUDA in float32 (fla's chunk kernels for the shared prefill, its recurrent ones and the decode
+    graph for the fed tokens), trained weights: the same answers."""
+    _check_shared_prefill(name, "cuda", monkeypatch)
+
+
+def _check_shared_prefill(name: str, device: str, monkeypatch) -> None:
     monkeypatch.setattr(generation, "FORCED_TOKENS_PER_ROW", 64)  # these prompts differ by up to 90 tokens
-    lm = _adapter(name, **extra)
+    lm = _adapter(name, device)
     for gen_kwargs in ({"until": ["\n"], "max_gen_toks": 24},
                        {"until": [], "max_gen_toks": 24, "do_sample": True, "temperature": 1.0}):
         requests = _requests(name, gen_kwargs)

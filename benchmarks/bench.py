@@ -66,7 +66,7 @@ FULL = {
     "gen_repeats": 3,
     "sniah_length": 8192,
     # Enough samples for the adapter's automatic batch to fill (it sizes batches up to 64 rows); stock
-    # HFLM, at about 2 s a sample, runs the first sniah_hflm_samples of them and is compared per sample.
+    # HFLM, seconds a sample, runs the first sniah_hflm_samples of them and is compared per sample.
     "sniah_samples": 64,
     "sniah_hflm_samples": 8,
     "sniah_batches": "1,auto",  # auto: the adapter's default batch size (from free memory with graphs)

@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Tests never reach the hub: everything they load is built here or shipped with the project.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -11,9 +13,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,11 @@ def _scorer(method: str, bench: Bench, model, n_tokens: int, chunk: int | None,
 GRAPHS_SUFFIX = " cuda_graphs"
 
 
+def adapter_method(chunk: int, cuda_graphs: bool) -> str:
+    """The harness row name of the ccq adapter scoring with `chunk` tokens per slice, graphed or eager."""
+    return f"ccq_adapter chunk={chunk}" + (GRAPHS_SUFFIX if cuda_graphs else "")
+
+
 def _harness_case(
     bench: Bench, model, case: dict[str, Any], input_ids: torch.Tensor, text: str, chunk: int | None
 ) -> dict[str, Any]:
@@ -92,11 +97,11 @@ def run_harness(bench: Bench) -> None:
     bench.log(f"harness document: {len(ids)} tokens (target {s['harness_tokens']})")
     input_ids = torch.tensor([ids], device=bench.device)
     methods: list[tuple[str, int | None]] = [("bare_forward", None)]
-    methods += [(f"ccq_adapter chunk={chunk}", chunk) for chunk in s["adapter_chunk_sizes"]]
+    methods += [(adapter_method(chunk, False), chunk) for chunk in s["adapter_chunk_sizes"]]
     if s["cuda_graphs"]:
         # the adapter's scoring forwards replayed from CUDA graphs (ccq_eval.model.cuda_graphs.score)
         methods += [
-            (f"ccq_adapter chunk={chunk}{GRAPHS_SUFFIX}", chunk) for chunk in s["adapter_chunk_sizes"]
+            (adapter_method(chunk, True), chunk) for chunk in s["adapter_chunk_sizes"]
         ]
     if s["hflm"]:
         methods.append(("lm_eval HFLM", None))

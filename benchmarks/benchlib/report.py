@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from benchlib.harness_section import adapter_method
 from benchlib.workload import REPO
 from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE
 from ccq_eval.model.kernels import autotune
@@ -133,7 +134,7 @@ def targets(results: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) 
             )
     # Scoring speed is judged on the adapter as `ccq-eval run` sets it up: its default chunk size, and CUDA
     # graphs wherever the run has them; the other rows are in the table for comparison.
-    default_scoring = f"ccq_adapter chunk={DEFAULT_CHUNK_SIZE}" + (" cuda_graphs" if settings.get("cuda_graphs") else "")
+    default_scoring = adapter_method(DEFAULT_CHUNK_SIZE, bool(settings.get("cuda_graphs")))
     for row in results.get("harness", []):
         if row["method"] == default_scoring and "throughput_vs_bare" in row:
             out.append(

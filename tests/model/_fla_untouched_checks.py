@@ -44,7 +44,8 @@ def fla_attributes() -> dict:
 
 def autotuner_state() -> dict:
     """(module, attribute) -> what ccq-eval's autotune scope touches in each triton autotuner of fla: whether
-    it has a prune_configs of its own, which winner table it holds and the keys in it."""
+    it has a prune_configs of its own, which winner table it holds and the keys in it. (The same walk as
+    autotune.fla_autotuners, written here because the "plain" side must never import ccq_eval.)"""
     from triton.runtime.autotuner import Autotuner
 
     state = {}

@@ -241,7 +241,6 @@ def hopper_safe_op(name: str) -> Callable:
     from fla.ops.common import chunk_o
     from fla.utils import autocast_custom_bwd, input_guard
 
-
     module_name, function_name, bwd_name = DQKWG_CALLERS[name]
     module = importlib.import_module(module_name)
     bwd = rebind(getattr(module, bwd_name), chunk_bwd_dqkwg=_hopper_dqkwg(chunk_o.chunk_bwd_dqkwg))

@@ -11,7 +11,7 @@ import torch
 
 from benchlib import workload
 from benchlib.bench_context import Bench
-from benchlib.timing import measure
+from benchlib.timing import measure, reset_peak
 
 
 def _scorer(method: str, bench: Bench, model, n_tokens: int, chunk: int | None,
@@ -50,6 +50,9 @@ def _harness_case(
     n_tokens = int(input_ids.shape[1])
     n_docs = s["harness_docs"]
     holder: dict[str, Any] = {}
+    # What the process held before this case built its scorer (other models, earlier sections' graphs):
+    # the case's own peak is its peak above this, plus this model's weights.
+    case_base = reset_peak(bench.device)
     with workload.ccq_mode(model, case["ccq"]):
         if case["method"] == "bare_forward":
 
@@ -76,6 +79,8 @@ def _harness_case(
     total = n_tokens * n_docs
     row = {**case, "tokens": n_tokens, "docs": n_docs, **m.as_dict(),
            "tokens_per_s": total / (m.median_ms / 1000.0)}
+    if case_base is not None and m.peak_mem_bytes is not None:
+        row["own_peak_mem_bytes"] = m.peak_mem_bytes - case_base + workload.weight_bytes(model)
     if chunk is not None:
         row["chunk_size"] = chunk
     out = holder.get("out")

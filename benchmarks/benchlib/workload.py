@@ -130,6 +130,11 @@ def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def forward_flops_per_token(model: torch.nn.Module, ccq_enabled: bool) -> dict[str, float]:
     """Estimated forward FLOPs per token (multiply-add = 2 FLOPs).
 

@@ -52,6 +52,7 @@ from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, S
 from ccq_eval.harness.tokens import TokenCodec
 from ccq_eval.harness.truncation import Truncator
 from ccq_eval.model.kernels.autotune import capped_autotuning
+from ccq_eval.model.kernels.token_logprob import token_logprob
 from ccq_eval.model.modeling_ccq import prepare_runtime
 
 logger = logging.getLogger(__name__)
@@ -214,30 +215,39 @@ class CCQEvalLM(LM):
             _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name)
         cpu_generation = (CPU_GENERATION_BATCH if asked_batch_size is None and self._device.type == "cpu"
                           and self.runtime.recurrent else None)
-        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size, cpu_generation)
+        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size, logits_chunk, cpu_generation)
         self.scorer = Scorer(self.runtime, self.codec, self.truncator, chunk_size=chunk_size,
                              logits_chunk=logits_chunk, sizer=self.sizer, cuda_graphs=self.cuda_graphs)
         self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
                                    sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed))
 
-    def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int,
+    def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int, logits_chunk: int,
                      generation_rows: int | None = None) -> BatchSizer:
         """Rows per batch: `fixed_batch_size` (generation: `generation_rows` when given), or None: sized
         from free memory, the row cost measured on first need by one eager forward of one row of
-        PROBE_TOKENS tokens (fewer when chunk_size is)."""
+        PROBE_TOKENS tokens (fewer when chunk_size is), then the LM head and log-probabilities on up to
+        `logits_chunk` of its positions, as scoring forms them."""
         if fixed_batch_size is not None:
             return BatchSizer(fixed_batch_size, chunk_size=chunk_size, generation_rows=generation_rows)
         device = self._device
         probe_tokens = min(PROBE_TOKENS, chunk_size)
 
-        def run_probe(ids: torch.Tensor) -> Any:
-            # Every position scored (logits and log-softmax are part of the peak) and the cache kept (its
-            # state is measured); probe_tokens <= chunk_size: the peak of one slice's forward.
-            return self.scorer.run(ids, 0, to_cpu=False)[3]
+        @torch.no_grad()
+        def run_body(ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            # Every position's hidden state kept and the cache built (its state is measured); probe_tokens
+            # <= chunk_size: the peak of one slice's forward.
+            return self.runtime.forward_features(ids, None, ids.shape[1])
 
-        return BatchSizer(None, chunk_size=chunk_size, free_memory=lambda: free_memory_bytes(device),
-                          measure=lambda: measure_row_cost(run_probe, device, probe_tokens,
-                                                           self.codec.eot_token_id or 0))
+        @torch.no_grad()
+        def run_head(hidden: torch.Tensor, ids: torch.Tensor) -> int:
+            positions = min(hidden.shape[1] - 1, logits_chunk)
+            token_logprob(self.runtime.head(hidden[:, :positions]), ids[:, 1:positions + 1])
+            return positions
+
+        return BatchSizer(None, chunk_size=chunk_size, logits_chunk=logits_chunk,
+                          free_memory=lambda: free_memory_bytes(device),
+                          measure=lambda: measure_row_cost(run_body, device, probe_tokens,
+                                                           self.codec.eot_token_id or 0, head=run_head))
 
     def _join_data_parallel(self, model: torch.nn.Module | None, device: str | None) -> Any:
         """The Accelerator of a data-parallel launch (`accelerate launch` / torchrun: WORLD_SIZE > 1), with

@@ -2,14 +2,16 @@
 the free GPU memory holds for the batch's longest row.
 
 Auto sizing (`BatchSizer` with fixed=None): once per model, one eager forward of PROBE_TOKENS tokens
-measures the peak memory per token of a forward (with ROW_COST_MARGIN on top) and the recurrent state of
-one row (`measure_row_cost`). Each scoring or generation call then reads the free memory once
-(`free_memory_bytes`), and each batch, formed from requests sorted longest first, takes the rows that
-`auto_batch_size` allows for its longest row (one row where it says none fits). A row is counted as one
-forward slice of its tokens (min(tokens, chunk_size)) plus its recurrent state, twice for generation (the
-eager cache and the CUDA graph's copy of it). This is an upper bound: generation prefills rows of unequal
-length one at a time, and logits are formed logits_chunk positions at a time, so long rows cost less per
-token than measured.
+through the model's body measures its peak memory per token (with ROW_COST_MARGIN on top) and the
+recurrent state of one row; the LM head with the log-probabilities on those hidden states measures the
+memory per position whose logits are formed (`measure_row_cost`). Each scoring or generation call then
+reads the free memory once (`free_memory_bytes`), and each batch, formed from requests sorted longest
+first, takes the rows that `auto_batch_size` allows for its longest row (one row where it says none fits).
+A row is counted as one forward slice of its tokens (min(tokens, chunk_size)), the logits formed at once
+(scoring: up to logits_chunk positions of the slice; generation: the last position's, in the model's
+dtype and in fp32) and its recurrent state, twice for generation (the eager cache and the CUDA graph's
+copy of it). Counting the logits by the positions that form them, not by every token of the slice, is what
+lets long generation prompts batch: a prefill forms logits for its last position only.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ AUTO_BATCH_CAP = 64
 # recurrent row's greedy text does not depend on its neighbours. Scoring on the CPU stays one row at a time.
 CPU_GENERATION_BATCH = 16
 # Share of the free memory that auto batches plan to fill: the rest absorbs allocator fragmentation,
-# CUDA graph pools and the per-batch tensors the row cost leaves out (logits of the last position, outputs).
+# CUDA graph pools and the per-batch tensors the row cost leaves out (outputs, kernels' workspaces).
 MEMORY_SHARE = 0.8
 # Peak bytes per token of the probe forward are scaled by this: kernels pick other tiles at other lengths.
 ROW_COST_MARGIN = 1.25
@@ -43,20 +45,20 @@ PROBE_TOKENS = 1024
 
 
 def auto_batch_size(free_bytes: float, tokens_per_row: int, bytes_per_token: float, cap: int,
-                    state_bytes_per_row: float = 0.0) -> int:
+                    fixed_bytes_per_row: float = 0.0) -> int:
     """The largest power of two <= cap such that that many rows of `tokens_per_row` tokens at
-    `bytes_per_token` each, plus `state_bytes_per_row` per row, fit in `free_bytes`.
+    `bytes_per_token` each, plus `fixed_bytes_per_row` per row (state, logits), fit in `free_bytes`.
 
     Raises MemoryError when not even one row fits (the run would fail at its first forward anyway; the
     message says why and what to change)."""
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
-    row_bytes = tokens_per_row * bytes_per_token + state_bytes_per_row
+    row_bytes = tokens_per_row * bytes_per_token + fixed_bytes_per_row
     fitting = int(free_bytes // row_bytes) if row_bytes > 0 else cap
     if fitting < 1:
         raise MemoryError(f"one row of {tokens_per_row} tokens needs about {row_bytes / 2**30:.2f} GiB "
-                          f"({bytes_per_token:.0f} bytes per token, {state_bytes_per_row:.0f} bytes of "
-                          f"state) but {free_bytes / 2**30:.2f} GiB are free for batches; pass a smaller "
+                          f"({bytes_per_token:.0f} bytes per token, {fixed_bytes_per_row:.0f} bytes of "
+                          f"state and logits) but {free_bytes / 2**30:.2f} GiB are free for batches; pass a smaller "
                           "chunk_size or free GPU memory")
     rows = min(fitting, cap)
     return 1 << (rows.bit_length() - 1)
@@ -64,11 +66,13 @@ def auto_batch_size(free_bytes: float, tokens_per_row: int, bytes_per_token: flo
 
 @dataclass(frozen=True)
 class RowCost:
-    """Device memory of one row: `bytes_per_token` per token of a forward slice, and the bytes of its
-    recurrent state (`state_bytes`)."""
+    """Device memory of one row: `bytes_per_token` per token of a forward slice through the model's body,
+    the bytes of its recurrent state (`state_bytes`), and `head_bytes_per_position` per position whose
+    logits are formed at once (the LM head and the log-probabilities)."""
 
     bytes_per_token: float
     state_bytes: float
+    head_bytes_per_position: float = 0.0
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -91,22 +95,34 @@ def cache_state_bytes(cache: Any) -> int:
     return 0
 
 
-def measure_row_cost(run: Callable[[torch.Tensor], Any], device: torch.device, tokens: int,
-                     token_id: int) -> RowCost:
+def measure_row_cost(body: Callable[[torch.Tensor], tuple[torch.Tensor, Any]], device: torch.device,
+                     tokens: int, token_id: int,
+                     head: Callable[[torch.Tensor, torch.Tensor], int] | None = None) -> RowCost:
     """RowCost of a model on the CUDA `device` from one eager forward of one row of `tokens` tokens
-    (`run`: ids [1, tokens] -> the cache after them): the peak memory it allocated above what was in use
-    before, per token and scaled by ROW_COST_MARGIN, and the bytes of the cache it returned. Resets the
-    device's peak-memory statistics."""
+    (`body`: ids [1, tokens] -> (hidden states of every position, the cache after them)): the peak memory
+    it allocated above what was in use before, per token and scaled by ROW_COST_MARGIN, and the bytes of
+    the cache it returned; then, with `head` ((hidden states, ids) -> the positions whose logits it
+    formed), the peak above what was held after the body, per position and with the same margin. Resets
+    the device's peak-memory statistics."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     ids = torch.full((1, tokens), token_id, dtype=torch.long, device=device)
-    cache = run(ids)
+    hidden, cache = body(ids)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    body_peak = torch.cuda.max_memory_allocated(device) - before
     state = cache_state_bytes(cache)
     del cache
-    return RowCost(bytes_per_token=peak * ROW_COST_MARGIN / tokens, state_bytes=float(state))
+    head_per_position = 0.0
+    if head is not None:
+        held = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        positions = head(hidden, ids)
+        torch.cuda.synchronize(device)
+        head_per_position = (torch.cuda.max_memory_allocated(device) - held) * ROW_COST_MARGIN / max(positions, 1)
+    del hidden
+    return RowCost(bytes_per_token=body_peak * ROW_COST_MARGIN / tokens, state_bytes=float(state),
+                   head_bytes_per_position=head_per_position)
 
 
 class BatchSizer:
@@ -114,18 +130,20 @@ class BatchSizer:
 
     fixed: that many rows at most (an explicit batch size, or 1 off the fast path); None: auto sizing
     from free memory (see the module docstring) with `measure` (-> RowCost, called once, on first need)
-    and `free_memory` (-> bytes, read at the start of each call). generation_rows: with `fixed`, the rows
-    of a generation batch instead (CPU_GENERATION_BATCH on the CPU's "auto").
+    and `free_memory` (-> bytes, read at the start of each call). logits_chunk: the positions whose
+    logits scoring forms at once (None: a whole slice). generation_rows: with `fixed`, the rows of a
+    generation batch instead (CPU_GENERATION_BATCH on the CPU's "auto").
     """
 
     def __init__(self, fixed: int | None, *, chunk_size: int, measure: Callable[[], RowCost] | None = None,
                  free_memory: Callable[[], int] | None = None, cap: int = AUTO_BATCH_CAP,
-                 generation_rows: int | None = None) -> None:
+                 generation_rows: int | None = None, logits_chunk: int | None = None) -> None:
         if fixed is None and (measure is None or free_memory is None):
             raise ValueError("auto batch sizing needs measure= and free_memory=")
         self.fixed = fixed
         self.generation_rows = generation_rows if fixed is not None else None
         self.chunk_size = chunk_size
+        self.logits_chunk = logits_chunk
         self.cap = cap
         self._measure = measure
         self._free_memory = free_memory
@@ -160,14 +178,13 @@ class BatchSizer:
         if self.fixed is not None:
             fixed = self.generation_rows if generation and self.generation_rows else self.fixed
             return lambda tokens: fixed
-        cost = self.row_cost
+        cost = self.row_cost  # measured before the free memory is read: the probe's blocks are then free
         free = MEMORY_SHARE * self._free_memory()  # type: ignore[misc]
-        state = cost.state_bytes * (2 if generation else 1)
 
         def rows(tokens: int) -> int:
+            slice_tokens, fixed_bytes = self._row_parts(tokens, generation)
             try:
-                return auto_batch_size(free, min(tokens, self.chunk_size), cost.bytes_per_token, self.cap,
-                                       state)
+                return auto_batch_size(free, slice_tokens, cost.bytes_per_token, self.cap, fixed_bytes)
             except MemoryError as err:
                 # The row cost is an upper bound (margins on a probe), so one row may still fit: run it as a
                 # fixed batch of 1 would, rather than refuse what batch_size=1 could do.
@@ -175,6 +192,22 @@ class BatchSizer:
                 return 1
 
         return rows
+
+    def planned_row_bytes(self, tokens: int, generation: bool) -> float:
+        """The device memory auto sizing counts for one row of `tokens` tokens (auto only)."""
+        slice_tokens, fixed_bytes = self._row_parts(tokens, generation)
+        return slice_tokens * self.row_cost.bytes_per_token + fixed_bytes
+
+    def _row_parts(self, tokens: int, generation: bool) -> tuple[int, float]:
+        """(tokens of the row's forward slice, the bytes it costs beside them: state and logits)."""
+        cost = self.row_cost
+        slice_tokens = min(tokens, self.chunk_size)
+        # Generation forms one position's logits per row at a time (the prefill's last, then each decode
+        # step's), in the model's dtype and in fp32: three positions' worth of the head's cost. Scoring forms
+        # up to logits_chunk positions of a slice at once.
+        head_positions = 3 if generation else min(slice_tokens, self.logits_chunk or slice_tokens)
+        state = cost.state_bytes * (2 if generation else 1)
+        return slice_tokens, state + head_positions * cost.head_bytes_per_position
 
     def record(self, rows: int) -> None:
         """Count one batch of `rows` rows that ran."""

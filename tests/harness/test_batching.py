@@ -34,7 +34,7 @@ def test_auto_batch_size_grows_with_free_memory_and_shrinks_with_length():
 
 def test_auto_batch_size_counts_rows_state_and_cap():
     assert auto_batch_size(10_000, 10, 100, cap=64) == 8  # 10 rows of 1000 bytes fit: 8, a power of two
-    assert auto_batch_size(10_000, 10, 100, cap=64, state_bytes_per_row=1000) == 4  # 5 rows with state
+    assert auto_batch_size(10_000, 10, 100, cap=64, fixed_bytes_per_row=1000) == 4  # 5 rows with state
     assert auto_batch_size(10**15, 10, 100, cap=64) == 64
     assert auto_batch_size(10**15, 10, 100, cap=48) == 32  # the largest power of two under the cap
     assert auto_batch_size(1000, 10, 100, cap=64) == 1  # exactly one row
@@ -74,6 +74,21 @@ def test_sizer_measures_once_and_reads_free_memory_per_call():
     assert (fixed.auto, fixed.max_rows, fixed.rows_for(generation=True)(10**9)) == (False, 3, 3)
 
 
+def test_logits_count_by_the_positions_that_form_them():
+    # 10 bytes per token of the body, 100 per position whose logits are formed, 500 of state; 10000 free.
+    sizer = BatchSizer(None, chunk_size=100, cap=64, logits_chunk=20,
+                       measure=lambda: RowCost(bytes_per_token=10, state_bytes=500, head_bytes_per_position=100),
+                       free_memory=lambda: 10_000 / MEMORY_SHARE)
+    # scoring: 50 * 10 + 20 positions * 100 + 500 = 3000 bytes a row (3 rows fit); 8 tokens: 8 positions
+    assert sizer.planned_row_bytes(50, generation=False) == 3000
+    assert sizer.rows_for(generation=False)(50) == 2
+    assert sizer.planned_row_bytes(8, generation=False) == 8 * 10 + 8 * 100 + 500
+    # generation: 3 positions' logits whatever the prompt's length, the state twice: 50 * 10 + 300 + 1000
+    assert sizer.planned_row_bytes(50, generation=True) == 1800
+    assert sizer.rows_for(generation=True)(50) == 4  # 5 rows fit
+    assert sizer.planned_row_bytes(500, generation=True) == 100 * 10 + 300 + 1000  # one slice of 100 tokens
+
+
 @pytest.fixture
 def auto_lm(monkeypatch):
     """An adapter on the CPU with auto sizing as on the CUDA fast path: each row costs 1000 bytes per token
@@ -81,7 +96,7 @@ def auto_lm(monkeypatch):
     # batch_size "auto" (None) stays auto on the CPU; graphs off (they need CUDA).
     monkeypatch.setattr(adapter_module, "resolve_fast_path",
                         lambda device_type, recurrent, batch_size, cuda_graphs, **kwargs: (batch_size, False))
-    monkeypatch.setattr(adapter_module, "measure_row_cost", lambda *args: RowCost(1000, 0))
+    monkeypatch.setattr(adapter_module, "measure_row_cost", lambda *args, **kwargs: RowCost(1000, 0))
     monkeypatch.setattr(adapter_module, "free_memory_bytes", lambda device: 100_000 / MEMORY_SHARE)
     return CCQEvalLM(model=_model(), tokenizer=byte_tokenizer(), chunk_size=64)
 

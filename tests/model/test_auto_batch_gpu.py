@@ -8,10 +8,17 @@ import importlib
 
 import pytest
 import torch
+from adapter_support import byte_tokenizer
 from lm_eval.api.instance import Instance
 
 from ccq_eval.harness.adapter import CCQEvalLM
 from ccq_eval.model.loading import load_model
+from ccq_eval.model.modeling_ccq import (
+    CCQGatedDeltaNetConfig,
+    CCQGatedDeltaNetForCausalLM,
+    CCQGLAConfig,
+    CCQGLAForCausalLM,
+)
 
 sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
 
@@ -56,3 +63,41 @@ def test_auto_batches_answer_as_batch_one_does(name: str) -> None:
         assert nll_a.shape == nll_b.shape
         assert abs(nll_a.mean() - nll_b.mean()) <= MEAN_NLL_TOLERANCE, len(text)
         assert (nll_a - nll_b).abs().max() <= TOKEN_NLL_TOLERANCE, len(text)
+
+
+# 340M widths (benchmarks/benchlib/workload.py) at 4 layers, 32K vocabulary, CCQ on: the logits and the
+# layers' intermediates both matter at these widths.
+ROW_COST_MODELS = {
+    "gla": lambda: CCQGLAForCausalLM(CCQGLAConfig(
+        hidden_size=1024, num_hidden_layers=4, num_heads=4, expand_k=0.5, expand_v=1, vocab_size=32000,
+        ccq=True)),
+    "gated_deltanet": lambda: CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(
+        hidden_size=1024, num_hidden_layers=4, num_heads=6, head_dim=256, expand_v=2, use_short_conv=True,
+        vocab_size=32000, ccq=True)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", sorted(ROW_COST_MODELS))
+@pytest.mark.parametrize("generation", [True, False], ids=["prefill", "scoring"])
+def test_auto_row_cost_covers_what_a_batch_allocates(arch: str, generation: bool) -> None:
+    """Auto batches are sized from the measured row cost, so it must bound what a batch really allocates:
+    the eager prefill of a generation batch (the last position's logits, the cache kept) and the eager
+    scoring of a batch (every position scored), 8 rows of 4096 tokens."""
+    torch.manual_seed(0)
+    model = ROW_COST_MODELS[arch]().to(device="cuda", dtype=torch.bfloat16).eval()
+    lm = CCQEvalLM(model=model, tokenizer=byte_tokenizer(), max_length=8192)
+    assert lm.batch_size_auto
+    rows, tokens = 8, 4096
+    planned = rows * lm.sizer.planned_row_bytes(tokens, generation=generation)
+    ids = torch.randint(0, 384, (rows, tokens), device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    # generation: scored from the last position (nothing scored, its logits formed) with the cache kept
+    out = lm.scorer.run(ids, tokens if generation else 0, to_cpu=False, keep_cache=generation)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - before
+    del out
+    assert 0 < used <= planned, f"{used / 2**20:.0f} MiB used, {planned / 2**20:.0f} MiB planned"

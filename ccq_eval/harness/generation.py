@@ -83,6 +83,24 @@ def as_bool(value: Any) -> bool:
     return bool(value)
 
 
+class _TokenReadBack:
+    """Copies a decode step's tokens to pinned host memory without waiting for the GPU's later work:
+    start() queues the copy and marks the stream, wait() blocks until the copy (not what was queued after
+    it) is done."""
+
+    def __init__(self, rows: int) -> None:
+        self._host = torch.empty(rows, dtype=torch.long, pin_memory=True)
+        self._copied = torch.cuda.Event()
+
+    def start(self, tokens: torch.Tensor) -> None:
+        self._host.copy_(tokens.view(-1), non_blocking=True)
+        self._copied.record()
+
+    def wait(self) -> list[int]:
+        self._copied.synchronize()
+        return self._host.tolist()
+
+
 class Generator:
     """generate_until of the adapter: chunked prefill by `scorer`, then one token per step through
     `runtime` with the recurrent cache.
@@ -289,17 +307,32 @@ class Generator:
         eos_ids = self.eos_ids()
         stops = settings["until"]
         max_new = settings["max_gen_toks"]
+        # A stop string that ends in the newest token lies within the row's last `window` tokens (each token
+        # but special ones gives at least one byte; the margin covers those). A stop the window missed
+        # only costs steps: the text is cut at the first stop of the whole decoded answer below.
+        window = 2 * max((len(stop.encode("utf-8")) for stop in stops), default=0) + 8
         logits, cache, tails = self._prefill(prompts)
         tails = [deque(tail) for tail in tails]
-        graphed = None
+        graphed = read_back = None
         if self.cuda_graphs and (max_new > 1 or any(tails)):
             graphed = self.decode_graph(cache, len(prompts))
+            read_back = _TokenReadBack(len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
         done = [max_new < 1] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
         while not all(done):
             tokens, chose = self._step_tokens(logits, settings, generators, tails)
-            for row, token in enumerate(tokens.tolist()):
+            budget_ends = all(d or (c and len(g) + 1 >= max_new) for d, c, g in zip(done, chose, generated))
+            if graphed is not None and not budget_ends:
+                # The next step is queued on the GPU before this step's tokens are read back, so the host's
+                # bookkeeping below overlaps it (after a batch's EOS or stop string it runs for nothing).
+                read_back.start(tokens)
+                logits = graphed(tokens)
+                self.last_decode_steps += 1
+                token_list = read_back.wait()
+            else:
+                token_list = tokens.tolist()
+            for row, token in enumerate(token_list):
                 if done[row] or not chose[row]:
                     continue
                 if token in eos_ids:
@@ -309,16 +342,13 @@ class Generator:
                 if len(generated[row]) >= max_new:
                     done[row] = True
                 elif stops:
-                    tail = self.codec.decode(generated[row])
-                    if any(stop in tail for stop in stops):
+                    recent = self.codec.decode(generated[row][-window:])
+                    if any(stop in recent for stop in stops):
                         done[row] = True
-            if all(done):
-                break
-            if graphed is not None:
-                logits = graphed(tokens)
-            else:
-                step_logits, cache = self.runtime.forward(tokens.view(-1, 1), cache, 1)
-                logits = step_logits[:, -1]
+            if all(done) or graphed is not None:
+                continue
+            step_logits, cache = self.runtime.forward(tokens.view(-1, 1), cache, 1)
+            logits = step_logits[:, -1]
             self.last_decode_steps += 1
         texts = []
         for ids in generated:

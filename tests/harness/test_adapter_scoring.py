@@ -238,3 +238,21 @@ def test_registered_by_name_loads_through_ccq_loading(monkeypatch) -> None:
     assert (lm.max_length, lm.batch_size, lm.chunk_size) == (300, 2, 64)
     (value,) = lm.loglikelihood_rolling([_request("loglikelihood_rolling", (TEXT,))])
     assert math.isfinite(float(value))
+
+
+def test_generation_stops_at_a_late_stop_string_of_several_tokens() -> None:
+    # The per-step stop check decodes each row's recent tokens only: a stop string of several tokens that
+    # first appears late still ends the answer there, and decoding stops with it (not at max_gen_toks).
+    tokenizer = byte_tokenizer()
+    model = tiny_model(tokenizer, seed=1)  # its answer changes character after about 30 tokens
+    lm = CCQEvalLM(model=model, tokenizer=tokenizer)
+    prompt = "Once upon a time"
+    full = lm.generate_until([_request("generate_until", (prompt, {"until": [], "max_gen_toks": 80}))])[0]
+    assert lm.last_decode_steps == 79 and full.isascii()
+    # a 4-character stop first seen well past the 16 tokens that the check decodes
+    at = max(i for i in range(len(full) - 4) if full.index(full[i:i + 4]) == i)
+    assert at >= 20
+    stop = full[at:at + 4]
+    cut = lm.generate_until([_request("generate_until", (prompt, {"until": ["zzz", stop], "max_gen_toks": 80}))])[0]
+    assert cut == full[:at]
+    assert lm.last_decode_steps == at + 3  # the stop's last token generated, then no further step

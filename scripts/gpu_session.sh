@@ -12,7 +12,10 @@
 #      (pytest -m "gpu and not gpu_long" -n 8; STAGES without "tests" skips them);
 #   2. the default suite at the larger grid on the freshly trained models (one process per model);
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
-# Environment knobs: STAGES (comma-separated subset of tests,train,eval,bench; default all four),
+#   4. (STAGES with "paper") benchmarks/paper_suite.py for PAPER_ARCH (gla) with CCQ PAPER_CCQ (on), after
+#      the tests, before the benchmarks; PAPER_TIMEOUT (1500 s).
+# Environment knobs: STAGES (comma-separated subset of tests,train,eval,paper,bench; default
+# tests,train,eval,bench),
 # BENCH (subset of firstrun,model,train4,harness,ops,
 # sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --no-cuda-graphs), TESTS_TIMEOUT,
@@ -27,7 +30,13 @@ cmd=${1:-}
 # /tmp/site: ccq_eval.tasks and ccq_eval.models are this tree's tasks/ and models/ only through the
 # install's mapping, which PYTHONPATH alone does not give. Run from the tree that the stages use.
 install_checkout() {
-  [ -x "$VENV/bin/python3" ] || python3 -m venv --without-pip --system-site-packages "$VENV"
+  if [ ! -x "$VENV/bin/python3" ]; then
+    python3 -m venv --without-pip --system-site-packages "$VENV"
+    # Where python3 is itself a venv's (the device image's /opt/torch/.venv), --system-site-packages
+    # reaches only the base interpreter: torch, pytest and pip come in through a .pth file instead.
+    python3 -c "import site; print('\n'.join(site.getsitepackages()))" \
+      > "$("$VENV/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/parent-site.pth"
+  fi
   "$VENV/bin/python3" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
     >> "$WORK/logs/install.log" 2>&1 || stage "editable install of the checkout FAILED (logs/install.log)"
 }
@@ -47,10 +56,11 @@ collect() {
   done
   # Autotune winners (small JSON) go inside results.tgz: a call returns at most 8 files.
   find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$WORK/triton-autotune.tgz" -T - 2>/dev/null
-  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench triton-autotune.tgz status pipeline.log \
-    2>/dev/null
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench paper/report triton-autotune.tgz status \
+    pipeline.log 2>/dev/null
   ls -la "$OUT"
   tail -n 5 logs/*.log 2>/dev/null | tail -n 60
+  [ -f paper/report/paper_suite.md ] && head -n 40 paper/report/paper_suite.md
   cat status
 }
 
@@ -118,6 +128,17 @@ pipeline() {
   fi
 
   want eval && evaluate
+
+  # The paper's suite at 1.3B for one model (benchmarks/README.md); its report is rewritten every 15 s,
+  # so a collect while it runs returns the tasks finished so far.
+  if want paper; then
+    stage "paper suite (${PAPER_ARCH:-gla}, CCQ ${PAPER_CCQ:-on})"
+    [ -n "$tests_pid" ] && { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; tests_pid=; }
+    timeout -s INT -k 30 "${PAPER_TIMEOUT:-1500}" python3 benchmarks/paper_suite.py --arch "${PAPER_ARCH:-gla}" \
+      --ccq "${PAPER_CCQ:-on}" --work "$WORK/paper/work" --out "$WORK/paper/report" \
+      --run-arg=--depths=0,25,50,75,100 --run-arg=--samples-per-cell=10 > "$WORK/logs/paper-suite.log" 2>&1 \
+      || stage "paper suite rc $?"
+  fi
 
   [ -n "$tests_pid" ] && { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; }
 

@@ -1,6 +1,7 @@
 """Auto batch sizes on CUDA (ccq_eval.harness.batching) give the answers of batch 1 on trained weights: the
 embedded tiny-gla and tiny-gdn, greedy S-NIAH-1 generation and rolling log-likelihoods of texts of mixed
-lengths, each model at batch 1 and at the auto size, both with CUDA graphs (the default fast path)."""
+lengths, each model at batch 1 and at the auto size, both with CUDA graphs (the default fast path). And the
+row cost they are sized from bounds the memory a batch allocates."""
 
 from __future__ import annotations
 

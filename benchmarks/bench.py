@@ -59,7 +59,12 @@ FULL = {
     "repeats": 10,
     "harness_tokens": 20480,
     "harness_docs": 32,  # fewer understate throughput: the first text's tokenisation shows
-    "adapter_chunk_sizes": "2048,32768",
+    # A harness call scores harness_docs documents (about 1.5 s of GPU work at 20K): a few calls give a
+    # stable median, and the section fits one device call for all four models.
+    "harness_warmup": 1,
+    "harness_repeats": 5,
+    # The adapter's default (ccq_eval.harness.scoring.DEFAULT_CHUNK_SIZE); 2048,32768 adds shorter slices.
+    "adapter_chunk_sizes": "32768",
     "gen_lengths": "1024,8192,20480",
     "new_tokens": 128,
     "gen_warmup": 1,
@@ -70,9 +75,9 @@ FULL = {
     "sniah_samples": 64,
     "sniah_hflm_samples": 8,
     "sniah_batches": "1,auto",  # auto: the adapter's default batch size (from free memory with graphs)
-    # The adapter's default (lm_adapter.DEFAULT_CHUNK_SIZE): an 8K prompt prefilled in one slice, as
-    # HFLM prefills it. Slices of another length give other segment sums in the CCQ state kernels, so
-    # the states, and on an untrained model the greedy texts, differ by rounding.
+    # The adapter's default (ccq_eval.harness.scoring.DEFAULT_CHUNK_SIZE): an 8K prompt prefilled in one
+    # slice, as HFLM prefills it. Slices of another length give other segment sums in the CCQ state
+    # kernels, so the states, and on an untrained model the greedy texts, differ by rounding.
     "sniah_chunk_size": 32768,
     "sniah_warmup": 1,
     "sniah_repeats": 1,
@@ -91,6 +96,7 @@ SMOKE = {
     "repeats": 2,
     "harness_tokens": 512,
     "harness_docs": 2,
+    "harness_repeats": 2,
     "adapter_chunk_sizes": "2048",
     "gen_lengths": "512,1024",
     "new_tokens": 8,
@@ -133,8 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lengths", help="model section: sequence lengths T, e.g. 4096,8192,16384,20480 (k = 1024)"
     )
     p.add_argument("--batch", type=int, help="model section: rows per step")
-    p.add_argument("--warmup", type=int, help="untimed calls before timing (model, ops, harness)")
-    p.add_argument("--repeats", type=int, help="timed calls; the median is reported (model, ops, harness)")
+    p.add_argument("--warmup", type=int, help="untimed calls before timing (model, ops)")
+    p.add_argument("--repeats", type=int, help="timed calls; the median is reported (model, ops)")
+    p.add_argument("--harness-warmup", type=int, help="harness: untimed calls before timing")
+    p.add_argument("--harness-repeats", type=int, help="harness: timed calls (median reported)")
     p.add_argument(
         "--harness-tokens", type=int, help="harness: document length in model tokens (BOS included)"
     )
@@ -240,6 +248,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": raw["repeats"],
         "harness_tokens": raw["harness_tokens"],
         "harness_docs": max(1, raw["harness_docs"]),
+        "harness_warmup": max(0, raw["harness_warmup"]),
+        "harness_repeats": raw["harness_repeats"],
         "adapter_chunk_sizes": _ints(raw["adapter_chunk_sizes"], "adapter-chunk-sizes"),
         "hflm": not args.no_hflm,
         "cuda_graphs": device.startswith("cuda") and not args.no_cuda_graphs,
@@ -266,8 +276,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.modes is None and not settings["cuda_graphs"]:  # graphed modes need CUDA graphs
         settings["modes"] = [m for m in settings["modes"] if not m.endswith("_graphed")]
-    if settings["repeats"] < 1:
-        raise SystemExit("error: --repeats must be >= 1")
+    if settings["repeats"] < 1 or settings["harness_repeats"] < 1:
+        raise SystemExit("error: --repeats and --harness-repeats must be >= 1")
     return settings
 
 

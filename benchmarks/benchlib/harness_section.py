@@ -75,7 +75,7 @@ def _harness_case(
             def call():
                 holder["out"] = score(requests)
 
-        m = measure(call, bench.device, warmup=s["warmup"], repeats=s["repeats"])
+        m = measure(call, bench.device, warmup=s["harness_warmup"], repeats=s["harness_repeats"])
     total = n_tokens * n_docs
     row = {**case, "tokens": n_tokens, "docs": n_docs, **m.as_dict(),
            "tokens_per_s": total / (m.median_ms / 1000.0)}

@@ -253,9 +253,9 @@ def test_bad_flags_name_the_choices(tmp_path):
 
 
 def test_defaults_follow_the_harness(monkeypatch):
-    """With no flags the bench runs the adapter as `ccq-eval run` does: graphs and the default batch
-    size where CUDA is (the graphed forward joins the model section), eager without CUDA or with
-    --no-cuda-graphs."""
+    """With no flags the bench runs the adapter as `ccq-eval run` does: graphs, the default batch size
+    and the default chunk size where CUDA is (the graphed forward joins the model section), eager
+    without CUDA or with --no-cuda-graphs."""
     bench = bench_module()
     import torch
 
@@ -263,6 +263,9 @@ def test_defaults_follow_the_harness(monkeypatch):
     on_gpu = bench.resolve_settings(bench.parse_args([]))
     assert on_gpu["cuda_graphs"] is True and "sniah" in on_gpu["sections"]
     assert on_gpu["sniah_batches"] == [1, None] and "forward_graphed" in on_gpu["modes"]
+    from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE
+
+    assert on_gpu["adapter_chunk_sizes"] == [DEFAULT_CHUNK_SIZE] == [on_gpu["sniah_chunk_size"]]
     eager = bench.resolve_settings(bench.parse_args(["--no-cuda-graphs"]))
     assert eager["cuda_graphs"] is False and eager["modes"] == ["forward", "train"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -83,24 +83,6 @@ def as_bool(value: Any) -> bool:
     return bool(value)
 
 
-class _TokenReadBack:
-    """Copies a decode step's tokens to pinned host memory without waiting for the GPU's later work:
-    start() queues the copy and marks the stream, wait() blocks until the copy (not what was queued after
-    it) is done."""
-
-    def __init__(self, rows: int) -> None:
-        self._host = torch.empty(rows, dtype=torch.long, pin_memory=True)
-        self._copied = torch.cuda.Event()
-
-    def start(self, tokens: torch.Tensor) -> None:
-        self._host.copy_(tokens.view(-1), non_blocking=True)
-        self._copied.record()
-
-    def wait(self) -> list[int]:
-        self._copied.synchronize()
-        return self._host.tolist()
-
-
 class Generator:
     """generate_until of the adapter: chunked prefill by `scorer`, then one token per step through
     `runtime` with the recurrent cache.
@@ -313,10 +295,9 @@ class Generator:
         window = 2 * max((len(stop.encode("utf-8")) for stop in stops), default=0) + 8
         logits, cache, tails = self._prefill(prompts)
         tails = [deque(tail) for tail in tails]
-        graphed = read_back = None
+        graphed = None
         if self.cuda_graphs and (max_new > 1 or any(tails)):
             graphed = self.decode_graph(cache, len(prompts))
-            read_back = _TokenReadBack(len(prompts))
         generated: list[list[int]] = [[] for _ in prompts]
         done = [max_new < 1] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
@@ -326,10 +307,11 @@ class Generator:
             if graphed is not None and not budget_ends:
                 # The next step is queued on the GPU before this step's tokens are read back, so the host's
                 # bookkeeping below overlaps it (after a batch's EOS or stop string it runs for nothing).
-                read_back.start(tokens)
+                host, copied = self.runtime.to_host(tokens)
                 logits = graphed(tokens)
                 self.last_decode_steps += 1
-                token_list = read_back.wait()
+                copied.synchronize()
+                token_list = host.tolist()
             else:
                 token_list = tokens.tolist()
             for row, token in enumerate(token_list):

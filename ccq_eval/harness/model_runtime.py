@@ -118,3 +118,16 @@ class ModelRuntime:
             # From pinned memory the copy is queued behind the GPU's work instead of waiting for it.
             return ids.pin_memory().to(self.device, non_blocking=True)
         return ids.to(self.device)
+
+    @staticmethod
+    def to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host copy of `values` queued in stream order, and the event to synchronize on before reading
+        it (None: already there). Waiting on the event waits for this copy only, not for GPU work queued
+        after it."""
+        if values.device.type != "cuda":
+            return values.cpu(), None
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied

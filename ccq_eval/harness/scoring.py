@@ -284,13 +284,7 @@ class Scorer:
         if len(rows[0]) < 2:  # nothing to predict
             return indices, torch.zeros(len(rows), 0), None
         logprob, _ = self.score(self.runtime.tensor(rows), 0)
-        if logprob.device.type != "cuda":
-            return indices, logprob.cpu(), None
-        host = torch.empty(logprob.shape, dtype=logprob.dtype, pin_memory=True)
-        host.copy_(logprob, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return indices, host, copied
+        return indices, *self.runtime.to_host(logprob)
 
     @staticmethod
     def _finish_rolling(started, requests: list[Instance], results: list, cache_hook: CacheHook) -> None:

@@ -56,8 +56,9 @@ collect() {
   done
   # Autotune winners (small JSON) go inside results.tgz: a call returns at most 8 files.
   find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$WORK/triton-autotune.tgz" -T - 2>/dev/null
-  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench paper/report triton-autotune.tgz status \
-    pipeline.log 2>/dev/null
+  # The paper suite's `ccq-eval run` output (one log per checkpoint) says what a slow or failed unit did.
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench paper/report paper/work/runs/*.log \
+    triton-autotune.tgz status pipeline.log 2>/dev/null
   ls -la "$OUT"
   tail -n 5 logs/*.log 2>/dev/null | tail -n 60
   [ -f paper/report/paper_suite.md ] && head -n 40 paper/report/paper_suite.md
@@ -201,6 +202,12 @@ case "$cmd" in
     sleep 5; cat "$WORK/status" ;;
   pipeline) pipeline ;;
   wait)
+    # A fresh machine (the one that ran `start` went back after 30 s idle) has no pipeline to wait for:
+    # say so at once rather than spend the call's device time waiting on nothing.
+    if [ ! -f "$WORK/status" ]; then
+      echo "no pipeline on this machine (a fresh one: the machine that ran 'start' went back); run 'start' again"
+      exit 3
+    fi
     deadline=$((SECONDS + ${2:-500}))
     while [ $SECONDS -lt $deadline ] && ! grep -q 'PIPELINE FINISHED' "$WORK/status" 2>/dev/null; do sleep 10; done
     collect ;;

@@ -141,3 +141,57 @@ def test_smoke_times_every_task_of_the_suite(suite_module, tmp_path, monkeypatch
     assert again["summary"]["earlier_units"] == 8 and again["summary"]["failed"] == 0
     assert [row["wall_s"] for row in again["units"]] == [row["wall_s"] for row in run["units"]]
     assert "done (earlier call)" in (out / "again.md").read_text(encoding="utf-8")
+
+
+def test_chinese_metrics_run_on_the_jieba_standin_where_jieba_is_missing(suite_module, monkeypatch):
+    """Without jieba the three datasets whose metrics segment with it are named in the report's note (lsht
+    and passage_retrieval_zh need no segmentation); LongBench's Chinese metrics run on the stand-in, which
+    splits into single CJK characters and whitespace-free runs of anything else."""
+    from ccq_eval.tasks.longbench import metrics, spec
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        suite_module.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "jieba" else real_find_spec(name, *args),
+    )
+    (note,) = suite_module.jieba_standin_notes(spec.LONGBENCH_DATASETS)
+    assert "multifieldqa_zh, dureader, vcsum segment with benchlib/jieba_standin" in note
+    assert suite_module.jieba_standin_notes(("narrativeqa", "lsht", "passage_retrieval_zh")) == []
+    monkeypatch.undo()
+    assert suite_module.jieba_standin_notes(spec.LONGBENCH_DATASETS) == []  # jieba is installed here
+
+    standin = load("jieba", suite_module.JIEBA_STANDIN / "jieba.py")
+    assert standin.STANDIN and list(standin.cut("北京 Tian-an men，2024年")) == [
+        "北", "京", "Tian-an", "men，2024", "年",
+    ]  # fmt: skip
+    monkeypatch.setattr(metrics, "_jieba_module", standin)
+    # 2 of 3 characters shared: precision 2/2, recall 2/3, F1 0.8.
+    assert metrics.qa_f1_zh_score("北京", "北京市") == pytest.approx(0.8)
+    assert metrics.rouge_zh_score("北京", "北京市") == pytest.approx(0.8)
+
+
+def test_a_running_unit_counts_its_time_so_far_not_as_outside(suite_module, tmp_path):
+    """While a run goes on, its running unit shows the seconds since its unit.json was written, and
+    "outside units" leaves them out; a finished unit keeps meta.json's wall time."""
+    import os
+    import time
+
+    done, running = tmp_path / "model" / "ccq_s_niah_1", tmp_path / "model" / "ccq_longbench_trec"
+    for folder, task in ((done, "ccq_s_niah_1"), (running, "ccq_longbench_trec")):
+        folder.mkdir(parents=True)
+        (folder / "unit.json").write_text(json.dumps({"task": task}), encoding="utf-8")
+    (done / "results.json").write_text("{}", encoding="utf-8")
+    (done / "meta.json").write_text(
+        json.dumps({"wall_time_s": 30.0, "started_at": "2026-12-03T10:00:00+0000"}), encoding="utf-8"
+    )
+    os.utime(running / "unit.json", (time.time() - 100, time.time() - 100))
+    rows = suite_module.unit_rows(tmp_path, since=0.0, finished=False)
+    assert [(row["task"], row["status"]) for row in rows] == [
+        ("ccq_s_niah_1", "done"), ("ccq_longbench_trec", "running"),
+    ]  # fmt: skip
+    assert rows[0]["elapsed_s"] is None and rows[1]["elapsed_s"] == pytest.approx(100, abs=5)
+    summary = suite_module.summarise({"units": rows, "wall_s": 140.0})
+    assert summary["units_s"] == 30.0 and summary["outside_units_s"] == pytest.approx(10, abs=5)
+    finished = suite_module.unit_rows(tmp_path, since=0.0, finished=True)
+    assert finished[1]["status"] == "failed" and finished[1]["elapsed_s"] is None

@@ -177,14 +177,14 @@ class Generator:
         prefix = self.codec.prefix
         prepared: list[tuple[list[int], dict[str, Any]]] = []
         seen: set[int] = set()
-        for request in requests:
+        encoded = self.codec.encode_all(request.args[0] for request in requests)
+        for request, context_ids in zip(requests, encoded, strict=True):
             first_time = id(request) not in seen
             seen.add(id(request))
-            context, gen_kwargs = request.args
-            settings = self.parse_gen_kwargs(dict(gen_kwargs or {}), request.task_name)
+            settings = self.parse_gen_kwargs(dict(request.args[1] or {}), request.task_name)
             budget = max_length - settings["max_gen_toks"] - len(prefix)
             what = f"max_length {max_length} minus max_gen_toks {settings['max_gen_toks']}"
-            content = self.truncator.fit(self.codec.encode(context), budget, settings["policy"],
+            content = self.truncator.fit(context_ids, budget, settings["policy"],
                                          request.task_name, what, count=first_time)
             prepared.append((prefix + content, settings))
         if any(len(ids) == 0 for ids, _ in prepared):

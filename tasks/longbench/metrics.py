@@ -4,9 +4,10 @@
 Every metric takes ``(prediction, ground_truth, *, all_classes=None)`` and returns a value in [0, 1];
 eval.py scores a sample as the max over its gold answers and a dataset as the mean x 100.
 
-Dependencies: the standard library only, except jieba for the two Chinese metrics (imported on first
-use). LongBench's own code uses the `rouge` package (ROUGE-L) and `fuzzywuzzy` (fuzz.ratio); both are
-re-implemented here with the same algorithms, tie-breaking and rounding, see rouge_l_f and fuzz_ratio.
+Dependencies: the standard library, numpy (an lm-eval dependency; ROUGE-L's long tables) and jieba for
+the two Chinese metrics (imported on first use). LongBench's own code uses the `rouge` package
+(ROUGE-L) and `fuzzywuzzy` (fuzz.ratio); both are re-implemented here with the same algorithms,
+tie-breaking and rounding, see rouge_l_f and fuzz_ratio.
 """
 
 from __future__ import annotations
@@ -136,19 +137,47 @@ def _rouge_sentences(text: str) -> list[str]:
     return [" ".join(piece.split()) for piece in text.split(".") if piece]
 
 
+# Above this many table cells the LCS rows are filled with numpy (a 512-token summary against a
+# reference of several hundred words is ~10^5 cells: ~0.1 s in pure Python per sample).
+_NUMPY_LCS_CELLS = 4096
+
+
+def _lcs_table(reference_words: Sequence[str], prediction_words: Sequence[str]) -> Sequence[Sequence[int]]:
+    """table[i][j] = LCS length of reference_words[:i] and prediction_words[:j] (lists for a small table,
+    a numpy array for a large one)."""
+    rows, cols = len(reference_words), len(prediction_words)
+    if rows * cols <= _NUMPY_LCS_CELLS:
+        table = [[0] * (cols + 1) for _ in range(rows + 1)]
+        for i in range(1, rows + 1):
+            ref_word = reference_words[i - 1]
+            above, here = table[i - 1], table[i]
+            for j in range(1, cols + 1):
+                if ref_word == prediction_words[j - 1]:
+                    here[j] = above[j - 1] + 1
+                else:
+                    here[j] = max(above[j], here[j - 1])
+        return table
+    # The same recurrence a row at a time: a match gives above[j - 1] + 1, which is never below
+    # here[j - 1] (adjacent LCS lengths differ by at most one), so a row is the running maximum of
+    # (above[j - 1] + 1 where the words match, above[j] elsewhere).
+    import numpy as np
+
+    ids: dict[str, int] = {}
+    prediction_ids = np.array([ids.setdefault(word, len(ids)) for word in prediction_words])
+    table_array = np.zeros((rows + 1, cols + 1), dtype=np.int64)
+    for i, ref_word in enumerate(reference_words, start=1):
+        above = table_array[i - 1]
+        candidate = above[1:].copy()
+        matches = prediction_ids == ids.get(ref_word, -1)
+        candidate[matches] = above[:-1][matches] + 1
+        np.maximum.accumulate(candidate, out=table_array[i, 1:])
+    return table_array
+
+
 def _lcs_words(reference_words: Sequence[str], prediction_words: Sequence[str]) -> set[str]:
     """Words of the longest common subsequence chosen by the `rouge` package's traceback."""
     rows, cols = len(reference_words), len(prediction_words)
-    # table[i][j] = LCS length of reference_words[:i] and prediction_words[:j]
-    table = [[0] * (cols + 1) for _ in range(rows + 1)]
-    for i in range(1, rows + 1):
-        ref_word = reference_words[i - 1]
-        above, here = table[i - 1], table[i]
-        for j in range(1, cols + 1):
-            if ref_word == prediction_words[j - 1]:
-                here[j] = above[j - 1] + 1
-            else:
-                here[j] = max(above[j], here[j - 1])
+    table = _lcs_table(reference_words, prediction_words)
     words: set[str] = set()
     i, j = rows, cols
     while i > 0 and j > 0:

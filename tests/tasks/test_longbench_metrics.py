@@ -121,6 +121,29 @@ def test_rouge_l_empty_inputs_score_zero():
     assert m.rouge_l_f("a summary", "") == 0.0
 
 
+def test_rouge_l_numpy_rows_equal_the_python_table(monkeypatch):
+    """Past _NUMPY_LCS_CELLS the LCS table is filled a row at a time with numpy: the same table, so the
+    same traceback, words and score as the cell-by-cell loop, on long summaries with many repeated words
+    (ties), several sentences and pairs with no common word."""
+    rng = random.Random(7)
+    pairs = []
+    for vocabulary, n_pred, n_gold in ((6, 300, 500), (40, 450, 700), (2000, 200, 300), (3, 70, 80)):
+        words = [f"w{i}" for i in range(vocabulary)]
+
+        def text(n, words=words):
+            return " ".join(rng.choice(words) + ("." if rng.random() < 0.02 else "") for _ in range(n))
+
+        pairs.append((text(n_pred), text(n_gold)))
+    pairs.append(("x " * 300, "y " * 300))  # nothing in common
+    with_numpy = [m.rouge_l_f(pred, gold) for pred, gold in pairs]
+    tables = [m._lcs_table(gold.split(), pred.split()) for pred, gold in pairs]
+    monkeypatch.setattr(m, "_NUMPY_LCS_CELLS", 10**9)
+    assert [m.rouge_l_f(pred, gold) for pred, gold in pairs] == with_numpy
+    for (pred, gold), table in zip(pairs, tables, strict=True):
+        assert [list(row) for row in table] == m._lcs_table(gold.split(), pred.split())
+    assert 0 < min(with_numpy[:4]) and with_numpy[4] == 0.0
+
+
 def test_rouge_l_long_sentence_no_recursion_limit():
     # 1,500 identical words in one sentence: the package's recursive traceback would overflow;
     # ours returns the real value. Distinct words: w0..w1499 -> P = R = 1.

@@ -18,7 +18,7 @@ from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.resume import request_keys
 from ccq_eval.harness.scoring import Scorer, batches
-from ccq_eval.harness.tokens import TokenCodec
+from ccq_eval.harness.tokens import TokenCodec, on_threads
 from ccq_eval.harness.truncation import Truncator
 
 logger = logging.getLogger(__name__)
@@ -175,17 +175,23 @@ class Generator:
         """(prompt ids, decoding settings) of each request, the prompt fitted into what max_length leaves."""
         max_length = self.truncator.max_length
         prefix = self.codec.prefix
-        prepared: list[tuple[list[int], dict[str, Any]]] = []
-        seen: set[int] = set()
-        encoded = self.codec.encode_all(request.args[0] for request in requests)
-        for request, context_ids in zip(requests, encoded, strict=True):
-            first_time = id(request) not in seen
-            seen.add(id(request))
-            settings = self.parse_gen_kwargs(dict(request.args[1] or {}), request.task_name)
+        settings_all = [self.parse_gen_kwargs(dict(request.args[1] or {}), request.task_name)
+                        for request in requests]
+
+        def fitted(index: int) -> tuple[list[int], bool]:  # tokenising and cutting: on threads
+            settings, task_name = settings_all[index], requests[index].task_name
             budget = max_length - settings["max_gen_toks"] - len(prefix)
             what = f"max_length {max_length} minus max_gen_toks {settings['max_gen_toks']}"
-            content = self.truncator.fit(context_ids, budget, settings["policy"],
-                                         request.task_name, what, count=first_time)
+            return self.truncator.cut(self.codec.encode(requests[index].args[0]), budget, settings["policy"],
+                                      task_name, what)
+
+        prepared: list[tuple[list[int], dict[str, Any]]] = []
+        seen: set[int] = set()
+        for request, settings, (content, truncated) in zip(
+                requests, settings_all, on_threads(fitted, range(len(requests))), strict=True):
+            if id(request) not in seen:  # a repeated Instance (data-parallel padding, `repeats`) counts once
+                self.truncator.count(settings["policy"], request.task_name, truncated)
+            seen.add(id(request))
             prepared.append((prefix + content, settings))
         if any(len(ids) == 0 for ids, _ in prepared):
             raise ValueError("generate_until: empty prompt and no BOS token to start from")

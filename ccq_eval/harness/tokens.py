@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-# Threads for encode_all. The fast (Rust) tokenizers release the GIL while they encode, so threads
-# scale with cores; beyond about 16 a request list of LongBench's size gains nothing.
+# Threads for on_threads. The fast (Rust) tokenizers release the GIL while they encode and decode, so
+# threads scale with cores; beyond about 16 a request list of LongBench's size gains nothing.
 MAX_ENCODE_THREADS = 16
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def on_threads(function: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """[function(item) for item in items], in order, on up to MAX_ENCODE_THREADS threads: a LongBench
+    unit's prompts are tens of thousands of tokens each, and tokenising them one after another on one
+    core would keep the GPU waiting for tens of seconds. The first item runs alone: a fast tokenizer
+    resets truncation or padding state an earlier caller left on it, and such a reset from two threads
+    at once fails ("Already borrowed")."""
+    items = list(items)
+    workers = min(MAX_ENCODE_THREADS, os.cpu_count() or 1, len(items))
+    if workers <= 1:
+        return [function(item) for item in items]
+    first = function(items[0])
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return [first, *pool.map(function, items[1:])]
 
 
 class TokenCodec:
@@ -39,20 +57,6 @@ class TokenCodec:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def encode_all(self, texts: Iterable[str]) -> list[list[int]]:
-        """encode() of each text, in order, on up to MAX_ENCODE_THREADS threads: a LongBench unit's
-        prompts are tens of thousands of tokens each, and encoding them one after another on one core
-        would keep the GPU waiting for tens of seconds."""
-        texts = list(texts)
-        workers = min(MAX_ENCODE_THREADS, os.cpu_count() or 1, len(texts))
-        if workers <= 1:
-            return [self.encode(text) for text in texts]
-        # The first text alone: a fast tokenizer resets truncation or padding state an earlier caller left
-        # on it, and such a reset from two threads at once fails ("Already borrowed").
-        first = self.encode(texts[0])
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return [first, *pool.map(self.encode, texts[1:])]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

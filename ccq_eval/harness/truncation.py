@@ -153,34 +153,45 @@ class Truncator:
             return gen_kwargs["ccq_truncation"]
         return task_truncation_policy(task_name) or self.default_policy
 
-    def fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
-            what: str, count: bool = True) -> list[int]:
-        """Apply `policy` so that `content` fits `budget` tokens; count what was done (`count`
-        False for a repeated Instance: lm-eval's data-parallel padding and `repeats` reuse one)."""
+    def cut(self, content: list[int], budget: int, policy: str, task_name: str | None,
+            what: str) -> tuple[list[int], bool]:
+        """`content` fitted into `budget` tokens under `policy`, and whether anything was cut. Counts
+        nothing and changes nothing, so that many prompts may be cut at once on threads (count() after)."""
         if policy not in TRUNCATION_POLICIES:
             raise ValueError(f"ccq_truncation={policy!r} (task {task_name}); valid: {', '.join(TRUNCATION_POLICIES)}")
-        stats = self.by_task.setdefault(str(task_name), {"policy": policy, "n_requests": 0, "n_truncated": 0})
-        if count:
-            self.policy_counts[policy] += 1
-            stats["n_requests"] += 1
         if budget < 1:
             needed = self.max_length - budget  # the task's new tokens (and BOS)
             raise ValueError(f"task {task_name}: {what} leaves no room for the prompt; this task needs a max "
                              f"length above {needed} (e.g. --max-length {needed + 2048}, or model_args "
                              f"max_length=...), now {self.max_length}")
         if len(content) <= budget:
-            return content
+            return content, False
         if policy == "error":
             raise ValueError(
                 f"task {task_name}: prompt of {len(content) + len(self.codec.prefix)} tokens does not fit: "
                 f"{what}. Raise max_length (model_args max_length=...) or set ccq_truncation: middle|left in "
                 f"the task's metadata.")
-        cut, truncated = truncate_tokens(content, budget, policy)
+        kept, truncated = truncate_tokens(content, budget, policy)
         if truncated and policy == "middle":
-            cut = self._middle_at_characters(content, len(cut) // 2)
-        if len(cut) > budget:
-            raise RuntimeError(f"truncate_tokens returned {len(cut)} tokens for a budget of {budget}")
-        if truncated and count:
+            kept = self._middle_at_characters(content, len(kept) // 2)
+        if len(kept) > budget:
+            raise RuntimeError(f"truncate_tokens returned {len(kept)} tokens for a budget of {budget}")
+        return kept, truncated
+
+    def count(self, policy: str, task_name: str | None, truncated: bool) -> None:
+        """Record one request of `task_name` under `policy`, and whether its prompt was cut."""
+        stats = self.by_task.setdefault(str(task_name), {"policy": policy, "n_requests": 0, "n_truncated": 0})
+        self.policy_counts[policy] += 1
+        stats["n_requests"] += 1
+        if truncated:
             self.n_truncated += 1
             stats["n_truncated"] += 1
-        return cut
+
+    def fit(self, content: list[int], budget: int, policy: str, task_name: str | None,
+            what: str, count: bool = True) -> list[int]:
+        """cut() and count() in one: `count` False for a repeated Instance (lm-eval's data-parallel
+        padding and `repeats` reuse one)."""
+        kept, truncated = self.cut(content, budget, policy, task_name, what)
+        if count:
+            self.count(policy, task_name, truncated)
+        return kept

@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_session.sh start            # first call: snapshot the repo, start the pipeline
 #   bash scripts/gpu_session.sh wait SECONDS     # later calls: wait (or until done), then collect
+#   bash scripts/gpu_session.sh go SECONDS       # every call: start unless this machine has a pipeline,
+#                                                # then wait (a machine that went back is started afresh)
 #   bash scripts/gpu_session.sh collect          # pack what exists into $OUT
 #
 # Stages (each bounded by `timeout`; a failed stage is logged and the next one still runs):
@@ -190,6 +192,12 @@ pipeline() {
 }
 
 case "$cmd" in
+  go)  # the same command for every call of a lease, with the same environment
+    if [ ! -f "$WORK/status" ]; then
+      echo "no pipeline on this machine: starting one"
+      bash "$0" start || exit $?
+    fi
+    exec bash "$0" wait "${2:-500}" ;;
   start)
     if [ -f "$WORK/status" ]; then echo "already started:"; cat "$WORK/status"; exit 0; fi
     mkdir -p "$WORK"
@@ -217,5 +225,5 @@ case "$cmd" in
       HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     mkdir -p "$WORK/logs"; install_checkout; export PATH=$VENV/bin:$PATH
     evaluate; collect ;;
-  *) echo "usage: $0 start|wait SECONDS|eval|collect"; exit 2 ;;
+  *) echo "usage: $0 start|wait SECONDS|go SECONDS|eval|collect"; exit 2 ;;
 esac

@@ -24,7 +24,7 @@
 # STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
-WORK=/tmp/gpu
+WORK=${GPU_SESSION_WORK:-/tmp/gpu}  # overridable for a dry run off the device
 VENV=/tmp/ccq-venv  # the checkout's editable install (install_checkout); its python3 comes first on PATH
 cmd=${1:-}
 

@@ -23,20 +23,7 @@ def test_encoding_on_threads_equals_encode_in_order(tokenizer, monkeypatch, thre
     caller still encodes whole texts."""
     monkeypatch.setattr(tokens, "MAX_ENCODE_THREADS", threads)
     monkeypatch.setattr(tokens.os, "cpu_count", lambda: 8)
-    words = [
-        "the",
-        "recurrent",
-        "state",
-        "keeps",
-        "a",
-        "fixed",
-        "size",
-        "while",
-        "the",
-        "key",
-        "covariance",
-        "grows",
-    ]
+    words = ["the", "recurrent", "state", "keeps", "a", "fixed", "size", "while", "the", "key", "grows"]
     texts = [" ".join(words[: 1 + i % len(words)]) * (1 + (i * 37) % 200) for i in range(24)]
     texts += ["北京是中国的首都。" * 50, "def f(x):\n    return x + 1\n" * 30, ""]
     tokenizer.backend_tokenizer.enable_truncation(max_length=8)  # what another caller may leave behind

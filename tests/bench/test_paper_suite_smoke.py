@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 import statistics
 from pathlib import Path
@@ -174,7 +175,6 @@ def test_chinese_metrics_run_on_the_jieba_standin_where_jieba_is_missing(suite_m
 def test_a_running_unit_counts_its_time_so_far_not_as_outside(suite_module, tmp_path):
     """While a run goes on, its running unit shows the seconds since its unit.json was written, and
     "outside units" leaves them out; a finished unit keeps meta.json's wall time."""
-    import os
     import time
 
     done, running = tmp_path / "model" / "ccq_s_niah_1", tmp_path / "model" / "ccq_longbench_trec"
@@ -195,3 +195,27 @@ def test_a_running_unit_counts_its_time_so_far_not_as_outside(suite_module, tmp_
     assert summary["units_s"] == 30.0 and summary["outside_units_s"] == pytest.approx(10, abs=5)
     finished = suite_module.unit_rows(tmp_path, since=0.0, finished=True)
     assert finished[1]["status"] == "failed" and finished[1]["elapsed_s"] is None
+
+
+def test_a_run_finds_the_jieba_standin_only_after_what_is_installed(suite_module, tmp_path, monkeypatch):
+    """timed_run's child gets the repository first and the jieba stand-in last on its PYTHONPATH, so an
+    installed jieba wins over the stand-in."""
+    seen = {}
+
+    class FinishedAtOnce:
+        returncode = 0
+
+        def __init__(self, command, env, **_):
+            seen["command"], seen["path"] = command, env["PYTHONPATH"].split(os.pathsep)
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/site")
+    monkeypatch.setattr(suite_module.subprocess, "Popen", FinishedAtOnce)
+    run = suite_module.timed_run(tmp_path / "model", tmp_path / "data", tmp_path / "out", [], timeout=60)
+    assert run["returncode"] == 0 and "--suite" in seen["command"]
+    assert seen["path"] == [str(suite_module.REPO), "/somewhere/site", str(suite_module.JIEBA_STANDIN)]

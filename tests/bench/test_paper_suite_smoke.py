@@ -183,7 +183,10 @@ def test_a_running_unit_counts_its_time_so_far_not_as_outside(suite_module, tmp_
         (folder / "unit.json").write_text(json.dumps({"task": task}), encoding="utf-8")
     (done / "results.json").write_text("{}", encoding="utf-8")
     (done / "meta.json").write_text(
-        json.dumps({"wall_time_s": 30.0, "started_at": "2026-12-03T10:00:00+0000"}), encoding="utf-8"
+        json.dumps(
+            {"wall_time_s": 30.0, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime())}
+        ),
+        encoding="utf-8",
     )
     os.utime(running / "unit.json", (time.time() - 100, time.time() - 100))
     rows = suite_module.unit_rows(tmp_path, since=0.0, finished=False)

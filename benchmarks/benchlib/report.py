@@ -263,7 +263,8 @@ def _header(report: dict[str, Any]) -> list[str]:
         ),
         (
             f"- timing: median of {settings['repeats']} after {settings['warmup']} warm-up calls "
-            f"({'CUDA events' if env['device_type'] == 'cuda' else 'perf_counter'}); generation median of "
+            f"({'CUDA events' if env['device_type'] == 'cuda' else 'perf_counter'}); harness median of "
+            f"{settings.get('harness_repeats', '?')} after {settings.get('harness_warmup', '?')}; generation median of "
             f"{settings['gen_repeats']}"
         ),
     ]

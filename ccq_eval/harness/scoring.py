@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
 import torch
@@ -19,7 +17,7 @@ from tqdm import tqdm
 
 from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
-from ccq_eval.harness.tokens import TokenCodec
+from ccq_eval.harness.tokens import TokenCodec, ahead_on_threads
 from ccq_eval.harness.truncation import Truncator
 from ccq_eval.model.kernels.token_logprob import token_logprob
 
@@ -243,31 +241,32 @@ class Scorer:
 
     def loglikelihood_rolling(self, requests: list[Instance], cache_hook: CacheHook,
                               disable_tqdm: bool = False) -> list[TokenNLL]:
-        """Each text scored whole in one recurrent pass. A pipeline keeps the GPU busy: worker threads
-        tokenise ahead (tens of ms for a 20K-token text; the fast tokenizers release the GIL), and a
-        text's scores are copied back and unpacked while the next text runs."""
+        """Each text scored whole in one recurrent pass. A pipeline keeps the GPU busy: all texts are
+        tokenised at once on threads (tens of ms for a 20K-token text; the fast tokenizers release the
+        GIL), one row at a time starts on the first text while the rest are tokenised, and a batch's
+        scores are copied back and unpacked while the next batch runs."""
         results: list[TokenNLL | None] = [None] * len(requests)
         prefix = self.codec.prefix
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            encoded = pool.map(self.codec.encode, [request.args[0] for request in requests])
-            if self.sizer.scoring_max_rows == 1:  # in request order, each text as soon as it is tokenised
-                rolling: Iterator[list[tuple[int, list[int]]]] = (
-                    [(i, prefix + ids)] for i, ids in enumerate(encoded))
-                n_batches = len(requests)
-            else:  # equal-length batches need every length first
-                rows_all = [prefix + ids for ids in encoded]
-                grouped = list(batches([len(r) for r in rows_all], self.sizer.rows_for(generation=False)))
-                rolling = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
-                n_batches = len(grouped)
-            pending = None
-            progress = tqdm(rolling, total=n_batches, desc="ccq loglikelihood_rolling", disable=disable_tqdm)
-            for batch in progress:
-                started = self._start_rolling(batch)
-                if pending is not None:
-                    self._finish_rolling(pending, requests, results, cache_hook)
-                pending = started
+        encoded = ahead_on_threads(self.codec.encode, [request.args[0] for request in requests],
+                                   settle=self.codec.settle)
+        if self.sizer.scoring_max_rows == 1:  # in request order, each text as soon as it is tokenised
+            rolling: Iterator[list[tuple[int, list[int]]]] = (
+                [(i, prefix + ids)] for i, ids in enumerate(encoded))
+            n_batches = len(requests)
+        else:  # equal-length batches need every length first
+            rows_all = [prefix + ids for ids in encoded]
+            grouped = list(batches([len(r) for r in rows_all], self.sizer.rows_for(generation=False)))
+            rolling = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
+            n_batches = len(grouped)
+        pending = None
+        progress = tqdm(rolling, total=n_batches, desc="ccq loglikelihood_rolling", disable=disable_tqdm)
+        for batch in progress:
+            started = self._start_rolling(batch)
             if pending is not None:
                 self._finish_rolling(pending, requests, results, cache_hook)
+            pending = started
+        if pending is not None:
+            self._finish_rolling(pending, requests, results, cache_hook)
         return results  # type: ignore[return-value]
 
     def _start_rolling(self, batch: list[tuple[int, list[int]]]):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -18,16 +18,30 @@ R = TypeVar("R")
 def on_threads(function: Callable[[T], R], items: Iterable[T]) -> list[R]:
     """[function(item) for item in items], in order, on up to MAX_ENCODE_THREADS threads: a LongBench
     unit's prompts are tens of thousands of tokens each, and tokenising them one after another on one
-    core would keep the GPU waiting for tens of seconds. The first item runs alone: a fast tokenizer
-    resets truncation or padding state an earlier caller left on it, and such a reset from two threads
-    at once fails ("Already borrowed")."""
+    core would keep the GPU waiting for tens of seconds. The first item runs alone (see ahead_on_threads)."""
+    return list(ahead_on_threads(function, items))
+
+
+def ahead_on_threads(function: Callable[[T], R], items: Iterable[T],
+                     settle: Callable[[], object] | None = None) -> Iterator[R]:
+    """function(item) for each item, in order, all computed ahead on up to MAX_ENCODE_THREADS threads and
+    yielded as each is ready, so that a consumer starts on the first while the rest are still worked on.
+
+    A fast tokenizer resets truncation or padding state that an earlier caller left on it, and such a
+    reset from two threads at once fails ("Already borrowed"). So one call runs alone first: `settle`
+    where given (TokenCodec.settle: an empty encode), else the first item."""
     items = list(items)
     workers = min(MAX_ENCODE_THREADS, os.cpu_count() or 1, len(items))
     if workers <= 1:
-        return [function(item) for item in items]
-    first = function(items[0])
+        yield from map(function, items)
+        return
+    if settle is not None:
+        settle()
+    else:
+        yield function(items[0])
+        items = items[1:]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return [first, *pool.map(function, items[1:])]
+        yield from pool.map(function, items)
 
 
 class TokenCodec:
@@ -57,6 +71,11 @@ class TokenCodec:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def settle(self) -> None:
+        """One encode on this thread, of nothing: it puts in place the settings encode() asks for (no
+        truncation, no padding), so that encodes on several threads afterwards change no state."""
+        self.encode("")
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,4 +1,5 @@
-"""ccq_eval.harness.tokens.on_threads with TokenCodec.encode: the ids encode() gives, in order."""
+"""ccq_eval.harness.tokens.on_threads and ahead_on_threads with TokenCodec.encode: the ids encode() gives,
+in order."""
 
 from pathlib import Path
 
@@ -6,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ccq_eval.harness import tokens
-from ccq_eval.harness.tokens import TokenCodec, on_threads
+from ccq_eval.harness.tokens import TokenCodec, ahead_on_threads, on_threads
 
 MISTRAL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizers" / "mistral_v1"
 
@@ -20,19 +21,28 @@ def tokenizer():
 def test_encoding_on_threads_equals_encode_in_order(tokenizer, monkeypatch, threads):
     """Texts of very different lengths (so threads finish out of order), English, Chinese and code,
     each equal to encode()'s ids at its own position; a tokenizer left with truncation on by an earlier
-    caller still encodes whole texts."""
+    caller still encodes whole texts (the first item, or TokenCodec.settle, resets it on one thread)."""
     monkeypatch.setattr(tokens, "MAX_ENCODE_THREADS", threads)
     monkeypatch.setattr(tokens.os, "cpu_count", lambda: 8)
     words = ["the", "recurrent", "state", "keeps", "a", "fixed", "size", "while", "the", "key", "grows"]
     texts = [" ".join(words[: 1 + i % len(words)]) * (1 + (i * 37) % 200) for i in range(24)]
     texts += ["北京是中国的首都。" * 50, "def f(x):\n    return x + 1\n" * 30, ""]
-    tokenizer.backend_tokenizer.enable_truncation(max_length=8)  # what another caller may leave behind
-    tokenizer(texts[0], truncation=True, max_length=8)
     codec = TokenCodec(tokenizer)
     expected = [codec.encode(text) for text in texts]
     assert max(map(len, expected)) > 2000 and expected[-1] == []
+
+    def leave_truncation_on():  # what another caller may leave behind
+        tokenizer(texts[0], truncation=True, max_length=8)
+        assert tokenizer.backend_tokenizer.truncation is not None
+
+    leave_truncation_on()
     assert on_threads(codec.encode, iter(texts)) == expected
+    leave_truncation_on()
+    ahead = ahead_on_threads(codec.encode, texts, settle=codec.settle)
+    assert next(ahead) == expected[0]  # the first is there before the rest are taken
+    assert [expected[0], *ahead] == expected
     assert on_threads(codec.encode, []) == []
+    assert list(ahead_on_threads(codec.encode, [], settle=codec.settle)) == []
 
 
 def test_prompts_cut_on_threads_equal_one_at_a_time(monkeypatch):

@@ -20,7 +20,9 @@
 # tests,train,eval,bench),
 # BENCH (subset of firstrun,model,train4,harness,ops,
 # sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
-# PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS, HARNESS_FLAGS (e.g. --no-cuda-graphs), TESTS_TIMEOUT,
+# PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS,
+# HARNESS_FLAGS (e.g. --no-cuda-graphs, or --archs gated_deltanet --ccq on), SNIAH_FLAGS, HARNESS_TIMEOUT (480 s),
+# SNIAH_TIMEOUT (900 s: four models, stock HFLM included), TESTS_TIMEOUT,
 # STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
@@ -161,14 +163,14 @@ pipeline() {
   group model && { timeout 360 "${bench[@]}" --sections model --archs gla,gated_deltanet --lengths "${MODEL_LENGTHS:-4096,20480}" \
     --modes "${MODEL_MODES:-forward,forward_graphed,train}" --repeats "${MODEL_REPEATS:-5}" --name model > "$WORK/logs/bench-model.log" 2>&1 || stage "bench model rc $?"; }
   # bench.py's defaults: the four models, 32 documents of 20K tokens per timed call, one slice each.
-  group harness && { timeout 480 "${bench[@]}" --sections harness ${HARNESS_FLAGS:-} \
+  group harness && { timeout "${HARNESS_TIMEOUT:-480}" "${bench[@]}" --sections harness ${HARNESS_FLAGS:-} \
     --name harness > "$WORK/logs/bench-harness.log" 2>&1 || stage "bench harness rc $?"; }
   # Training at a realistic batch (16K tokens per step), where the GPU, not the host, is the limit.
   group train4 && { timeout 180 "${bench[@]}" --sections model --modes train --archs gla,gated_deltanet --lengths 4096 \
     --batch 4 --repeats 3 --name model-train-batch4 > "$WORK/logs/bench-train-batch.log" 2>&1 || stage "bench train batch rc $?"; }
   group ops && { timeout 100 "${bench[@]}" --sections ops --name ops > "$WORK/logs/bench-ops.log" 2>&1 || stage "bench ops rc $?"; }
   # S-NIAH through the adapter (its defaults: graphs, batched; and batch 1) vs stock HFLM.
-  group sniah && { timeout 180 "${bench[@]}" --sections sniah --archs gla,gated_deltanet --name sniah \
+  group sniah && { timeout "${SNIAH_TIMEOUT:-900}" "${bench[@]}" --sections sniah ${SNIAH_FLAGS:-} --name sniah \
     > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"; }
   group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
-from ccq_eval.harness.tokens import TokenCodec, ahead_on_threads
+from ccq_eval.harness.tokens import TokenCodec, ahead_on_threads, on_threads
 from ccq_eval.harness.truncation import Truncator
 from ccq_eval.model.kernels.token_logprob import token_logprob
 
@@ -188,33 +188,34 @@ class Scorer:
 
     def _prepare_loglikelihood(self, requests: list[Instance]) -> list[tuple[list[int], int]]:
         """(input ids, number of continuation tokens) of each (context, continuation) request, the
-        context fitted into what max_length leaves."""
+        context fitted into what max_length leaves. The requests are tokenised on threads."""
         max_length = self.truncator.max_length
         prepared: list[tuple[list[int], int]] = []
         seen: set[int] = set()
-        for request in requests:
+        for request, (prefix, context_ids, continuation_ids) in zip(
+                requests, on_threads(self._encode_pair, requests), strict=True):
             first_time = id(request) not in seen
             seen.add(id(request))
-            context, continuation = request.args
-            if context:
-                n_spaces = len(context) - len(context.rstrip())
-                if n_spaces:  # keep word-boundary spaces with the continuation, as lm-eval does
-                    continuation = context[-n_spaces:] + continuation
-                    context = context[:-n_spaces]
-                whole = self.codec.encode(context + continuation)
-                context_ids = self.codec.encode(context)
-                continuation_ids = whole[len(context_ids):]
-                prefix = self.codec.prefix
-            else:
-                context_ids = []
-                continuation_ids = self.codec.encode(continuation)
-                prefix = self.codec.prefix or [self.codec.eot_token_id]
             budget = max_length - len(prefix) - len(continuation_ids)
             what = f"max_length {max_length} minus {len(continuation_ids)} continuation tokens"
             context_ids = self.truncator.fit(context_ids, budget, self.truncator.default_policy,
                                              request.task_name, what, count=first_time)
             prepared.append((prefix + context_ids + continuation_ids, len(continuation_ids)))
         return prepared
+
+    def _encode_pair(self, request: Instance) -> tuple[list[int], list[int], list[int]]:
+        """(prefix, context ids, continuation ids) of a (context, continuation) request: the
+        continuation's ids are those of the whole text after the context's, as lm-eval's HFLM makes them."""
+        context, continuation = request.args
+        if not context:
+            return self.codec.prefix or [self.codec.eot_token_id], [], self.codec.encode(continuation)
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:  # keep word-boundary spaces with the continuation, as lm-eval does
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        whole = self.codec.encode(context + continuation)
+        context_ids = self.codec.encode(context)
+        return self.codec.prefix, context_ids, whole[len(context_ids):]
 
     def loglikelihood(self, requests: list[Instance], cache_hook: CacheHook,
                       disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -188,7 +188,8 @@ class Generator:
         prepared: list[tuple[list[int], dict[str, Any]]] = []
         seen: set[int] = set()
         for request, settings, (content, truncated) in zip(
-                requests, settings_all, on_threads(fitted, range(len(requests))), strict=True):
+                requests, settings_all, on_threads(fitted, range(len(requests)), self.codec.settle),
+                strict=True):
             if id(request) not in seen:  # a repeated Instance (data-parallel padding, `repeats`) counts once
                 self.truncator.count(settings["policy"], request.task_name, truncated)
             seen.add(id(request))

@@ -193,7 +193,7 @@ class Scorer:
         prepared: list[tuple[list[int], int]] = []
         seen: set[int] = set()
         for request, (prefix, context_ids, continuation_ids) in zip(
-                requests, on_threads(self._encode_pair, requests), strict=True):
+                requests, on_threads(self._encode_pair, requests, self.codec.settle), strict=True):
             first_time = id(request) not in seen
             seen.add(id(request))
             budget = max_length - len(prefix) - len(continuation_ids)
@@ -249,7 +249,7 @@ class Scorer:
         results: list[TokenNLL | None] = [None] * len(requests)
         prefix = self.codec.prefix
         encoded = ahead_on_threads(self.codec.encode, [request.args[0] for request in requests],
-                                   settle=self.codec.settle)
+                                   self.codec.settle)
         if self.sizer.scoring_max_rows == 1:  # in request order, each text as soon as it is tokenised
             rolling: Iterator[list[tuple[int, list[int]]]] = (
                 [(i, prefix + ids)] for i, ids in enumerate(encoded))

@@ -15,31 +15,27 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def on_threads(function: Callable[[T], R], items: Iterable[T]) -> list[R]:
+def on_threads(function: Callable[[T], R], items: Iterable[T], settle: Callable[[], object]) -> list[R]:
     """[function(item) for item in items], in order, on up to MAX_ENCODE_THREADS threads: a LongBench
     unit's prompts are tens of thousands of tokens each, and tokenising them one after another on one
-    core would keep the GPU waiting for tens of seconds. The first item runs alone (see ahead_on_threads)."""
-    return list(ahead_on_threads(function, items))
+    core would keep the GPU waiting for tens of seconds. `settle` as in ahead_on_threads."""
+    return list(ahead_on_threads(function, items, settle))
 
 
 def ahead_on_threads(function: Callable[[T], R], items: Iterable[T],
-                     settle: Callable[[], object] | None = None) -> Iterator[R]:
+                     settle: Callable[[], object]) -> Iterator[R]:
     """function(item) for each item, in order, all computed ahead on up to MAX_ENCODE_THREADS threads and
     yielded as each is ready, so that a consumer starts on the first while the rest are still worked on.
 
     A fast tokenizer resets truncation or padding state that an earlier caller left on it, and such a
-    reset from two threads at once fails ("Already borrowed"). So one call runs alone first: `settle`
-    where given (TokenCodec.settle: an empty encode), else the first item."""
+    reset from two threads at once fails ("Already borrowed"). So `settle` (TokenCodec.settle: an empty
+    encode) runs alone first, and the threads find nothing to reset."""
     items = list(items)
     workers = min(MAX_ENCODE_THREADS, os.cpu_count() or 1, len(items))
     if workers <= 1:
         yield from map(function, items)
         return
-    if settle is not None:
-        settle()
-    else:
-        yield function(items[0])
-        items = items[1:]
+    settle()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         yield from pool.map(function, items)
 

@@ -21,7 +21,7 @@ def tokenizer():
 def test_encoding_on_threads_equals_encode_in_order(tokenizer, monkeypatch, threads):
     """Texts of very different lengths (so threads finish out of order), English, Chinese and code,
     each equal to encode()'s ids at its own position; a tokenizer left with truncation on by an earlier
-    caller still encodes whole texts (the first item, or TokenCodec.settle, resets it on one thread)."""
+    caller still encodes whole texts (TokenCodec.settle resets it on one thread first)."""
     monkeypatch.setattr(tokens, "MAX_ENCODE_THREADS", threads)
     monkeypatch.setattr(tokens.os, "cpu_count", lambda: 8)
     words = ["the", "recurrent", "state", "keeps", "a", "fixed", "size", "while", "the", "key", "grows"]
@@ -36,13 +36,13 @@ def test_encoding_on_threads_equals_encode_in_order(tokenizer, monkeypatch, thre
         assert tokenizer.backend_tokenizer.truncation is not None
 
     leave_truncation_on()
-    assert on_threads(codec.encode, iter(texts)) == expected
+    assert on_threads(codec.encode, iter(texts), codec.settle) == expected
     leave_truncation_on()
-    ahead = ahead_on_threads(codec.encode, texts, settle=codec.settle)
-    assert next(ahead) == expected[0]  # the first is there before the rest are taken
+    ahead = ahead_on_threads(codec.encode, texts, codec.settle)
+    assert next(ahead) == expected[0]  # lazily: the first text before the iterator is used up
     assert [expected[0], *ahead] == expected
-    assert on_threads(codec.encode, []) == []
-    assert list(ahead_on_threads(codec.encode, [], settle=codec.settle)) == []
+    assert on_threads(codec.encode, [], codec.settle) == []
+    assert list(ahead_on_threads(codec.encode, [], codec.settle)) == []
 
 
 def test_prompts_cut_on_threads_equal_one_at_a_time(monkeypatch):

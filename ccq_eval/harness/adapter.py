@@ -227,9 +227,9 @@ class CCQEvalLM(LM):
         from free memory, the row cost measured on first need by one eager forward of one row of
         PROBE_TOKENS tokens (fewer when chunk_size is), then the LM head and log-probabilities on up to
         `logits_chunk` of its positions, as scoring forms them."""
-        if fixed_batch_size is not None:
-            return BatchSizer(fixed_batch_size, chunk_size=chunk_size, generation_rows=generation_rows)
         device = self._device
+        if fixed_batch_size is not None and device.type != "cuda":
+            return BatchSizer(fixed_batch_size, chunk_size=chunk_size, generation_rows=generation_rows)
         probe_tokens = min(PROBE_TOKENS, chunk_size)
 
         @torch.no_grad()
@@ -244,7 +244,9 @@ class CCQEvalLM(LM):
             token_logprob(self.runtime.head(hidden[:, :positions]), ids[:, 1:positions + 1])
             return positions
 
-        return BatchSizer(None, chunk_size=chunk_size, logits_chunk=logits_chunk,
+        # With a fixed batch size the row cost serves only BatchSizer.fits_now (a prefill ahead).
+        return BatchSizer(fixed_batch_size, chunk_size=chunk_size, logits_chunk=logits_chunk,
+                          generation_rows=generation_rows,
                           free_memory=lambda: free_memory_bytes(device),
                           measure=lambda: measure_row_cost(run_body, device, probe_tokens,
                                                            self.codec.eot_token_id or 0, head=run_head))

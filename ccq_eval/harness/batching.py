@@ -130,7 +130,8 @@ class BatchSizer:
 
     fixed: that many rows at most (an explicit batch size, or 1 off the fast path); None: auto sizing
     from free memory (see the module docstring) with `measure` (-> RowCost, called once, on first need)
-    and `free_memory` (-> bytes, read at the start of each call). logits_chunk: the positions whose
+    and `free_memory` (-> bytes, read at the start of each call). With `fixed`, measure and free_memory
+    (optional) serve `fits_now` only. logits_chunk: the positions whose
     logits scoring forms at once (None: a whole slice). generation_rows: with `fixed`, the rows of a
     generation batch instead (CPU_GENERATION_BATCH on the CPU's "auto").
     """
@@ -140,6 +141,8 @@ class BatchSizer:
                  generation_rows: int | None = None, logits_chunk: int | None = None) -> None:
         if fixed is None and (measure is None or free_memory is None):
             raise ValueError("auto batch sizing needs measure= and free_memory=")
+        if (measure is None) != (free_memory is None):
+            raise ValueError("give measure= and free_memory= together")
         self.fixed = fixed
         self.generation_rows = generation_rows if fixed is not None else None
         self.chunk_size = chunk_size
@@ -193,8 +196,17 @@ class BatchSizer:
 
         return rows
 
+    def fits_now(self, lengths: list[int], generation: bool) -> bool:
+        """Whether one more batch of rows of these token lengths fits in MEMORY_SHARE of the memory free
+        now, beside what is allocated already (a batch that is decoding): the rows counted as auto sizing
+        counts them. False without measure and free_memory."""
+        if self._measure is None or self._free_memory is None:
+            return False
+        planned = sum(self.planned_row_bytes(tokens, generation) for tokens in lengths)  # measures first
+        return planned <= MEMORY_SHARE * self._free_memory()
+
     def planned_row_bytes(self, tokens: int, generation: bool) -> float:
-        """The device memory auto sizing counts for one row of `tokens` tokens (auto only)."""
+        """The device memory auto sizing counts for one row of `tokens` tokens (needs `measure`)."""
         slice_tokens, fixed_bytes = self._row_parts(tokens, generation)
         return slice_tokens * self.row_cost.bytes_per_token + fixed_bytes
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import defaultdict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -73,6 +75,71 @@ def prefill_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+class PrefillAhead:
+    """The next batch's prefill, run on a worker thread (and on CUDA a stream of its own) while the
+    current batch decodes. Why: a prefill is host-bound (the Python and kernel launches of every layer)
+    while decode steps replayed from CUDA graphs are GPU-bound, their host mostly waiting, so the two
+    overlap. The prefill runs the kernels it would run alone, so no answer changes. Before the decode
+    stream reads a prefill's logits and cache it waits for the prefill's end, and those tensors are
+    marked as used on it (record_stream): the allocator then keeps their memory from the worker's stream
+    until the decode stream is done with them. Nothing that captures a CUDA graph may run while a
+    prefill is in flight (a capture refuses other threads' launches): start one only after the current
+    batch's decode graph is set up."""
+
+    def __init__(self, prefill: Callable[[list[list[int]]], tuple[torch.Tensor, Any, list[list[int]]]],
+                 device: torch.device) -> None:
+        self._prefill = prefill
+        self._device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ccq-prefill-ahead")
+        self._pending: tuple[list[list[int]], Future] | None = None
+        self.started = 0  # prefills started ahead (for tests and benchmarks)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        """Start prefilling `prompts` (a batch taken next with `take`)."""
+        if self._pending is not None:
+            raise RuntimeError("PrefillAhead.start: the previous prefill was not taken")
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        self._pending = (prompts, self._pool.submit(self._run, prompts))
+        self.started += 1
+
+    def _run(self, prompts: list[list[int]]) -> tuple[tuple[torch.Tensor, Any, list[list[int]]], Any]:
+        # no_grad and the current stream are per thread: set both here.
+        with torch.no_grad():
+            if self._stream is None:
+                return self._prefill(prompts), None
+            with torch.cuda.stream(self._stream):
+                prefilled = self._prefill(prompts)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            return prefilled, done
+
+    def take(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any, list[list[int]]] | None:
+        """The prefill of `prompts` if it was started ahead (None otherwise), ready for the current stream."""
+        if self._pending is None or self._pending[0] is not prompts:
+            return None
+        _, future = self._pending
+        self._pending = None
+        prefilled, done = future.result()
+        if done is not None:
+            from ccq_eval.model.cuda_graphs.decode import state_tensors
+
+            current = torch.cuda.current_stream(self._device)
+            current.wait_event(done)
+            logits, cache, _ = prefilled
+            for tensor in (logits, *state_tensors(cache)):
+                tensor.record_stream(current)
+        return prefilled
+
+    def close(self) -> None:
+        """Wait for a prefill still in flight (its result is dropped) and stop the worker."""
+        if self._pending is not None:
+            self._pending[1].exception()  # waits; an error there matters only to a caller that takes it
+            self._pending = None
+        self._pool.shutdown(wait=True)
+
+
 def as_bool(value: Any) -> bool:
     if isinstance(value, str):
         if value.lower() in ("1", "true", "yes"):
@@ -91,7 +158,9 @@ class Generator:
     them; for a recurrent fla model (runtime.recurrent) prompts of any length decode together. With
     `cuda_graphs`, each decode step is replayed from a CUDA graph (ccq_eval.model.cuda_graphs.decode; one
     per batch size, reused by later batches). `seed`: with a request's identity, the seed of its sampling.
-    Prompts are fitted by `truncator` under each request's policy.
+    Prompts are fitted by `truncator` under each request's policy. `prefill_ahead` (on with CUDA graphs):
+    while a batch decodes, the next one is prefilled beside it (PrefillAhead) where the memory free then
+    holds it by the sizer's row cost.
     """
 
     def __init__(self, runtime: ModelRuntime, scorer: Scorer, codec: TokenCodec, truncator: Truncator, *,
@@ -108,6 +177,8 @@ class Generator:
         # Prompts of different lengths share their prefill on CUDA (_prefill); the CPU prefills each
         # alone, so its answers keep the bits they had.
         self.forced_tails = runtime.device.type == "cuda"
+        self.prefill_ahead = cuda_graphs
+        self.last_prefills_ahead = 0  # batches of the last generate_until prefilled while another decoded
 
     def eos_ids(self) -> set[int]:
         """Token ids that end an answer: the tokenizer's EOS and the model's generation_config ones."""
@@ -225,17 +296,41 @@ class Generator:
         if request_ids is None:
             request_ids = request_keys("generate_until", requests)
         prepared = self._prepare(requests)
+        grouped = self._batches(prepared)
+        batch_prompts = [[prepared[i][0] for i in batch] for batch in grouped]  # one list per batch: take() matches it
         results: list[str | None] = [None] * len(requests)
-        for batch in tqdm(self._batches(prepared), desc="ccq generate_until", disable=disable_tqdm):
-            settings = prepared[batch[0]][1]
-            self.sizer.record(len(batch))
-            generators = ([self.sampling_generator(request_ids[i]) for i in batch] if settings["do_sample"]
-                          else None)
-            texts = self.generate([prepared[i][0] for i in batch], settings, generators)
-            for index, text in zip(batch, texts, strict=True):
-                results[index] = text
-                cache_hook.add_partial("generate_until", requests[index].args, text)
+        ahead = PrefillAhead(self._prefill, self.runtime.device) if self.prefill_ahead and len(grouped) > 1 else None
+        try:
+            for n, batch in enumerate(tqdm(grouped, desc="ccq generate_until", disable=disable_tqdm)):
+                settings = prepared[batch[0]][1]
+                self.sizer.record(len(batch))
+                generators = ([self.sampling_generator(request_ids[i]) for i in batch] if settings["do_sample"]
+                              else None)
+                prompts = batch_prompts[n]
+                following = batch_prompts[n + 1] if n + 1 < len(grouped) else None
+
+                def start_next(following=following) -> None:
+                    if ahead is not None and following is not None and self._room_for(following):
+                        ahead.start(following)
+
+                texts = self.generate(prompts, settings, generators,
+                                      prefilled=ahead.take(prompts) if ahead is not None else None,
+                                      on_decode_ready=start_next)
+                for index, text in zip(batch, texts, strict=True):
+                    results[index] = text
+                    cache_hook.add_partial("generate_until", requests[index].args, text)
+        finally:
+            self.last_prefills_ahead = ahead.started if ahead is not None else 0
+            if ahead is not None:
+                ahead.close()
         return results  # type: ignore[return-value]
+
+    def _room_for(self, prompts: list[list[int]]) -> bool:
+        """Whether a batch of `prompts` can be prefilled beside the one decoding: on CUDA, where its planned
+        memory (the sizer's row cost) fits in what is free now; elsewhere (only where asked for) always."""
+        if self.runtime.device.type != "cuda":
+            return True
+        return self.sizer.fits_now([len(prompt) for prompt in prompts], generation=True)
 
     def decode_graph(self, cache: Any, batch: int) -> Any:
         """The captured decode step for `batch` rows, started from `cache`: captured once per batch
@@ -289,10 +384,14 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], settings: dict[str, Any],
-                 generators: list[torch.Generator] | None = None) -> list[str]:
+                 generators: list[torch.Generator] | None = None,
+                 prefilled: tuple[torch.Tensor, Any, list[list[int]]] | None = None,
+                 on_decode_ready: Callable[[], None] | None = None) -> list[str]:
         """Chunked prefill, then one token per step with the recurrent cache; with do_sample each prompt
         draws from its own generator. Rows whose prompt is longer than the batch's shortest may feed
-        their last prompt tokens through the first decode steps (see _prefill)."""
+        their last prompt tokens through the first decode steps (see _prefill). prefilled: what
+        _prefill(prompts) returned, if it ran already (PrefillAhead); on_decode_ready: called once the
+        decode graph is set up, before the first step."""
         eos_ids = self.eos_ids()
         stops = settings["until"]
         max_new = settings["max_gen_toks"]
@@ -300,11 +399,13 @@ class Generator:
         # but special ones gives at least one byte; the margin covers those). A stop the window missed
         # only costs steps: the text is cut at the first stop of the whole decoded answer below.
         window = 2 * max((len(stop.encode("utf-8")) for stop in stops), default=0) + 8
-        logits, cache, tails = self._prefill(prompts)
+        logits, cache, tails = self._prefill(prompts) if prefilled is None else prefilled
         tails = [deque(tail) for tail in tails]
         graphed = None
         if self.cuda_graphs and (max_new > 1 or any(tails)):
             graphed = self.decode_graph(cache, len(prompts))
+        if on_decode_ready is not None:
+            on_decode_ready()
         generated: list[list[int]] = [[] for _ in prompts]
         done = [max_new < 1] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)

@@ -145,3 +145,17 @@ def test_auto_adapter_runs_one_row_where_the_estimate_fits_none(auto_lm, monkeyp
     auto_lm.generate_until(requests)
     assert auto_lm.batch_sizes_run == {1: 2, 2: 1}  # 40 tokens: none fits by the estimate; 10: 3 (2)
     assert "one row of 40 tokens needs about" in caplog.text
+
+
+def test_fits_now_counts_a_further_batch_against_the_memory_free_now():
+    free = [10_000 / MEMORY_SHARE]
+    sizer = BatchSizer(1, chunk_size=100, measure=lambda: RowCost(bytes_per_token=10, state_bytes=500),
+                       free_memory=lambda: free[0])
+    # generation: 50 * 10 + 2 * 500 = 1500 bytes a row; 6 rows fit in 10000, 7 do not
+    assert sizer.fits_now([50] * 6, generation=True) and not sizer.fits_now([50] * 7, generation=True)
+    free[0] /= 2  # memory taken since (a batch decoding): read again at each call
+    assert not sizer.fits_now([50] * 6, generation=True) and sizer.fits_now([50] * 3, generation=True)
+    assert sizer.rows_for(generation=True)(50) == 1  # the fixed size still decides the batches
+    assert not BatchSizer(1, chunk_size=100).fits_now([1], generation=True)  # nothing to count by
+    with pytest.raises(ValueError, match="together"):
+        BatchSizer(1, chunk_size=100, measure=lambda: RowCost(10, 0))

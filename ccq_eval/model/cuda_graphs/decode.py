@@ -37,7 +37,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _state_tensors(cache: Any) -> list[torch.Tensor]:
+def state_tensors(cache: Any) -> list[torch.Tensor]:
+    """The state tensors of every layer of an fla Cache, in a fixed order."""
     return [t for layer in cache.layers for t in _tensors(layer.state)]
 
 
@@ -67,7 +68,7 @@ class GraphedDecodeStep:
         # Held for the graph's lifetime: once a captured step has replaced a state tensor in the cache
         # (CCQ's P, m, n always are), nothing else references the buffer the graph reads and writes,
         # and freed memory would be handed to other tensors between replays.
-        self._buffers = _state_tensors(self._cache)
+        self._buffers = state_tensors(self._cache)
 
         def step(step_cache):
             hidden = backbone(input_ids=self._ids, past_key_values=step_cache, use_cache=True)[0]
@@ -86,7 +87,7 @@ class GraphedDecodeStep:
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph):
             self._logits = step(self._cache)
-            written = _state_tensors(self._cache)
+            written = state_tensors(self._cache)
             if len(written) != len(self._buffers):
                 raise RuntimeError("the cache changed structure during a decode step; cannot graph it")
             replaced = [(target, source) for source, target in zip(written, self._buffers, strict=True)
@@ -96,7 +97,7 @@ class GraphedDecodeStep:
     def matches(self, cache: Any) -> bool:
         """Whether `cache` has the layout of the one this graph was captured from (the same state
         tensors' shapes, dtypes and devices), so that `load` can start it from there."""
-        return self._same_layout(_state_tensors(cache))
+        return self._same_layout(state_tensors(cache))
 
     def _same_layout(self, states: list[torch.Tensor]) -> bool:
         return len(states) == len(self._buffers) and all(
@@ -108,7 +109,7 @@ class GraphedDecodeStep:
         copied into the buffers the graph reads. The graph's work does not depend on the prompt, only
         on the states, so this is the same as capturing anew, without the warm-up and capture (which
         cost as much as dozens of replays)."""
-        states = _state_tensors(cache)
+        states = state_tensors(cache)
         if not self._same_layout(states):
             raise ValueError("GraphedDecodeStep.load: the cache's state tensors differ in shape, dtype or "
                              "device from the captured ones; capture a new graph for it")

@@ -11,7 +11,7 @@
 #
 # Stages (each bounded by `timeout`; a failed stage is logged and the next one still runs):
 #   1. the five embedded checkpoints trained at once, one process each, beside the GPU tests
-#      (pytest -m "gpu and not gpu_long" -n 8; STAGES without "tests" skips them);
+#      (pytest -m gpu -n 8; STAGES without "tests" skips them);
 #   2. the default suite at the larger grid on the freshly trained models (one process per model);
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 #   4. (STAGES with "paper") benchmarks/paper_suite.py for PAPER_ARCH (gla) with CCQ PAPER_CCQ (on), after
@@ -122,8 +122,8 @@ pipeline() {
     done
   fi
   if want tests; then
-  # The README's main GPU command (the gpu_long test runs by itself: about 4 minutes).
-  timeout "${TESTS_TIMEOUT:-840}" python3 -m pytest -m "gpu and not gpu_long" -n 8 -v -rfE -p no:cacheprovider \
+  # The README's GPU command (its gpu_long test, about 4 minutes, is collected first: tests/conftest.py).
+  timeout "${TESTS_TIMEOUT:-600}" python3 -m pytest -m gpu -n 8 -v -rfE --durations=15 -p no:cacheprovider \
     ${GPU_TESTS:-tests} > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
   # The benchmarks time the GPU alone: with no training beside them, let the tests finish first.

@@ -35,7 +35,7 @@ def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu_long  # about 4 minutes: fla's GLA kernels tuned over every candidate in a fresh process
+@pytest.mark.gpu_long  # about 4 minutes (fla's GLA kernels tuned over every candidate in a fresh process): run first
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_unchanged_and_plain_model_bit_identical_cuda(tmp_path):
     """The same on CUDA, where the plain model runs through: its logits have the same bits, although the CCQ

@@ -2,16 +2,21 @@
 without ccq-eval having built and run its CCQ models in the same process, and whether any attribute of
 fla's modules changed meanwhile. Prints one JSON object.
 
-    python _fla_untouched_checks.py plain DEVICE      # never imports ccq_eval
-    python _fla_untouched_checks.py after-ccq DEVICE  # builds and runs CCQ models first
+    python _fla_untouched_checks.py plain DEVICE                 # never imports ccq_eval
+    python _fla_untouched_checks.py after-ccq DEVICE [READY]     # builds and runs CCQ models first
+
+With READY (a path), the after-ccq side runs its CCQ models at once and waits for READY to exist before
+it runs the plain model, so that it can start beside a "plain" process whose tuned winners it must find.
 """
 
 import hashlib
 import importlib
 import json
 import sys
+import time
 import types
 import warnings
+from pathlib import Path
 
 import torch
 from fla.models import GLAConfig, GLAForCausalLM
@@ -135,7 +140,15 @@ def plain_fla_outcome(device: str) -> dict:
     return {"module_outputs": digests, "error": error}
 
 
-def main(mode: str, device: str) -> None:
+def wait_until_exists(path: Path, timeout_s: float = 1200.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"{path} did not appear within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def main(mode: str, device: str, ready: str | None = None) -> None:
     result = {}
     if mode == "after-ccq":
         before, tuners_before = fla_attributes(), autotuner_state()
@@ -145,6 +158,8 @@ def main(mode: str, device: str) -> None:
         result["autotuners"] = len(tuners_before)
         result["autotuners_changed"] = sorted(name for name, state in tuners_before.items()
                                               if tuners_after.get(name) != state)
+        if ready is not None:
+            wait_until_exists(Path(ready))
     elif mode != "plain":
         sys.exit(f"unknown mode {mode!r}: use 'plain' or 'after-ccq'")
     result["plain"] = plain_fla_outcome(device)
@@ -153,4 +168,4 @@ def main(mode: str, device: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -21,6 +21,20 @@ def _checks(mode: str, device: str, env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _start_checks(mode: str, device: str, env: dict, logs: Path, *extra: str) -> subprocess.Popen:
+    """The checks in a process of their own, started now; stdout and stderr go to files under `logs` (a
+    pipe nobody reads while the other process runs could fill and stall it)."""
+    with open(logs / f"{mode}.out", "w") as out, open(logs / f"{mode}.err", "w") as err:
+        return subprocess.Popen([sys.executable, str(CHECKS), mode, device, *extra], text=True, stdout=out,
+                                stderr=err, env={**os.environ, **env})
+
+
+def _outcome(process: subprocess.Popen, logs: Path, mode: str) -> dict:
+    process.wait()
+    assert process.returncode == 0, (logs / f"{mode}.err").read_text()[-4000:]
+    return json.loads((logs / f"{mode}.out").read_text().strip().splitlines()[-1])
+
+
 def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu():
     """On CPU plain fla stops at its first triton kernel: everything it computes before that must have the
     same bits, and it must stop with the same error (ccq-eval's CPU backend must not have reached it)."""
@@ -41,10 +55,18 @@ def test_fla_unchanged_and_plain_model_bit_identical_cuda(tmp_path):
     """The same on CUDA, where the plain model runs through: its logits have the same bits, although the CCQ
     models ran first under ccq-eval's cap on autotuning (over the same fla kernels). Both processes share one
     triton cache, so the plain model's kernels, tuned over all of triton's candidates, have the same winners
-    on both sides (the fresh process tunes first, the other finds its winners on disk)."""
+    on both sides (the fresh process tunes first, the other finds its winners on disk). The two processes
+    start together: the second builds and runs its CCQ models while the first tunes, and runs its plain
+    model only once the first has finished."""
     env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    fresh = _checks("plain", "cuda", env)
-    after = _checks("after-ccq", "cuda", env)
+    ready = tmp_path / "plain-finished"
+    after_process = _start_checks("after-ccq", "cuda", env, tmp_path, str(ready))
+    try:
+        fresh = _outcome(_start_checks("plain", "cuda", env, tmp_path), tmp_path, "plain")
+        ready.touch()
+        after = _outcome(after_process, tmp_path, "after-ccq")
+    finally:
+        after_process.kill()  # a no-op once it has exited; otherwise it would wait for `ready` forever
     assert fresh["plain"]["error"] is None, fresh["plain"]["error"]
     assert torch.isfinite(torch.tensor(after["ccq_logits_sum"])), "the CCQ models did not run"
     assert after["changed"] == [], "ccq-eval changed fla's modules:\n" + "\n".join(after["changed"])

@@ -14,13 +14,6 @@ import torch
 CHECKS = Path(__file__).with_name("_fla_untouched_checks.py")
 
 
-def _checks(mode: str, device: str, env: dict | None = None) -> dict:
-    done = subprocess.run([sys.executable, str(CHECKS), mode, device], capture_output=True, text=True,
-                          check=False, env={**os.environ, **(env or {})})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _start_checks(mode: str, device: str, env: dict, logs: Path, *extra: str) -> subprocess.Popen:
     """The checks in a process of their own, started now; stdout and stderr go to files under `logs` (a
     pipe nobody reads while the other process runs could fill and stall it)."""
@@ -35,11 +28,11 @@ def _outcome(process: subprocess.Popen, logs: Path, mode: str) -> dict:
     return json.loads((logs / f"{mode}.out").read_text().strip().splitlines()[-1])
 
 
-def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu():
+def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu(tmp_path):
     """On CPU plain fla stops at its first triton kernel: everything it computes before that must have the
     same bits, and it must stop with the same error (ccq-eval's CPU backend must not have reached it)."""
-    fresh = _checks("plain", "cpu")
-    after = _checks("after-ccq", "cpu")
+    fresh = _outcome(_start_checks("plain", "cpu", {}, tmp_path), tmp_path, "plain")
+    after = _outcome(_start_checks("after-ccq", "cpu", {}, tmp_path), tmp_path, "after-ccq")
     assert not fresh["ccq_eval_imported"] and after["ccq_eval_imported"]
     assert torch.isfinite(torch.tensor(after["ccq_logits_sum"])), "the CCQ models did not run"
     assert after["changed"] == [], "ccq-eval changed fla's modules:\n" + "\n".join(after["changed"])
@@ -49,7 +42,7 @@ def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu_long  # about 4 minutes (fla's GLA kernels tuned over every candidate in a fresh process): run first
+@pytest.mark.gpu_long  # minutes: fla's GLA kernels tuned over every candidate in a fresh process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_unchanged_and_plain_model_bit_identical_cuda(tmp_path):
     """The same on CUDA, where the plain model runs through: its logits have the same bits, although the CCQ

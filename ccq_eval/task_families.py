@@ -23,7 +23,7 @@ LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_l
 DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
 # The run's task metadata keys that only some families record in their units' spec (TaskFamily.metadata_keys);
 # every other key (the seed) is recorded for every task.
-FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir")
+FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir", "qa_dir")
 
 
 class UnknownTaskFamilyError(ValueError):
@@ -78,6 +78,11 @@ class TaskFamily:
         """Whether its documents come from the official LongBench jsonl files (--longbench-dir)."""
         return "data_dir" in self.metadata_keys
 
+    @property
+    def needs_qa_data(self) -> bool:
+        """Whether its documents come from SQuAD / HotpotQA files (--qa-dir, or the hub)."""
+        return "qa_dir" in self.metadata_keys
+
 
 S_NIAH = TaskFamily(
     name="s-niah",
@@ -98,6 +103,71 @@ S_NIAH = TaskFamily(
             "accuracy (RULER string match, %) per nominal length; depth x length cells in `--view tidy`",
         ),
     ),
+)
+RULER_NIAH = TaskFamily(
+    name="niah",
+    title="NIAH with competitors",
+    task_prefixes=("ccq_niah_",),
+    request_type="generate_until",
+    metrics=("acc",),
+    primary_metric="acc",
+    higher_is_better=True,
+    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell"}),
+    length_grid=True,
+    cell_rows=True,
+    display_label="NIAH ",
+    tables=(
+        FamilyTable(
+            "per_length",
+            "RULER multi-key / multi-value / multi-query NIAH accuracy per length",
+            "accuracy (RULER string match, %) per nominal length; depth = the target needle's",
+        ),
+    ),
+)
+RULER_VT = TaskFamily(
+    name="ruler-vt",
+    title="variable tracking",
+    task_prefixes=("ccq_ruler_vt",),
+    request_type="generate_until",
+    metrics=("acc",),
+    primary_metric="acc",
+    higher_is_better=True,
+    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell"}),
+    length_grid=True,
+    cell_rows=True,
+    display_label="RULER ",
+    tables=(FamilyTable("per_length", "RULER variable tracking accuracy per length",
+                        "accuracy (RULER string match, %); depth = the first variable's"),),
+)
+RULER_AGGREGATION = TaskFamily(
+    name="ruler-aggregation",
+    title="common / frequent words",
+    task_prefixes=("ccq_ruler_cwe", "ccq_ruler_fwe"),
+    request_type="generate_until",
+    metrics=("acc",),
+    primary_metric="acc",
+    higher_is_better=True,
+    metadata_keys=frozenset({"lengths", "samples_per_cell"}),
+    length_grid=True,
+    cell_rows=True,
+    display_label="RULER ",
+    tables=(FamilyTable("per_length", "RULER word extraction accuracy per length",
+                        "accuracy (RULER string match, %); no target position, so no depth"),),
+)
+RULER_QA = TaskFamily(
+    name="ruler-qa",
+    title="RULER QA",
+    task_prefixes=("ccq_ruler_qa",),
+    request_type="generate_until",
+    metrics=("acc",),
+    primary_metric="acc",
+    higher_is_better=True,
+    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell", "qa_dir"}),
+    length_grid=True,
+    cell_rows=True,
+    display_label="RULER ",
+    tables=(FamilyTable("per_length", "RULER QA accuracy per length",
+                        "RULER string_match_part, %; depth = the gold document's"),),
 )
 PERPLEXITY = TaskFamily(
     name="ppl",
@@ -156,7 +226,9 @@ OTHER = TaskFamily(
 )
 
 # In the order the paper tables show them.
-FAMILIES: tuple[TaskFamily, ...] = (S_NIAH, PERPLEXITY, LONGBENCH, LONGBENCH_E, OTHER)
+FAMILIES: tuple[TaskFamily, ...] = (
+    S_NIAH, RULER_NIAH, RULER_VT, RULER_AGGREGATION, RULER_QA, PERPLEXITY, LONGBENCH, LONGBENCH_E, OTHER,
+)
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 
 

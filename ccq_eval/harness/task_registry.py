@@ -21,15 +21,34 @@ from pathlib import Path
 from typing import Any, Protocol
 
 TASKS_PACKAGE = "ccq_eval.tasks"  # tasks/ of the repository, installed as this package (pyproject.toml)
-TASK_FOLDERS = ("s_niah", "ppl", "longbench")
+TASK_FOLDERS = ("s_niah", "ruler_niah", "ruler_vt", "ruler_aggregation", "ruler_qa", "ppl", "longbench")
+
+S_NIAH_TASKS = ("ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3")
+NIAH_TASKS = S_NIAH_TASKS + ("ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_niah_multikey_3",
+                             "ccq_niah_multivalue", "ccq_niah_multiquery")
+# RULER's 13 tasks in its own order (fla's README: niah_single_1..3, niah_multikey_1..3, niah_multiquery,
+# niah_multivalue, ruler_vt, ruler_cwe, ruler_fwe, ruler_qa_squad, ruler_qa_hotpot)
+RULER_SYNTHETIC_TASKS = NIAH_TASKS + ("ccq_ruler_vt", "ccq_ruler_cwe", "ccq_ruler_fwe")
+RULER_QA_TASKS = ("ccq_ruler_qa_squad", "ccq_ruler_qa_hotpot")
+RULER_TASKS = RULER_SYNTHETIC_TASKS + RULER_QA_TASKS
 
 # alias -> (targets in our index, description)
 ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
-    "s-niah": (("ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3"),
-               "RULER single needle-in-a-haystack, all three variants"),
+    "ruler": (RULER_TASKS, "RULER's 13 tasks: the 8 NIAH tasks, variable tracking, common / frequent words, QA"),
+    "ruler-synthetic": (RULER_SYNTHETIC_TASKS, "RULER's 11 synthetic tasks (all but QA; no data needed)"),
+    "niah": (NIAH_TASKS, "RULER's 8 needle-in-a-haystack tasks: single, multi-key, multi-value, multi-query"),
+    "s-niah": (S_NIAH_TASKS, "RULER single needle-in-a-haystack, all three variants"),
     "s-niah-1": (("ccq_s_niah_1",), "S-NIAH-1: passkey (7-digit number) in repeated noise"),
     "s-niah-2": (("ccq_s_niah_2",), "S-NIAH-2: 7-digit number in essays"),
     "s-niah-3": (("ccq_s_niah_3",), "S-NIAH-3: UUID in essays"),
+    "niah-multikey": (("ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_niah_multikey_3"),
+                      "RULER multi-key NIAH: distractor needles in essays; needles as haystack (words, UUIDs)"),
+    "niah-multivalue": (("ccq_niah_multivalue",), "RULER multi-value NIAH: four values under one key"),
+    "niah-multiquery": (("ccq_niah_multiquery",), "RULER multi-query NIAH: four keys asked at once"),
+    "ruler-vt": (("ccq_ruler_vt",), "RULER variable tracking: follow a chain of assignments"),
+    "ruler-cwe": (("ccq_ruler_cwe",), "RULER common-words extraction: the 10 most common words of a list"),
+    "ruler-fwe": (("ccq_ruler_fwe",), "RULER frequent-words extraction: the 3 most frequent coded words"),
+    "ruler-qa": (RULER_QA_TASKS, "RULER QA: SQuAD v2 and HotpotQA among distractor documents (--qa-dir)"),
     "ppl": (("ccq_ppl_buckets", "ccq_ppl_sweep"), "length-extrapolation perplexity, both protocols"),
     "ppl-buckets": (("ccq_ppl_buckets",), "perplexity per position bucket of long blocks (fla evals/ppl.py)"),
     "ppl-sweep": (("ccq_ppl_sweep",), "perplexity of the first L tokens of documents, per L (YaRN)"),

@@ -46,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchlib import workload  # benchmarks/ is on sys.path from here on
+from benchlib import workload  # noqa: E402  (benchmarks/ is on sys.path from here on)
 
 SCHEMA = "ccq-eval-paper-suite/1"
 POLL_S = 15  # while a run goes on, its units so far are written into the report this often

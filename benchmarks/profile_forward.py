@@ -107,7 +107,8 @@ def main() -> None:
                     for _ in range(args.docs):
                         model(input_ids=tokens, use_cache=False)
                 torch.cuda.synchronize()
-                print(f"    bare forwards of the same {args.docs} documents: {1e3 * (time.perf_counter() - start):.2f} ms")
+                elapsed_ms = 1e3 * (time.perf_counter() - start)
+                print(f"    bare forwards of the same {args.docs} documents: {elapsed_ms:.2f} ms")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 call()
@@ -201,7 +202,8 @@ def score_steps(model, lm, tokens, requests, ccq: bool) -> None:
         ("loglikelihood_rolling, whole call", lambda: lm.loglikelihood_rolling(requests, disable_tqdm=True)),
     ]
     print(f"\n=== score steps, ccq={ccq}: {n} documents of {tokens.shape[1]} tokens per call; CCQ read "
-          f"{os.environ.get('CCQ_EVAL_CCQ_KERNEL', 'default')}, log-softmax {os.environ.get('CCQ_EVAL_TOKEN_LOGPROB', 'default')}")
+          f"{os.environ.get('CCQ_EVAL_CCQ_KERNEL', 'default')}, "
+          f"log-softmax {os.environ.get('CCQ_EVAL_TOKEN_LOGPROB', 'default')}")
     for name, fn in steps:
         for _ in range(2):
             fn()

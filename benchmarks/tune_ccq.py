@@ -79,9 +79,10 @@ def main() -> None:
         H, K = SHAPES[name]
         r, k, log_gamma, gate = _inputs(args.T, H, K)
 
-        def forward(raw_keys=True, segment_chunks=None, keys=k):
-            return ccq_forward.ccq_order1_forward(r, keys, log_gamma, None, True, None, output_final_state=True,
-                                                 raw_keys=raw_keys, gate=gate, segment_chunks=segment_chunks)
+        def forward(raw_keys=True, segment_chunks=None, keys=k):  # timed within this iteration only
+            return ccq_forward.ccq_order1_forward(r, keys, log_gamma, None, True, None,  # noqa: B023
+                                                 output_final_state=True, raw_keys=raw_keys,
+                                                 gate=gate, segment_chunks=segment_chunks)  # noqa: B023
 
         print(f"\n## {name}: H = {H}, d_k = {K}\n\nkernels of the default call (autotuned), us per call:")
         for kernel, us in sorted(_kernel_times(forward, args.repeats).items(), key=lambda item: -item[1]):
@@ -99,10 +100,10 @@ def main() -> None:
         NT = triton.cdiv(args.T, ccq_forward.CHUNK)
         auto = ccq_forward._segment_chunks(NT, K // ccq_forward.STATE_ROWS * H, r.device)
         for seg in sorted({auto, *(int(s) for s in args.segments.split(","))}):
-            row(f"segment {seg} chunks{' (auto)' if seg == auto else ''}", lambda: forward(segment_chunks=seg))
+            row(f"segment {seg} chunks{' (auto)' if seg == auto else ''}", lambda seg=seg: forward(segment_chunks=seg))
         unit = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
-        row("unit keys given (raw_keys=False)", lambda: forward(raw_keys=False, keys=unit))
-        row("same unit keys, normalised again (raw_keys=True)", lambda: forward(keys=unit))
+        row("unit keys given (raw_keys=False)", lambda unit=unit: forward(raw_keys=False, keys=unit))
+        row("same unit keys, normalised again (raw_keys=True)", lambda unit=unit: forward(keys=unit))
         for config in tried:
             read.configs, read.cache = [config], {}
             row(f"read {config.kwargs} warps {config.num_warps} stages {config.num_stages}"

@@ -16,7 +16,7 @@
 - query_move: ||q~ - r|| / ||r|| over the sampled positions, per layer (boxes).
 - top_direction_energy: per layer (mean over heads and prompts), how much the needle's unit keys and
   the other tokens' lie along Sigma's top-16 eigen-directions at the answer position (mean squared
-  projection): the analysis ccq.md cites from the CCQ paper. A needle off those directions is what a
+  projection): the analysis the CCQ paper gives (docs/operator.md). A needle off those directions is what a
   contraction along them leaves readable.
 - mechanism_figure (`inspect --mechanism-figure PATH`, not in draw_all): one small PNG for a README, the
   needle share per layer with CCQ's read against the plain read r (lambda = 0), one panel per model.

@@ -10,7 +10,7 @@ Definitions (the README's "Looking inside" states them too):
   way: CCQ changes only the read.
 - lambda_t: a CCQ model's gate, lambda_max sigmoid(a . r_t + b); for a baseline the constant above
   (column lambda_source says which).
-- Sigma_t: the decayed covariance of the unit keys (ccq.md), at the answer position; its
+- Sigma_t: the decayed covariance of the unit keys (docs/operator.md), at the answer position; its
   eigenvalues, trace, effective rank (tr Sigma)^2 / tr Sigma^2 and participation ratio
   effective rank / d_k; needle_top_energy / haystack_top_energy: the mean squared projection of
   the needle's / the other tokens' unit keys on Sigma's top-16 eigen-directions.
@@ -64,7 +64,7 @@ class CCQSettings:
 
 
 def ccq_scalar_log_decay(read: LayerRead, settings: CCQSettings) -> torch.Tensor:
-    """CCQ's log gamma [H, T] for a layer: the captured one (CCQ models), else as ccq.md defines it."""
+    """CCQ's log gamma [H, T] for a layer: the captured one (CCQ models), else as docs/operator.md defines it."""
     if read.ccq_log_gamma is not None:
         return read.ccq_log_gamma
     if settings.decay == "none":

@@ -19,7 +19,7 @@ The read as a sum over tokens. With scale s = K^-0.5 (fla's default):
   u <- A_i^T u = exp(g_i) (u - beta_i k_i (k_i . u)) (A_i is symmetric), O(T K) in all.
 The needle share of a read is sum_{i in needle} ||c_i v_i|| / sum_{i<=t} ||c_i v_i||.
 
-The key covariance (../../shared/design/ccq.md): with unit keys kappa and CCQ's scalar decay gamma,
+The key covariance (docs/operator.md): with unit keys kappa and CCQ's scalar decay gamma,
 `decayed_moments` gives n_t, m_t and P_t = sum_i w_{i,t} kappa_i kappa_i^T at chosen positions
 (one pass over the sequence), from which Sigma_t = P_t / n_t - mu_t mu_t^T (centered) or P_t / n_t.
 """

@@ -1,6 +1,6 @@
 """The Curvature-Conditioned Query (CCQ) read operator, in three forms that must agree.
 
-Definition (../shared/design/ccq.md, per layer, head h and position t):
+Definition (docs/operator.md, per layer, head h and position t):
     kappa_t = k_t / max(||k_t||, 1e-6)                     unit keys
     w_{i,t} = prod_{j=i+1..t} gamma_j,  n_t = sum_i w_{i,t}  decayed counts
     mu_t = (1/n_t) sum_i w_{i,t} kappa_i,  M_t = (1/n_t) sum_i w_{i,t} kappa_i kappa_i^T
@@ -27,8 +27,9 @@ Forms:
 - `ccq_read_chunk`: chunkwise, O(T * C) memory. On CUDA the unfused kernel path: per order a K x K
   covariance pass with fla's chunk_simple_gla (q = u, k = v = kappa, scalar log decay, scale 1), m and
   n as batched decayed sums. By default order 1 runs through the fused Triton kernels of
-  `kernels.ccq_forward` / `kernels.ccq_backward` instead, forward and backward (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On
-  CPU a torch chunk loop applies all orders per chunk in one pass.
+  `kernels.ccq_forward` / `kernels.ccq_backward` instead, forward and backward
+  (CCQ_EVAL_CCQ_KERNEL=unfused switches them off). On CPU a torch chunk loop applies all orders per
+  chunk in one pass.
 - `ccq_read_recurrent`: token by token with the decoding state (P, m, n).
 
 Shapes: r, kappa [B, T, H, K]; log_gamma, lam [B, T, H]. The state is a `CCQState` of fp32 (or fp64
@@ -164,7 +165,7 @@ def ccq_read_reference(
 ) -> tuple[torch.Tensor, CCQState]:
     """Parallel O(T^2) form: materialises w_{i,t} for all pairs. For tests and small T only."""
     _check(r, kappa, log_gamma, lam, order, form)
-    B, T, H, K = r.shape
+    B, T, H, _ = r.shape
     acc = _state_dtype(r)
     rr, kk, lam_ = r.to(acc), kappa.to(acc), lam.to(acc).unsqueeze(-1)
     c = log_gamma.to(acc).cumsum(1)  # [B, T, H]: log prod_{j<=t} gamma_j
@@ -255,7 +256,7 @@ def _decayed_sums_chunk(kappa_c, b, state: CCQState):
 
 def _ccq_chunk_torch(r, kappa, log_gamma, lam, order, centered, state: CCQState, chunk_size: int,
                      form: str = "series"):
-    B, T, H, K = r.shape
+    T = r.shape[1]
     acc = state.P.dtype
     outputs = []
     P, m_state, n_state = state
@@ -467,7 +468,7 @@ def ccq_read_chunk(
 ) -> tuple[torch.Tensor, CCQState]:
     """Chunkwise form for training, scoring and prefill. Dispatches on the tensors' device."""
     _check(r, kappa, log_gamma, lam, order, form)
-    B, T, H, K = r.shape
+    B, _, H, K = r.shape
     acc = _state_dtype(r)
     if _fused_applies(r, order, form):
         fused = _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state)
@@ -503,8 +504,8 @@ def ccq_read_keys(r, k, log_gamma, gate: CCQGate, order=1, centered=True, initia
     the kernels normalise the keys and form lambda themselves: for inference, the chunked read for
     prefill and scoring and a one-step kernel for decoding; for training from a zero state,
     _FusedOrder1Keys. Everything else forms unit_keys(k) and lambda here and calls ccq_read.
-    keys_unit: k is already L2-normalised (Gated DeltaNet's l2norm; ccq.md: its keys "are already
-    unit-norm"), so the fused chunked read takes it as kappa and skips its normalising pass. The other
+    keys_unit: k is already L2-normalised (Gated DeltaNet's l2norm; docs/operator.md: its keys are unit
+    already), so the fused chunked read takes it as kappa and skips its normalising pass. The other
     paths normalise it again, which changes it by rounding, and for keys fla's l2norm leaves shorter
     than unit (its eps = 1e-6 is added to ||k||^2, so below ||k|| ~ 1e-3) by their length.
     form: "series" or "resolvent" (order is then the number of CG steps); the resolvent always takes

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ccq_eval.errors import UserError
 from ccq_eval.model import checkpoint
 from ccq_eval.model.modeling_ccq import (
     CCQConfigMixin,
@@ -34,7 +35,6 @@ from ccq_eval.model.modeling_ccq import (
 )
 from ccq_eval.model.registry import MODEL_REGISTRY_PATH as REGISTRY_FILE
 from ccq_eval.model.registry import MODELS_DIR, ModelEntry, RegistryError, load_model_registry
-
 
 # model_type in config.json -> (config class, model class, whether CCQ is on unless the user says;
 # None: the model has no CCQ, e.g. the softmax-attention reference).
@@ -51,7 +51,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A checkpoint could not be loaded; the message says what was wrong and what to do."""
 
 
@@ -150,7 +150,7 @@ CONSTANT_GATE_FIELDS = ("ccq", "ccq_gate", "ccq_lambda_max", "ccq_gate_bias_init
 def constant_gate_fields(lam: float) -> dict[str, Any]:
     """CCQ config fields that make lambda_t exactly `lam` at every position and head: the constant gate
     lambda_max * sigmoid(b) with b = 0 (sigmoid(0) = 0.5 exactly) and lambda_max = 2 lam; lam = 0 (where
-    ccq_lambda_max must stay > 0) with b = -inf, sigmoid(-inf) = 0 (ccq.md's identity case)."""
+    ccq_lambda_max must stay > 0) with b = -inf, sigmoid(-inf) = 0 (docs/operator.md: the identity case)."""
     if not math.isfinite(lam) or lam < 0:
         raise ModelLoadError(f"a CCQ attachment needs a finite lambda >= 0, got {lam!r}")
     if lam == 0:
@@ -159,7 +159,7 @@ def constant_gate_fields(lam: float) -> dict[str, Any]:
 
 
 def ccq_config_fields() -> list[str]:
-    """The CCQ fields the config classes know (ccq.md's Configuration), in their order."""
+    """The CCQ fields the config classes know (docs/operator.md: configuration), in their order."""
     return [name for name in inspect.signature(CCQConfigMixin._init_ccq).parameters if name.startswith("ccq")]
 
 

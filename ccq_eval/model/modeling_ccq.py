@@ -4,7 +4,7 @@ The classes extend fla 0.6.0's GLA and Gated DeltaNet. Every fla layer keeps its
 a CCQ layer adds two per head (gate weight a_h [H, K] at 0, gate bias b_h [H] at ccq_gate_bias_init), so
 every fla checkpoint loads with the CCQ parameters at their initial values. With `ccq=False` a layer
 runs fla's own forward, so the logits are fla's. Only the read changes: the kernels get q~ in place of
-the query; keys, values, gates and the write are untouched (../shared/design/ccq.md).
+the query; keys, values, gates and the write are untouched (docs/operator.md).
 
 The recurrent state of a CCQ layer in fla's Cache is the tuple (S, P, m, n): the backbone state, then
 the CCQ covariance state (see ccq_eval.model.ccq.CCQState).
@@ -16,6 +16,7 @@ import logging
 import tarfile
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,7 @@ def _positive_int(value) -> bool:
 
 
 class CCQConfigMixin:
-    """The CCQ fields of ccq.md, validated when a config is built or loaded.
+    """The CCQ fields of docs/operator.md, validated when a config is built or loaded.
 
     ccq_form selects the read operator: "series" (default) q~ = sum_{j=0..R} (-lambda Sigma)^j r with
     R = ccq_order; "resolvent" q~ = (I + lambda Sigma)^-1 r, solved by ccq_solve_steps conjugate-gradient
@@ -226,7 +227,7 @@ def _reject_varlen(cu_seqlens):
 def _gla_read(name: str) -> Callable:
     """GLA kernel `name` as a CCQ layer calls it: CCQ turns q into q~ and keeps (P, m, n) beside the
     backbone state S in the layer's recurrent state. GLA's decay for CCQ: exp(mean_j gk[j]), the
-    geometric mean of the channel decays (a scalar keeps Sigma symmetric, ccq.md)."""
+    geometric mean of the channel decays (a scalar keeps Sigma symmetric, docs/operator.md)."""
 
     def read(*, q, k, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
         kernel = READ_KERNELS[name]
@@ -308,7 +309,7 @@ class CCQCausalLMMixin:
     """Turns the fla layers of a freshly built model into CCQ layers and its other fla modules into ones
     that also run on CPU (fla_cpu.use_torch_backend), and fixes generate()'s cache name."""
 
-    _ccq_layer_types: dict[type, type] = {}
+    _ccq_layer_types: ClassVar[dict[type, type]] = {}
 
     # fla's loss computation, building its fused losses as classes that also run on CPU
     _compute_logits_and_loss = fla_cpu.backend.loss_on_any_device(FLAForCausalLM._compute_logits_and_loss)
@@ -341,7 +342,7 @@ class CCQCausalLMMixin:
 
 class CCQGLAForCausalLM(CCQCausalLMMixin, GLAForCausalLM):
     config_class = CCQGLAConfig
-    _ccq_layer_types = {GatedLinearAttention: CCQGatedLinearAttention}
+    _ccq_layer_types: ClassVar[dict[type, type]] = {GatedLinearAttention: CCQGatedLinearAttention}
 
     def __init__(self, config: CCQGLAConfig):
         prepare_runtime()
@@ -351,7 +352,7 @@ class CCQGLAForCausalLM(CCQCausalLMMixin, GLAForCausalLM):
 
 class CCQGatedDeltaNetForCausalLM(CCQCausalLMMixin, GatedDeltaNetForCausalLM):
     config_class = CCQGatedDeltaNetConfig
-    _ccq_layer_types = {GatedDeltaNet: CCQGatedDeltaNet}
+    _ccq_layer_types: ClassVar[dict[type, type]] = {GatedDeltaNet: CCQGatedDeltaNet}
 
     def __init__(self, config: CCQGatedDeltaNetConfig):
         prepare_runtime()

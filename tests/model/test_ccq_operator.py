@@ -1,4 +1,4 @@
-"""The three CCQ forms agree, and the operator has the properties ccq.md pins."""
+"""The three CCQ forms agree, and the operator has the properties docs/operator.md pins."""
 
 import pytest
 import torch
@@ -101,7 +101,7 @@ def test_split_calls_continue_exactly():
 
 
 def test_norm_never_grows_for_order1_lambda_le_2():
-    """||q~|| <= ||r|| at every position for R = 1 and lambda_max <= 2 (ccq.md, property 2)."""
+    """||q~|| <= ||r|| at every position for R = 1 and lambda_max <= 2 (docs/operator.md, property 2)."""
     for decay_shift, centered in [(3.0, True), (3.0, False), (50.0, True)]:  # 50: gamma = 1 ("none")
         r, kappa, log_gamma, _ = _inputs(T=300, seed=3)
         log_gamma = torch.nn.functional.logsigmoid(torch.randn_like(log_gamma) + decay_shift)

@@ -25,7 +25,7 @@ RESOLVENT = {"form": "resolvent"}
 
 
 def _explicit_sigmas(kappa, log_gamma, centered=True, state=None):
-    """Sigma_t for every (b, t, h) from its definition (ccq.md), position by position: [B, T, H, K, K]."""
+    """Sigma_t for every (b, t, h) from its definition (docs/operator.md), position by position: [B, T, H, K, K]."""
     B, T, H, K = kappa.shape
     sigmas = torch.empty(B, T, H, K, K, dtype=torch.float64)
     gamma = log_gamma.exp()
@@ -192,7 +192,7 @@ def test_read_keys_takes_the_resolvent_and_rejects_bad_values():
     q, _ = ccq_read_keys(r, k, log_gamma, gate, 4, True, form="resolvent")
     expected, _ = ccq_read_reference(r, kappa, log_gamma, gate.values(r).double(), 4, True, form="resolvent")
     torch.testing.assert_close(q, expected, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="ccq_form must be one of .*'neumann'"):
+    with pytest.raises(ValueError, match=r"ccq_form must be one of .*'neumann'"):
         ccq_read_chunk(r, kappa, log_gamma, log_gamma, 1, True, form="neumann")
     with pytest.raises(ValueError, match="ccq_solve_steps must be >= 1"):
         ccq_read_recurrent(r, kappa, log_gamma, log_gamma, 0, True, form="resolvent")

@@ -1,0 +1,1 @@
+"""RULER QA in lm-eval (hooks: utils.py; data files: data.py; see README.md)."""

@@ -36,7 +36,7 @@ from functools import cache
 
 import torch
 
-from ccq_eval.harness.corpora import load_corpus
+from ccq_eval.data.corpora import load_corpus
 
 CORPUS_NAMES = ("sotu", "kjv", "austen")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -385,11 +385,11 @@ class TrainStream:
                                       self.max_questions)
             answers = ()
             if doc is not None:
-                piece, kind, source = encode_bytes(doc.text) + [EOS_ID], "synthetic", doc.filler_source
+                piece, kind, source = [*encode_bytes(doc.text), EOS_ID], "synthetic", doc.filler_source
                 answers = tuple((len(ids) + at, len(ids) + at + len(value.encode())) for at, value in doc.answers)
             else:
                 data, source = self.pool.span(rng, rng.randint(*NATURAL_SPAN))
-                piece, kind = encode_bytes(data) + [EOS_ID], "natural"
+                piece, kind = [*encode_bytes(data), EOS_ID], "natural"
             piece = piece[:room]
             segments.append(Segment(kind, source, len(ids), len(ids) + len(piece), answers))
             ids.extend(piece)

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-import tiny_data
-import train_settings
-import train_tiny
+import tiny_data  # noqa: E402  (from scripts/, on sys.path from here on)
+import train_settings  # noqa: E402
+import train_tiny  # noqa: E402
 
-from ccq_eval.harness.corpora import load_corpus
-from ccq_eval.model.loading import load_model
+from ccq_eval.data.corpora import load_corpus  # noqa: E402
+from ccq_eval.model.loading import load_model  # noqa: E402
 
 # Small enough for a loaded 2-core CI machine; 320 tokens leave room for synthetic recall docs.
 SMOKE_ARGS = ["--smoke", "--steps", "6", "--batch-size", "1", "--context", "320", "--repeat", "1",
@@ -334,7 +334,8 @@ def test_register_only_rewrites_entries_and_refuses_untrained(smoke_run):
     registry.write_text(json.dumps(entries))
     train_tiny.main(["--register-only", "--models", "tiny-gla", "--out", str(out)])
     entries = json.loads(registry.read_text())
-    assert entries["tiny-gla"]["description"].startswith("GLA") and "held-out perplexity" in entries["tiny-gla"]["description"]
+    description = entries["tiny-gla"]["description"]
+    assert description.startswith("GLA") and "held-out perplexity" in description
     assert entries["someone-else"]["description"] == "kept"
     with pytest.raises(FileNotFoundError, match="tiny-gdn"):
         train_tiny.main(["--register-only", "--models", "tiny-gdn", "--out", str(out)])

@@ -2,7 +2,7 @@
 fields (input, context, answers, length, dataset, language, all_classes, _id) at LongBench's real
 sample counts and average lengths, the text generated offline.
 
-English text is drawn from the embedded corpora (ccq_eval.harness.corpora), Chinese text from a fixed
+English text is drawn from the embedded corpora (ccq_eval.data.corpora), Chinese text from a fixed
 set of common characters, code from the Python standard library's own source files. The texts mean
 nothing: the files exist so that `ccq-eval run --suite paper` builds its prompts with the project's
 LongBench templates from inputs of the real sizes, and generates the real number of tokens per dataset.
@@ -79,7 +79,7 @@ CHINESE_CHARACTERS = (
 @lru_cache(maxsize=1)
 def english_words() -> tuple[str, ...]:
     """Every word of the embedded corpora (both splits), in order."""
-    from ccq_eval.harness.corpora import list_corpora, load_corpus
+    from ccq_eval.data.corpora import list_corpora, load_corpus
 
     return tuple(word for name in list_corpora() for doc in load_corpus(name) for word in doc.text.split())
 

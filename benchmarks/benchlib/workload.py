@@ -200,7 +200,7 @@ def encode(tokenizer, text: str) -> list[int]:
 def long_document(tokenizer, n_tokens: int, corpus: str = "austen") -> str:
     """Natural text that the adapter feeds as about n_tokens tokens (its BOS included): the start of
     the embedded corpus' eval documents, cut at a token boundary."""
-    from ccq_eval.harness.corpora import load_corpus
+    from ccq_eval.data.corpora import load_corpus
 
     docs = load_corpus(corpus, split="eval")
     text = "\n\n".join(doc.text for doc in docs)

@@ -159,7 +159,7 @@ def load_documents(metadata: dict[str, Any]) -> list[tuple[str, str]]:
     files, .jsonl files with a "text" field, or folders of .txt; comma-separated), `hf_dataset`
     (hub or local dataset: `hf_name`, `hf_split` default test, `text_field` default text), or
     `corpus` (embedded corpora, comma-separated names, split `corpus_split`, default eval)."""
-    from ccq_eval.harness.corpora import load_corpus, read_user_corpus
+    from ccq_eval.data.corpora import load_corpus, read_user_corpus
 
     documents: list[tuple[str, str]] = []
     if _split_list(metadata.get("data_files")):

@@ -83,7 +83,7 @@ def tokenizers():
 
 @pytest.fixture(scope="module")
 def sotu_haystack_text():
-    from ccq_eval.harness.corpora import load_corpus
+    from ccq_eval.data.corpora import load_corpus
 
     return "\n\n".join(doc.text for doc in load_corpus("sotu", split="eval"))
 

@@ -17,7 +17,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+from ccq_eval.errors import UserError
+
+DATA_DIR = Path(__file__).resolve().parent
 
 # name -> (file in DATA_DIR, one-line description)
 CORPORA: dict[str, tuple[str, str]] = {
@@ -40,7 +42,7 @@ class Document:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus name, split or file that cannot be used; the message says which and why."""
 
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from ccq_eval.harness import corpora
-from ccq_eval.harness.corpora import CorpusError, get_document, list_corpora, list_documents, load_corpus
+from ccq_eval.data import corpora
+from ccq_eval.data.corpora import CorpusError, get_document, list_corpora, list_documents, load_corpus
 
 DATA_DIR = corpora.DATA_DIR
 
@@ -72,9 +72,9 @@ def test_natural_order_and_metadata():
 
 
 def test_bad_names_and_splits_are_rejected():
-    with pytest.raises(CorpusError, match="unknown corpus 'wikitext'.*austen, kjv, sotu"):
+    with pytest.raises(CorpusError, match=r"unknown corpus 'wikitext'.*austen, kjv, sotu"):
         load_corpus("wikitext")
-    with pytest.raises(CorpusError, match="unknown split 'test'.*all, train, eval"):
+    with pytest.raises(CorpusError, match=r"unknown split 'test'.*all, train, eval"):
         load_corpus("sotu", split="test")
     with pytest.raises(CorpusError, match="no document 'nope'"):
         get_document("kjv", "nope")

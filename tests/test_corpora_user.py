@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ccq_eval.harness.corpora import CorpusError, read_user_corpus, resolve_corpus
+from ccq_eval.data.corpora import CorpusError, read_user_corpus, resolve_corpus
 
 
 def test_txt_file_is_one_document(tmp_path):
@@ -74,7 +74,7 @@ def test_missing_and_unsupported_paths(tmp_path):
     with pytest.raises(CorpusError, match=re.escape(f"corpus file {tmp_path / 'nope.txt'} does not exist")):
         read_user_corpus(tmp_path / "nope.txt")
     (tmp_path / "data.csv").write_text("a,b", encoding="utf-8")
-    with pytest.raises(CorpusError, match="unsupported corpus file type '.csv'"):
+    with pytest.raises(CorpusError, match=r"unsupported corpus file type '\.csv'"):
         read_user_corpus(tmp_path / "data.csv")
     empty_dir = tmp_path / "empty_dir"
     empty_dir.mkdir()

@@ -20,7 +20,11 @@ Definitions (the README's "Looking inside" states them too):
   o_t = sum_{i<=t} c_i v_i with one scalar weight c_i per token (reads.py gives c for GLA and
   Gated DeltaNet); needle_share = sum_{i in needle} ||c_i v_i|| / sum_{i<=t} ||c_i v_i||;
   value_share: the same over the needle's value tokens only; needle_token_fraction: the needle's
-  share of the tokens, what a read spread evenly would give.
+  share of the tokens, what a read spread evenly would give. distractor_share (tasks with competing
+  needles: RULER's multi-key NIAH): the same sum over every distractor needle's tokens (needles under
+  keys the question does not ask), distractor_token_fraction their share of the tokens, and
+  distractors their count; NaN where a prompt has none. CCQ's claim is that the read moves from the
+  bulk of stored vectors toward the asked needle: needle_share up, distractor_share down.
 - read_residual: ||sum_i c_i v_i - o_t|| / ||o_t|| for the read the model ran (CCQ models: on,
   baselines: off) against the kernel's own output; ccq_residual: the captured q~ against the one
   rebuilt from Sigma_t (CCQ models). Both near rounding when the decomposition is right.
@@ -87,6 +91,16 @@ def _move(q: torch.Tensor, r: torch.Tensor):
             q.norm(dim=-1) / r_norm)
 
 
+def _distractor_columns(shares: torch.Tensor, in_distractor: torch.Tensor, count: int, tokens: int) -> dict:
+    """Read share (on, off) and token share of the distractor needles; NaN without distractors."""
+    if count == 0:
+        return {"distractors": 0, "distractor_share_on": math.nan, "distractor_share_off": math.nan,
+                "distractor_token_fraction": math.nan}
+    return {"distractors": count, "distractor_share_on": shares[0, in_distractor].sum(),
+            "distractor_share_off": shares[1, in_distractor].sum(),
+            "distractor_token_fraction": in_distractor.sum() / tokens}
+
+
 def measure_layer(read: LayerRead, prompt: NeedlePrompt, settings: CCQSettings, positions: list[int]):
     """(rows, spectrum rows, position rows) for one layer of one prompt; rows are dicts per head."""
     t = prompt.answer_position
@@ -122,6 +136,9 @@ def measure_layer(read: LayerRead, prompt: NeedlePrompt, settings: CCQSettings, 
     in_needle[prompt.needle[0] : prompt.needle[1]] = True
     in_value = torch.zeros_like(in_needle)
     in_value[prompt.value[0] : prompt.value[1]] = True
+    in_distractor = torch.zeros_like(in_needle)
+    for start, end in prompt.distractors:
+        in_distractor[start:end] = True
 
     # The read at t with both queries; the one the model ran is checked against the kernel's output.
     q_on, q_off = q_at[:, -1], r_at[:, -1]
@@ -149,6 +166,7 @@ def measure_layer(read: LayerRead, prompt: NeedlePrompt, settings: CCQSettings, 
             "needle_share_on": shares[0, h, in_needle].sum(), "needle_share_off": shares[1, h, in_needle].sum(),
             "value_share_on": shares[0, h, in_value].sum(), "value_share_off": shares[1, h, in_value].sum(),
             "needle_token_fraction": in_needle.sum() / (t + 1),
+            **_distractor_columns(shares[:, h], in_distractor, len(prompt.distractors), t + 1),
             "read_residual": read_residual[h], "ccq_residual": ccq_residual[h] if trained else math.nan,
         }
         rows.append({key: (float(value) if torch.is_tensor(value) else value) for key, value in row.items()})

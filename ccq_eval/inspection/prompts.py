@@ -1,8 +1,10 @@
-"""S-NIAH prompts with the needle's exact token positions, from the task's own construction.
+"""NIAH prompts with the needles' exact token positions, from the tasks' own construction.
 
-The prompts are those `ccq-eval run` evaluates: tasks/s_niah/utils.py's `generate_docs` builds them
-(same seed, key, value, haystack fit), and each doc's `needle_char_offset` comes from the
-construction (the haystack reports where it put the needle), not from a text search. Characters map
+The prompts are those `ccq-eval run` evaluates: the `generate_docs` of tasks/s_niah/utils.py (S-NIAH)
+or tasks/ruler_niah/utils.py (RULER's multi-key / multi-value / multi-query NIAH) builds them (same
+seed, keys, values, haystack fit), and each doc's `needle_char_offset` (the target needle: the one
+whose value the question asks first) and `distractor_char_offsets` (needles under other keys) come
+from the construction (the haystack reports where it put each needle), not from a text search. Characters map
 to tokens through the tokenizer's offsets (fast tokenizers) or, for others (e.g. the byte-level
 ByT5 of the embedded models), through prefix encodings that must agree with the whole prompt's
 tokens; otherwise a clear error. Tokens are those the ccq adapter feeds: BOS when the tokenizer has
@@ -11,20 +13,33 @@ one, then the text without special tokens. No torch here.
 
 from __future__ import annotations
 
+import importlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ccq_eval.inspection import InspectError
 
-# `ccq-eval inspect --task` names -> the S-NIAH variant of ccq_eval.tasks.s_niah.utils
-TASKS = {"s-niah-1": "s_niah_1", "s-niah-2": "s_niah_2", "s-niah-3": "s_niah_3"}
-TASKS.update({f"ccq_{v}": v for v in list(TASKS.values())})
-TASKS.update({v: v for v in list(TASKS.values()) if v.startswith("s_")})
+# The task folder (ccq_eval.tasks.<folder>.utils) whose generate_docs builds each variant's prompts.
+VARIANT_FOLDERS = {
+    **{f"s_niah_{i}": "s_niah" for i in (1, 2, 3)},
+    **{f"niah_multikey_{i}": "ruler_niah" for i in (1, 2, 3)},
+    "niah_multivalue": "ruler_niah",
+    "niah_multiquery": "ruler_niah",
+}
+# `ccq-eval inspect --task` names -> variant: the alias (s-niah-1, niah-multikey-2), the lm-eval task name
+# (ccq_s_niah_1) and the variant itself (s_niah_1).
+TASKS = {name: variant for variant in VARIANT_FOLDERS
+         for name in (variant.replace("_", "-"), f"ccq_{variant}", variant)}
+# Every needle of these tasks reads "One of the special magic {numbers|uuids} for {key} is: {value}."
+# (RULER's needle, tasks/s_niah/construction.py); the value is digits or a UUID.
+_NEEDLE = re.compile(r"One of the special magic (?:numbers|uuids) for \S+ is: (?P<value>[0-9a-f-]+)\.")
 
 
 @dataclass(frozen=True)
 class NeedlePrompt:
-    """One S-NIAH prompt as token ids, with the needle's and its value's token spans [start, end)."""
+    """One NIAH prompt as token ids, with the target needle's and its value's token spans [start, end) and
+    the spans of the distractor needles (needles under keys the question does not ask; none in S-NIAH)."""
 
     task: str
     length: int
@@ -33,6 +48,7 @@ class NeedlePrompt:
     input_ids: list[int]
     needle: tuple[int, int]
     value: tuple[int, int]
+    distractors: tuple[tuple[int, int], ...] = ()
 
     @property
     def answer_position(self) -> int:
@@ -42,15 +58,23 @@ class NeedlePrompt:
 
 def resolve_task(name: str) -> str:
     if name not in TASKS:
-        raise InspectError(f"inspect --task {name!r}: choose one of s-niah-1, s-niah-2, s-niah-3")
+        choices = ", ".join(variant.replace("_", "-") for variant in VARIANT_FOLDERS)
+        raise InspectError(f"inspect --task {name!r}: choose one of {choices}")
     return TASKS[name]
 
 
-def sniah_utils():
-    """The S-NIAH task's hooks (tasks/s_niah/utils.py, installed as ccq_eval.tasks.s_niah.utils)."""
-    from ccq_eval.tasks.s_niah import utils
+def task_utils(variant: str):
+    """The hooks of the variant's task folder (tasks/<folder>/utils.py, installed as
+    ccq_eval.tasks.<folder>.utils)."""
+    return importlib.import_module(f"ccq_eval.tasks.{VARIANT_FOLDERS[variant]}.utils")
 
-    return utils
+
+def needle_char_spans(text: str, start: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Character spans [a, b) of the needle that starts at `start` in text and of its value."""
+    match = _NEEDLE.match(text, start)
+    if match is None:  # the construction and the prompt disagree: a bug
+        raise InspectError(f"NIAH construction: no needle starts at offset {start} of the prompt")
+    return (start, match.end()), match.span("value")
 
 
 def char_span_to_tokens(tokenizer: Any, text: str, start: int, end: int) -> tuple[int, int]:
@@ -76,32 +100,31 @@ def char_span_to_tokens(tokenizer: Any, text: str, start: int, end: int) -> tupl
 
 def needle_prompts(task: str, tokenizer_spec: str, lengths: list[int], depths: list[float], seed: int = 42,
                    samples_per_cell: int = 1) -> list[NeedlePrompt]:
-    """The S-NIAH prompts of one task for a tokenizer (a folder or 'byt5'), with token spans."""
-    utils = sniah_utils()
+    """The prompts of one NIAH task for a tokenizer (a folder or 'byt5'), with token spans."""
     variant = resolve_task(task)
+    utils = task_utils(variant)
     try:
         docs = utils.generate_docs(variant, tokenizer=tokenizer_spec, lengths=lengths, depths=depths, seed=seed,
                                    samples_per_cell=samples_per_cell)
-    except utils.SNiahError as error:
+    except ValueError as error:  # the tasks' own settings errors (NiahError): already one line
         raise InspectError(str(error)) from None
     tokenizer = utils.load_tokenizer(tokenizer_spec)
     bos = getattr(tokenizer, "bos_token_id", None)
     head = [] if bos is None else [bos]
-    _, kinds = utils.VARIANTS[variant]
+    shift = len(head)
+
+    def token_span(text: str, span: tuple[int, int]) -> tuple[int, int]:
+        start, end = char_span_to_tokens(tokenizer, text, *span)
+        return start + shift, end + shift
+
     prompts = []
     for doc in docs:
         text = doc["input"]
-        needle = utils.NEEDLE.format(kinds=kinds, key=doc["key"], value=doc["value"])
-        start = doc["needle_char_offset"]
-        value_start = start + len(utils.NEEDLE.split("{value}")[0].format(kinds=kinds, key=doc["key"]))
-        if text[start : start + len(needle)] != needle:  # the construction and the prompt disagree: a bug
-            raise InspectError(f"S-NIAH construction: the needle is not at offset {start} of the prompt")
-        needle_span = char_span_to_tokens(tokenizer, text, start, start + len(needle))
-        value_span = char_span_to_tokens(tokenizer, text, value_start, value_start + len(doc["value"]))
-        ids = head + list(tokenizer.encode(text, add_special_tokens=False))
-        shift = len(head)
+        needle, value = needle_char_spans(text, doc["needle_char_offset"])
+        distractors = tuple(token_span(text, needle_char_spans(text, offset)[0])
+                            for offset in doc.get("distractor_char_offsets") or [])
         prompts.append(NeedlePrompt(
-            task=doc["task"], length=doc["length"], depth=float(doc["depth"]), sample=doc["sample"], input_ids=ids,
-            needle=(needle_span[0] + shift, needle_span[1] + shift),
-            value=(value_span[0] + shift, value_span[1] + shift)))
+            task=doc["task"], length=doc["length"], depth=float(doc["depth"]), sample=doc["sample"],
+            input_ids=head + list(tokenizer.encode(text, add_special_tokens=False)),
+            needle=token_span(text, needle), value=token_span(text, value), distractors=distractors))
     return prompts

@@ -37,9 +37,26 @@ def test_inspect_writes_tables_and_figures(tmp_path):
     assert json.loads((out / "inspect.json").read_text())["models"] == ["tiny-gla-ccq", "tiny-gdn"]
 
 
+def test_inspect_on_distractor_needles(tmp_path):
+    """RULER multi-key NIAH: the target needle's and the distractor needles' shares of the same read, from
+    disjoint token sets, so together they never exceed the whole read."""
+    out = tmp_path / "inspect"
+    result = CliRunner().invoke(cli.app, ["inspect", "-m", "tiny-gdn", "-t", "niah-multikey-1", "--lengths", "1024",
+                                          "--depths", "50", "--positions", "4", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    reads = pd.read_csv(out / "reads.csv")
+    assert len(reads) == 4 * 2 and (reads["distractors"] == 3).all()  # RULER multikey_1: 3 distractor needles
+    assert reads["read_residual"].max() < 1e-5
+    for side in ("on", "off"):
+        shares = reads[[f"needle_share_{side}", f"distractor_share_{side}"]]
+        assert shares.stack().between(0, 1).all() and (shares.sum(axis=1) <= 1 + 1e-6).all()
+    assert reads["distractor_token_fraction"].between(0, 1).all()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["-m", "tiny-transformer"], "softmax attention"),
     (["-m", "tiny-gla", "-t", "ppl"], "choose one of s-niah-1"),
+    (["-m", "tiny-gla", "-t", "ruler-cwe"], "niah-multikey-1"),
     (["-m", "tiny-gla", "--lengths", "1q"], "--lengths: cannot parse"),
     (["-m", "tiny-gla", "--depths", "150"], "outside [0, 100]"),
     (["-m", "no-such-model"], "unknown model 'no-such-model'"),

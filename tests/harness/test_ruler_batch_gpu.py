@@ -1,0 +1,50 @@
+"""On CUDA the RULER tasks take S-NIAH's fast generation path: the adapter's auto batch answers every prompt
+of every synthetic RULER task exactly as batch 1 does, on the embedded tiny-gla and tiny-gdn in bf16 with
+CUDA graphs. The prompts, stop strings and budgets are the tasks' own, built through lm-eval's task
+configs, so a task whose generation settings the fast path mishandles fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from ccq_eval.harness.task_registry import RULER_SYNTHETIC_TASKS, make_task_manager
+
+
+def _requests(name: str) -> list[Instance]:
+    """Every document of the synthetic RULER tasks at 1K and 2K, as the evaluator would request it."""
+    from lm_eval.tasks import get_task_dict
+
+    metadata = {"tokenizer": name, "lengths": [1024, 2048], "depths": [0, 100], "samples_per_cell": 1}
+    tasks = get_task_dict(list(RULER_SYNTHETIC_TASKS), make_task_manager(metadata=metadata))
+    requests = []
+    for task_name, task in tasks.items():
+        kwargs = dict(task.config.generation_kwargs)
+        for doc_id, doc in enumerate(task.eval_docs):
+            requests.append(Instance("generate_until", doc, (task.doc_to_text(doc), kwargs), len(requests),
+                                     metadata=(task_name, doc_id, 1)))
+    return requests
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["tiny-gla", "tiny-gdn"])
+def test_ruler_tasks_batched_answer_as_batch_one(name: str) -> None:
+    from ccq_eval.harness.adapter import CCQEvalLM
+    from ccq_eval.model.loading import load_model
+
+    model, tokenizer = load_model(name, device="cuda", dtype="bfloat16")
+    requests = _requests(name)
+    assert {r.task_name for r in requests} == set(RULER_SYNTHETIC_TASKS)
+
+    single = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=4096, batch_size=1)
+    auto = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=4096)
+    assert auto.batch_size_auto and auto.cuda_graphs
+
+    batched = auto.generate_until(requests, disable_tqdm=True)
+    assert max(auto.batch_sizes_run) > 1  # prompts of several tasks and lengths decoded together
+    one_by_one = single.generate_until(requests, disable_tqdm=True)
+    mismatched = [(r.task_name, r.doc.get("length"), a, b)
+                  for r, a, b in zip(requests, batched, one_by_one, strict=True) if a != b]
+    assert not mismatched, mismatched[:3]

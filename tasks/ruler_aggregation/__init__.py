@@ -1,0 +1,1 @@
+"""RULER common-words and frequent-words extraction in lm-eval (hooks: utils.py; see README.md)."""

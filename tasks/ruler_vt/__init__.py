@@ -1,0 +1,1 @@
+"""RULER variable tracking in lm-eval (hooks: utils.py; see README.md)."""

@@ -6,7 +6,8 @@ document keys that name a cell):
 
     family_of("ccq_s_niah_2")     -> S_NIAH
     family_of("ccq_ppl_sweep")    -> PERPLEXITY
-    family_of("hellaswag")        -> OTHER (any lm-eval task that is not ours)
+    family_of("hellaswag")        -> ZEROSHOT (lm-eval's own task, claimed by exact name)
+    family_of("mmlu")             -> OTHER (any other lm-eval task)
     family_of("ccq_new_thing")    -> UnknownTaskFamilyError (a task of ours without an entry here)
 
 Our lm-eval tasks are recognised by the start of their name (ccq_s_niah, ccq_ppl, ccq_longbench_e,
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ccq_eval.errors import UserError
+
 OUR_TASK_PREFIX = "ccq_"
 # Keys under which a task's documents name their cell (the first one present wins).
 LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_length")
@@ -26,7 +29,7 @@ DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
 FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir", "qa_dir")
 
 
-class UnknownTaskFamilyError(ValueError):
+class UnknownTaskFamilyError(UserError, ValueError):
     """A task name of ours (ccq_...) that no family in FAMILIES claims."""
 
 
@@ -68,6 +71,15 @@ class TaskFamily:
     bucket_metrics: bool = False
     tables: tuple[FamilyTable, ...] = ()
     display_label: str = ""
+    # Other harnesses' tasks the family claims by exact name (never by prefix), and per-task primary metrics
+    # where they differ from primary_metric: (task, metric) pairs.
+    task_names: tuple[str, ...] = ()
+    task_primary_metrics: tuple[tuple[str, str], ...] = ()
+
+    def primary_metric_for(self, task: str) -> str | None:
+        """The metric tables and comparisons show for `task`: its own entry in task_primary_metrics, else
+        the family's primary_metric."""
+        return dict(self.task_primary_metrics).get(task, self.primary_metric)
 
     @property
     def takes_depths(self) -> bool:
@@ -107,7 +119,7 @@ S_NIAH = TaskFamily(
 RULER_NIAH = TaskFamily(
     name="niah",
     title="NIAH with competitors",
-    task_prefixes=("ccq_niah_",),
+    task_prefixes=("ccq_niah_", "ccq_ruler_niah"),
     request_type="generate_until",
     metrics=("acc",),
     primary_metric="acc",
@@ -142,7 +154,7 @@ RULER_VT = TaskFamily(
 RULER_AGGREGATION = TaskFamily(
     name="ruler-aggregation",
     title="common / frequent words",
-    task_prefixes=("ccq_ruler_cwe", "ccq_ruler_fwe"),
+    task_prefixes=("ccq_ruler_cwe", "ccq_ruler_fwe", "ccq_ruler_aggregation"),
     request_type="generate_until",
     metrics=("acc",),
     primary_metric="acc",
@@ -213,6 +225,36 @@ LONGBENCH_E = TaskFamily(
     display_label="LongBench-E ",
     tables=(FamilyTable("per_length_bucket", "LongBench-E per length bucket"),),
 )
+# lm-eval's own zero-shot suite of the GLA / Gated DeltaNet papers: fla's README command (wikitext ...
+# openbookqa) plus social_iqa, which the Gated DeltaNet paper reports. The papers' metrics: HellaSwag and
+# ARC-Challenge acc_norm, wikitext word perplexity, LAMBADA perplexity and accuracy, the others acc.
+ZEROSHOT_TASKS = ("wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge",
+                  "boolq", "sciq", "copa", "openbookqa", "social_iqa")
+ZEROSHOT = TaskFamily(
+    name="zeroshot",
+    title="zero-shot downstream",
+    task_prefixes=(),
+    request_type="any",  # multiple_choice and loglikelihood; loglikelihood_rolling for wikitext
+    metrics=("acc", "acc_norm", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"),
+    primary_metric="acc",
+    higher_is_better=None,
+    tables=(FamilyTable("overall", "Zero-shot downstream (lm-eval's task configs)",
+                        "accuracy, or perplexity for wikitext (word) and LAMBADA"),),
+    task_names=ZEROSHOT_TASKS,
+    task_primary_metrics=(("wikitext", "word_perplexity"), ("hellaswag", "acc_norm"), ("arc_challenge", "acc_norm")),
+)
+# The papers' table, in their column order: (task, metric, column header). Their average ("Avg.") is over
+# the accuracy columns of the Gated DeltaNet paper's table, ZEROSHOT_AVERAGED; sciq, copa and openbookqa
+# (in fla's command, not in the papers' tables) follow it.
+ZEROSHOT_PAPER_COLUMNS = (
+    ("wikitext", "word_perplexity", "Wiki. ppl"), ("lambada_openai", "perplexity", "LMB. ppl"),
+    ("lambada_openai", "acc", "LMB. acc"), ("piqa", "acc", "PIQA acc"), ("hellaswag", "acc_norm", "Hella. acc_n"),
+    ("winogrande", "acc", "Wino. acc"), ("arc_easy", "acc", "ARC-e acc"), ("arc_challenge", "acc_norm", "ARC-c acc_n"),
+    ("social_iqa", "acc", "SIQA acc"), ("boolq", "acc", "BoolQ acc"), ("sciq", "acc", "SciQ acc"),
+    ("copa", "acc", "COPA acc"), ("openbookqa", "acc", "OBQA acc"),
+)
+ZEROSHOT_AVERAGED = (("lambada_openai", "acc"), ("piqa", "acc"), ("hellaswag", "acc_norm"), ("winogrande", "acc"),
+                     ("arc_easy", "acc"), ("arc_challenge", "acc_norm"), ("social_iqa", "acc"), ("boolq", "acc"))
 OTHER = TaskFamily(
     name="other",
     title="other lm-eval tasks",
@@ -227,7 +269,7 @@ OTHER = TaskFamily(
 
 # In the order the paper tables show them.
 FAMILIES: tuple[TaskFamily, ...] = (
-    S_NIAH, RULER_NIAH, RULER_VT, RULER_AGGREGATION, RULER_QA, PERPLEXITY, LONGBENCH, LONGBENCH_E, OTHER,
+    S_NIAH, RULER_NIAH, RULER_VT, RULER_AGGREGATION, RULER_QA, PERPLEXITY, LONGBENCH, LONGBENCH_E, ZEROSHOT, OTHER,
 )
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 
@@ -235,6 +277,9 @@ FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 def family_of(task: str) -> TaskFamily:
     """The family of an lm-eval task name: ours by the longest family prefix it starts with, OTHER for a
     task that is not ours. Raises UnknownTaskFamilyError for a name of ours (ccq_...) no family claims."""
+    for family in FAMILIES:
+        if task in family.task_names:
+            return family
     best: tuple[int, TaskFamily] | None = None
     for family in FAMILIES:
         for prefix in family.task_prefixes:
@@ -252,5 +297,7 @@ def family_of(task: str) -> TaskFamily:
 
 
 def is_ours(task: str) -> bool:
-    """Whether an lm-eval task name is one of ours (a family other than OTHER claims it)."""
-    return family_of(task) is not OTHER
+    """Whether an lm-eval task name is one of ours (a family other than OTHER claims it by prefix; lm-eval's own
+    tasks that a family claims by name are not)."""
+    family = family_of(task)
+    return family is not OTHER and task not in family.task_names

@@ -29,7 +29,7 @@ def test_unknown_names_list_the_valid_ones(monkeypatch) -> None:
     # other names are looked up in lm-eval's own index (replaced here: building it takes ~10 s)
     monkeypatch.setattr(task_registry, "_default_index", lambda: {"lambada_openai": object()})
     assert resolve_tasks(["lambada_openai", "ppl-sweep"]) == ["lambada_openai", "ccq_ppl_sweep"]
-    with pytest.raises(KeyError, match="valid names: s-niah"):
+    with pytest.raises(KeyError, match="valid names: ruler, ruler-synthetic, niah, s-niah"):
         resolve_tasks(["s-niha"])
 
 

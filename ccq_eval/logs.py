@@ -1,19 +1,52 @@
-"""Logging for the command line: one verbosity for ccq-eval and lm-eval, each warning shown once.
+"""Console output of the command line: one verbosity for ccq-eval and lm-eval, each warning shown once,
+and no progress bars or library messages that a user of ccq-eval cannot act on.
 
-lm-eval repeats some warnings for every task of every unit (the `--metadata` hint of tasks that
-build their own data, "Metrics were not scored on the same number of documents"); a run shows
-each of them once. Imports only the standard library.
+lm-eval repeats some warnings for every task of every unit (the `--metadata` hint of tasks that build
+their own data, "Metrics were not scored on the same number of documents"); a run shows each of them
+once. Everything here goes through public switches: handlers and filters of the logging module (the
+handler is this module's own; filters sit on named loggers), the `warnings` filters, and the environment
+variables that tqdm, huggingface_hub and datasets read when they are imported. Imports only the
+standard library.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import warnings
+from dataclasses import dataclass, field
 
 VERBOSITY_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # lm-eval's advice to pass kwargs through --metadata: noise when the metadata was given.
 METADATA_HINT = "Custom kwargs can be passed to `--metadata`"
+# Loggers of ccq-eval and lm-eval: --verbosity sets their level, and this module's handler prints them.
+OUR_LOGGERS = ("ccq_eval", "lm_eval")
+# lm-eval loggers whose warnings repeat for every task; under lm-eval's own CLI (which prints lm_eval's
+# records through its own handler) the once-per-run filter sits on these loggers.
+LM_EVAL_REPEATING_LOGGERS = ("lm_eval.api.task", "lm_eval.evaluator_utils")
+# Library warnings (warnings.warn) that say nothing a ccq-eval user can act on: (message start, category).
+UNACTIONABLE_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # fla on a machine without a GPU (fla/utils/hardware.py): its CPU fallback is what ccq-eval runs there.
+    ("Triton is not supported on current platform", UserWarning),
+    # transformers 5's generate() about fla 0.6.0's prepare_inputs_for_generation, which still passes the
+    # cache as `past_key_values` (fla/models/generation_utils.py); the cache is used either way.
+    ("`past_key_values` is deprecated and will be removed", FutureWarning),
+    ("Both `past_key_values` and `cache` are set", FutureWarning),
+)
+# Library log records that say nothing a ccq-eval user can act on: logger name -> patterns of messages.
+UNACTIONABLE_RECORDS: dict[str, tuple[re.Pattern[str], ...]] = {
+    # transformers 5 about the output fields of fla 0.6.0's models, which still name the cache
+    # `past_key_values` (transformers/utils/generic.py).
+    "transformers.utils.generic": (re.compile(re.escape("`past_key_values`/`cache_params` are deprecated")),),
+    # Our tasks declare a metric per length (acc_1024, ...), each over the documents of its length only.
+    "lm_eval.evaluator_utils": (re.compile(r"^\[ccq_[\w.\-]+\] Metrics were not scored on the same number"),),
+}
+# Environment variables read at import: tqdm (>= 4.66) takes TQDM_DISABLE as its default for `disable`;
+# huggingface_hub (and transformers' own bars, through it) and datasets turn their progress bars off.
+PROGRESS_BAR_SWITCHES = {
+    "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 _TASK_PREFIX = re.compile(r"^\[[^\]]+\]\s*|^[\w.\-]+:\s")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
@@ -45,6 +78,18 @@ class OncePerRun(logging.Filter):
         return True
 
 
+class Unactionable(logging.Filter):
+    """Drops the records of one logger whose message matches one of `patterns`."""
+
+    def __init__(self, patterns: tuple[re.Pattern[str], ...]) -> None:
+        super().__init__()
+        self.patterns = patterns
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(pattern.search(message) for pattern in self.patterns)
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is at the time of the record (test runners swap it)."""
 
@@ -57,55 +102,92 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def configure(verbosity: str = "WARNING") -> OncePerRun:
-    """Log ccq-eval's and lm-eval's records at `verbosity` or above to stderr, each warning once.
+@dataclass
+class _Setup:
+    """What configure installed, so that the next configure (a second command in one process) removes it."""
 
-    Returns the filter, so that a command can switch on dropping lm-eval's --metadata hint.
+    handler: _StderrHandler
+    once: OncePerRun
+    logger_filters: list[tuple[str, logging.Filter]] = field(default_factory=list)
+
+    def add_filter(self, logger_name: str, log_filter: logging.Filter) -> None:
+        logging.getLogger(logger_name).addFilter(log_filter)
+        self.logger_filters.append((logger_name, log_filter))
+
+    def remove(self) -> None:
+        for name in OUR_LOGGERS:
+            logging.getLogger(name).removeHandler(self.handler)
+        for name, log_filter in self.logger_filters:
+            logging.getLogger(name).removeFilter(log_filter)
+
+
+_current: _Setup | None = None
+
+
+def configure(verbosity: str = "WARNING") -> OncePerRun:
+    """Log ccq-eval's and lm-eval's records at `verbosity` or above to stderr, each warning once, and drop
+    the library warnings and records a user cannot act on (UNACTIONABLE_WARNINGS / _RECORDS).
+
+    Returns the once-per-run filter (drop_metadata_hint switches off lm-eval's --metadata hint).
     """
-    level = logging.getLevelName(verbosity.upper())
-    if not isinstance(level, int):
+    global _current
+    if verbosity.upper() not in VERBOSITY_LEVELS:
         raise ValueError(f"verbosity {verbosity!r}: valid choices are {', '.join(VERBOSITY_LEVELS)}")
+    level = logging.getLevelName(verbosity.upper())
+    if _current is not None:
+        _current.remove()
     once = OncePerRun()
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s [%(name)s] %(message)s"))
     handler.addFilter(once)
-    for name in ("ccq_eval", "lm_eval"):
+    _current = _Setup(handler, once)
+    for name in OUR_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(level)
-        logger.handlers = [handler]
-        logger.propagate = False
+        logger.addHandler(handler)
+    for name, patterns in UNACTIONABLE_RECORDS.items():
+        _current.add_filter(name, Unactionable(patterns))
+    ignore_unactionable_warnings()
     return once
 
 
-def silence_progress_bars() -> None:
-    """`run --quiet`: no progress bars from lm-eval, transformers or datasets. tqdm (>= 4.66) takes
-    TQDM_DISABLE as its default when it is imported, and huggingface_hub / transformers read
-    HF_HUB_DISABLE_PROGRESS_BARS then, so this runs before the command imports any of them; a tqdm
-    imported earlier gets the same default (disable=True, which a caller can still override)."""
-    import functools
-    import os
+def drop_metadata_hint(drop: bool = True) -> None:
+    """Leave out lm-eval's advice to pass --metadata (the command passes every task its metadata)."""
+    if _current is not None:
+        _current.once.drop_metadata_hint = drop
 
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    std = sys.modules.get("tqdm.std")
-    init = std.tqdm.__dict__.get("__init__") if std is not None else None
-    if isinstance(init, functools.partialmethod):  # the defaults tqdm read from the environment at import
-        defaults = {**init.keywords, "disable": True}
-        std.tqdm.__init__ = functools.partialmethod(init.func, *init.args, **defaults)
+
+def ignore_unactionable_warnings() -> None:
+    """warnings filters for UNACTIONABLE_WARNINGS (a process's own: spawned helpers call this too)."""
+    for message, category in UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+
+
+def hide_progress_bars() -> None:
+    """No progress bars from tqdm, huggingface_hub, transformers or datasets in this process and the ones
+    it starts: the switches they read when imported, so this runs before the command imports any of them
+    (the libraries already imported get their own public switch where they have one)."""
+    os.environ.update(PROGRESS_BAR_SWITCHES)
     if "transformers" in sys.modules:
-        sys.modules["transformers"].utils.logging.disable_progress_bar()
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
-def hand_over_to_lm_eval(once: OncePerRun) -> None:
-    """Before lm-eval's own CLI runs: let it set up its log handler (it would add a second one), with
-    `once` on it; ccq-eval's handler stays on ccq_eval's records."""
-    from lm_eval.utils import setup_logging
-
-    lm_eval_logger = logging.getLogger("lm_eval")
-    ours = list(lm_eval_logger.handlers)
-    lm_eval_logger.handlers = []
-    setup_logging(lm_eval_logger.level)
-    if not lm_eval_logger.handlers:  # lm-eval set up its logging earlier in this process: keep ours
-        lm_eval_logger.handlers = ours
-    for handler in lm_eval_logger.handlers:
-        handler.addFilter(once)
+def hand_over_to_lm_eval() -> None:
+    """Before lm-eval's own CLI runs in this process: it prints lm_eval's records through the handler it
+    sets up, so this module's handler leaves the lm_eval logger (no line twice), and the once-per-run
+    filter moves onto the lm-eval loggers whose warnings repeat per task."""
+    if _current is None:
+        return
+    logging.getLogger("lm_eval").removeHandler(_current.handler)
+    for name in LM_EVAL_REPEATING_LOGGERS:
+        _current.add_filter(name, _current.once)

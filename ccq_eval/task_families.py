@@ -177,7 +177,7 @@ RULER_QA = TaskFamily(
     metadata_keys=frozenset({"lengths", "depths", "samples_per_cell", "qa_dir"}),
     length_grid=True,
     cell_rows=True,
-    display_label="RULER ",
+    display_label="RULER QA ",
     tables=(FamilyTable("per_length", "RULER QA accuracy per length",
                         "RULER string_match_part, %; depth = the gold document's"),),
 )

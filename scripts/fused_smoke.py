@@ -1,7 +1,8 @@
 """A quick check, on a GPU, that the fused kernels compile, run and agree with their references:
 the CCQ forward with raw keys and the gate (bf16 and fp32, from a state), one decoding step and the
-CCQ backward from a zero state (fp32), all against fp64 on CPU; the fused log-softmax against torch. scripts/gpu_session.sh falls back to the unfused path for
-the benchmarks when this fails. Prints the relative L2 errors; exit code 1 if one is over tolerance."""
+CCQ backward from a zero state (fp32), all against fp64 on CPU; the fused log-softmax against torch.
+scripts/gpu_session.sh falls back to the unfused path for the benchmarks when this fails. Prints the
+relative L2 errors; exit code 1 if one is over tolerance."""
 
 import os
 import sys
@@ -49,14 +50,15 @@ for K in (128, 256):
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         r, k = r32.to(dtype), k32.to(dtype)
         with torch.no_grad():
-            fused = run("fused", lambda: ccq_read_keys(r, k, log_gamma, gate, initial_state=state))
+            fused = run("fused", lambda: ccq_read_keys(r, k, log_gamma, gate, initial_state=state))  # noqa: B023 (runs at once)
             ref = ccq_read_keys(*cpu64(r32, k32, log_gamma), cpu64_gate, initial_state=cpu64_state)
         errors = [relative(fused[0], ref[0])] + [relative(a, b) for a, b in zip(fused[1], ref[1])]
         print(f"forward K={K} {dtype}: relative errors q, P, m, n = {[f'{e:.1e}' for e in errors]}")
         if not max(errors) < tol:
             failed.append(f"forward K={K} {dtype}")
         with torch.no_grad():  # one decoding step from that state
-            step = [run("fused", lambda: ccq_read_keys(r[:, :1], k[:, :1], log_gamma[:, :1], gate, initial_state=state)),
+            step = [run("fused", lambda: ccq_read_keys(r[:, :1], k[:, :1], log_gamma[:, :1], gate,  # noqa: B023
+                                                       initial_state=state)),  # noqa: B023 (runs at once)
                     ccq_read_keys(*cpu64(r32[:, :1], k32[:, :1], log_gamma[:, :1]), cpu64_gate,
                                   initial_state=cpu64_state)]
         errors = [relative(step[0][0], step[1][0])] + [relative(a, b) for a, b in zip(step[0][1], step[1][1])]
@@ -66,9 +68,9 @@ for K in (128, 256):
     weights = torch.randn(r32.shape, device="cuda", generator=g)
 
     def grads(cast):
-        leaves = [cast(x).requires_grad_(True) for x in (r32, unit_keys(k32), log_gamma, gate.values(r32))]
+        leaves = [cast(x).requires_grad_(True) for x in (r32, unit_keys(k32), log_gamma, gate.values(r32))]  # noqa: B023
         q, _ = ccq_read_chunk(*leaves)
-        return torch.autograd.grad((q * cast(weights)).sum(), leaves)
+        return torch.autograd.grad((q * cast(weights)).sum(), leaves)  # noqa: B023 (grads runs in this iteration)
 
     # Reference: autograd through the chunk form in fp64 on CPU (fla's fp32 kernels multiply in tf32).
     errors = [relative(a, b) for a, b in zip(run("fused", lambda: grads(torch.Tensor.clone)),

@@ -3,6 +3,7 @@ one-line description in models/registry.json, from the run's settings, summary a
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import subprocess
 from importlib import metadata
@@ -26,10 +27,8 @@ FAMILY_NAMES = {"gla": "GLA (gated linear attention)", "gdn": "Gated DeltaNet",
 def software_versions() -> dict:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("flash-linear-attention", "fla-core", "transformers", "triton", "safetensors"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
     versions["ccq-eval"] = ccq_eval.__version__
     if torch.cuda.is_available():
         versions["cuda"] = torch.version.cuda
@@ -108,7 +107,8 @@ def card_head(spec: ModelSpec, settings: TrainSettings, info: dict) -> list[str]
         fairness = ("It is trained with the same data stream, seed, steps, batch, context and optimiser as the "
                     "linear-attention models, at about the same size.")
     if spec.family == "llama":
-        architecture = f"- Architecture: `{info['model_type']}` ({fmt}); rotary positions; plain transformers checkpoint"
+        architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); rotary positions; "
+                        "plain transformers checkpoint")
     else:
         architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); CCQ: "
                         + (f"on ({info['ccq_settings']})" if spec.ccq
@@ -168,7 +168,8 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
            f"- Stage {len(stages) + 1} (this run) continues from `{info['init']['checkpoint']}`"
            + ((f" with CCQ attached ({gate_words(settings)})" + (
                f"; its twin `{spec.twin}` is that baseline, unchanged" if settings.train_parts == "ccq-gate"
-               else ", exactly as its twin continues without it")) if spec.ccq else "") + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
+               else ", exactly as its twin continues without it")) if spec.ccq else "")
+           + f": synthetic fraction {settings.synthetic_fraction:g}, up to "
            f"{settings.max_questions} questions per recall document, the values' bytes weighted "
            f"{settings.answer_weight:g}x in the loss"
            + (f"; frozen: the parameters matching `{settings.freeze}`" if settings.freeze else "") + "."]
@@ -197,7 +198,8 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
          f"{settings.eval_windows} windows of {settings.context} + 1 bytes from the eval split of sotu, kjv and "
          f"austen, spread evenly over each corpus, the same for every model ({mm['heldout_scored_bytes']:,} "
          "scored bytes; list in train_log.json)."),
-        (f"- In-distribution recall: {mm['recall_exact_match']:.1%} of the {mm.get('recall_answers', mm['recall_docs'])} "
+        (f"- In-distribution recall: {mm['recall_exact_match']:.1%} of the "
+         f"{mm.get('recall_answers', mm['recall_docs'])} "
          f"answers in {mm['recall_docs']} held-out synthetic recall documents (our training wording, eval-split "
          f"filler, {settings.context} bytes long) have every byte of the value predicted correctly (teacher-forced "
          f"argmax); value NLL {mm['recall_value_nll_per_byte']:.3f} nats/byte. This is not S-NIAH; S-NIAH's "

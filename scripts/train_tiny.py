@@ -50,11 +50,11 @@ for _path in (str(SCRIPTS_DIR), str(REPO_ROOT)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-import tiny_data
-import torch
-import torch.nn.functional as F
-from model_card import config_summary, describe, git_commit, hardware, model_card, software_versions
-from train_settings import (
+import tiny_data  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from model_card import config_summary, describe, git_commit, hardware, model_card, software_versions  # noqa: E402
+from train_settings import (  # noqa: E402
     MODEL_SPECS,
     ModelSpec,
     TrainSettings,
@@ -63,8 +63,8 @@ from train_settings import (
     settings_from_args,
 )
 
-from ccq_eval.model.kernels import autotune
-from ccq_eval.model.modeling_ccq import (
+from ccq_eval.model.kernels import autotune  # noqa: E402
+from ccq_eval.model.modeling_ccq import (  # noqa: E402
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
     CCQGLAConfig,
@@ -477,7 +477,8 @@ def write_model(spec: ModelSpec, model, settings: TrainSettings, summary: dict, 
             "parameters": count_parameters(model, spec.ccq), "weights_bytes": weights_bytes,
             "config_summary": config_summary(model), "settings": asdict(settings), "train": summary,
             "heldout": metrics, "hardware": hardware(settings.device), "software": software_versions(),
-            "git_commit": settings.code_commit or git_commit(), "command": command, "total_seconds": time.perf_counter() - started,
+            "git_commit": settings.code_commit or git_commit(), "command": command,
+            "total_seconds": time.perf_counter() - started,
             "ccq_settings": ", ".join(f"{k} {v}" for k, v in config.items() if k.startswith("ccq_")),
             # Settings outside the command line that change the run (a capped autotune picks other kernels).
             "environment": {k: os.environ[k] for k in (autotune.ENV_VAR,) if os.environ.get(k)},

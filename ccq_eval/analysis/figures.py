@@ -1,7 +1,10 @@
 """Paper-style figures from the tidy results table (PNG and PDF, matplotlib Agg).
 
 - S-NIAH depth x length heatmaps, one panel per model, one figure per S-NIAH task;
-- accuracy vs length, one panel per S-NIAH task, models overlaid;
+- accuracy vs length of each RULER family (S-NIAH, NIAH with competitors, variable tracking,
+  common / frequent words, QA): one figure per family, one panel per task, models overlaid;
+- RULER's task x length heatmap, one figure per model, with the average over its tasks per length and
+  its effective length (ccq_eval.analysis.ruler), when the results hold RULER tasks beyond S-NIAH;
 - perplexity vs length for both protocols: the truncated-document sweep (ppl at each
   evaluated length) and the position-bucketed curve (ppl of each position bucket);
 - LongBench scores per dataset as grouped bars (and LongBench-E per bucket);
@@ -13,15 +16,17 @@ of the name), so the same model gets the same colour in every figure; the CCQ va
 full colour, solid lines and filled markers, the baseline a lighter shade, dashed lines and hollow
 markers. Every model also has its own marker shape and size, so curves that lie on top of each
 other stay visible. Heatmaps use the sequential, colour-blind-safe cividis map with cell values
-in a contrasting colour.
+in a contrasting colour. Legends of line plots sit below the panels, outside every axes, so that they
+never cover a marker.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -32,8 +37,11 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from ccq_eval.analysis import tables
-from ccq_eval.harness.results_store import ResultsError
+from ccq_eval.analysis import ruler, tables
+from ccq_eval.analysis.formatting import display_task, length_label
+from ccq_eval.analysis.sweeps import ccq_sweep_points
+from ccq_eval.harness.store import ResultsError
+from ccq_eval.task_families import FAMILY_BY_NAME
 
 STYLE = {
     "font.size": 9,
@@ -53,7 +61,7 @@ STYLE = {
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442")
 HEATMAP_CMAP = "cividis"
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-# Panel titles of tasks whose display name is an id (ccq_eval.analysis.tables.display_task).
+# Panel titles of tasks whose display name is an id (ccq_eval.analysis.formatting.display_task).
 PANEL_TITLES = {"ppl_sweep": "truncated-document sweep", "ppl_buckets": "position buckets"}
 _CCQ_SUFFIX = re.compile(r"[-_]ccq$", re.IGNORECASE)
 _N_HUES = len(PALETTE)
@@ -122,8 +130,9 @@ def _line_style(model: str, index: int, count: int) -> dict:
 
 
 def panel_title(task: str) -> str:
-    name = tables.display_task(task)
-    return PANEL_TITLES.get(name, name)
+    """A task's display name with words for ids: 'ccq_niah_multikey_1' -> 'NIAH multikey 1'."""
+    name = display_task(task)
+    return PANEL_TITLES.get(name, name).replace("_", " ")
 
 
 def _text_color(rgba) -> str:
@@ -136,11 +145,11 @@ def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
     lengths = sorted({int(x) for x in lengths})
     # Doubling lengths (1K, 2K, 4K, ...) read best on a log axis; evenly spaced ones (position
     # buckets every 2K) would crowd its right end, so they stay linear.
-    ratios = sorted(b / a for a, b in zip(lengths, lengths[1:]) if a > 0)
+    ratios = sorted(b / a for a, b in itertools.pairwise(lengths) if a > 0)
     if ratios and ratios[len(ratios) // 2] >= 1.5:
         ax.set_xscale("log", base=2)
     ax.set_xticks(lengths)
-    ax.set_xticklabels([tables._length_label(x) for x in lengths])
+    ax.set_xticklabels([length_label(x) for x in lengths])
     ax.minorticks_off()
 
 
@@ -180,9 +189,21 @@ def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int =
     return fig, list(axes.flat[:count])
 
 
+def _figure_legend(fig: plt.Figure, axes: Sequence[plt.Axes], max_columns: int = 4) -> None:
+    """One legend for all panels, below them and outside every axes (constrained layout keeps room for
+    it), so it never covers a marker; every label any panel draws, in the order they first appear."""
+    entries: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center",
+                   ncol=min(len(entries), max_columns), frameon=False)
+
+
 def _score_limit(rows: pd.DataFrame) -> float:
-    """Our S-NIAH and LongBench tasks score in percent; other tasks in 0-1 unless a value says otherwise."""
-    if rows["family"].isin(["s-niah", "longbench", "longbench-e"]).all():
+    """Our RULER and LongBench tasks score in percent; other tasks in 0-1 unless a value says otherwise."""
+    if rows["family"].isin([*ruler.RULER_FAMILY_NAMES, "longbench", "longbench-e"]).all():
         return 100.0
     return 1.0 if rows["value"].max() <= 1.0 else 100.0
 
@@ -202,18 +223,50 @@ def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 grid = grid.sort_index().reindex(sorted(grid.columns), axis=1)
                 image = ax.imshow(grid.to_numpy(dtype=float), cmap=HEATMAP_CMAP, vmin=0, vmax=vmax,
                                   aspect="auto", interpolation="nearest")
-                ax.set_xticks(range(grid.shape[1]), [tables._length_label(c) for c in grid.columns])
+                ax.set_xticks(range(grid.shape[1]), [length_label(c) for c in grid.columns])
                 ax.set_yticks(range(grid.shape[0]), [f"{d:g}%" for d in grid.index])
                 ax.set_xlabel("context length (tokens)")
                 ax.set_ylabel("needle depth")
                 ax.set_title(model)
-                for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
-                    if not math.isnan(value):
-                        ax.text(j, i, f"{value:.0f}" if vmax > 1 else f"{value:.2f}", ha="center",
-                                va="center", fontsize=8, color=_text_color(image.cmap(image.norm(value))))
-            fig.suptitle(f"{tables.display_task(task)}: accuracy by needle depth and context length")
+                _heatmap_labels(ax, image, grid.to_numpy(dtype=float), vmax)
+            fig.suptitle(f"{display_task(task)}: accuracy by needle depth and context length")
             fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-            paths += _save(fig, out, f"sniah_heatmap_{_safe(tables.display_task(task))}")
+            paths += _save(fig, out, f"sniah_heatmap_{_safe(display_task(task))}")
+    return paths
+
+
+def _heatmap_labels(ax: plt.Axes, image, values: np.ndarray, vmax: float) -> None:
+    """Each cell's value written on it in a colour that contrasts with the cell."""
+    for (i, j), value in np.ndenumerate(values):
+        if not math.isnan(value):
+            ax.text(j, i, f"{value:.0f}" if vmax > 1 else f"{value:.2f}", ha="center", va="center", fontsize=8,
+                    color=_text_color(image.cmap(image.norm(value))))
+
+
+def ruler_heatmaps(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAULT_THRESHOLD) -> list[Path]:
+    """RULER's task x length accuracy, one figure per model with the average row beneath its tasks and the
+    effective length at `threshold` in the title; drawn when the results hold RULER tasks beyond S-NIAH."""
+    if not set(ruler.ruler_values(tidy)["family"]) - {"s-niah"}:
+        return []
+    paths = []
+    for block in ruler.ruler_blocks(tidy, threshold):
+        values = np.vstack([block.values.to_numpy(dtype=float),
+                            [block.averages.get(length, math.nan) for length in block.lengths]])
+        labels = [panel_title(task) for task in block.tasks] + [block.average_label]
+        with plt.rc_context(STYLE | {"axes.grid": False}):
+            fig, ax = plt.subplots(figsize=(max(5.0, 2.8 + 0.7 * len(block.lengths)), 1.4 + 0.3 * len(labels)),
+                                   layout="constrained")
+            image = ax.imshow(values, cmap=HEATMAP_CMAP, vmin=0, vmax=100, aspect="auto", interpolation="nearest")
+            ax.set_xticks(range(len(block.lengths)), [length_label(x) for x in block.lengths])
+            ax.set_yticks(range(len(labels)), labels)
+            ax.axhline(len(block.tasks) - 0.5, color="white", linewidth=2)
+            ax.set_xlabel("context length (tokens)")
+            _heatmap_labels(ax, image, values, 100.0)
+            effective = ruler.effective_length_label(block.effective, block.lengths)
+            ax.set_title(f"{block.model}: RULER accuracy by task and length\n"
+                         f"effective length {effective} (average at or above {threshold:g})")
+            fig.colorbar(image, ax=ax, shrink=0.8, label="accuracy")
+            paths += _save(fig, out, f"ruler_heatmap_{_safe(block.model)}")
     return paths
 
 
@@ -237,18 +290,31 @@ def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, c
                 _log_y(ax)
             if score:
                 ax.set_ylim(-0.03 * _score_limit(rows), 1.03 * _score_limit(rows))
-        handles, labels = axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), frameon=False)
+        _figure_legend(fig, axes)
         fig.suptitle(title)
         return _save(fig, out, stem)
 
 
+def accuracy_figure(family: str) -> tuple[str, str]:
+    """(file stem, title) of a RULER family's accuracy-vs-length figure."""
+    if family == "s-niah":
+        return "sniah_accuracy_vs_length", "S-NIAH accuracy vs context length"
+    title = FAMILY_BY_NAME[family].title
+    title = title if title.startswith("RULER") else f"RULER {title}"
+    return f"{_safe(family.replace('-', '_'))}_accuracy_vs_length", f"{title}: accuracy vs context length"
+
+
 def accuracy_curves(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
-    rows = tidy[(tidy["family"] == "s-niah") & tidy["primary"] & tidy["length"].notna() & tidy["depth"].isna()]
-    if rows.empty:
-        return []
-    return _curves(rows, out, "sniah_accuracy_vs_length", "S-NIAH accuracy vs context length", "accuracy",
-                   colors, score=True)
+    """Accuracy vs length, one figure per RULER family with per-length values (a panel per task)."""
+    rows = tidy[tidy["family"].isin(ruler.RULER_FAMILY_NAMES) & tidy["primary"] & tidy["length"].notna()
+                & tidy["depth"].isna() & tidy["bucket"].isna()]
+    paths = []
+    for family in ruler.RULER_FAMILY_NAMES:
+        family_rows = rows[rows["family"] == family]
+        if not family_rows.empty:
+            stem, title = accuracy_figure(family)
+            paths += _curves(family_rows, out, stem, title, "accuracy", colors, score=True)
+    return paths
 
 
 def perplexity_curves(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
@@ -337,7 +403,7 @@ def sweep_panels(tidy: pd.DataFrame, members: pd.DataFrame) -> dict[str, pd.Data
 def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
     """One figure per --ccq-attach sweep with two or more lambdas: score vs lambda, a panel per task
     and a curve per context length (lambda = 0 is the plain checkpoint)."""
-    points = tables.ccq_sweep_points(tidy)
+    points = ccq_sweep_points(tidy)
     paths = []
     for sweep, members in points.groupby("sweep", sort=True):
         if members["lambda"].nunique() < 2:
@@ -354,27 +420,29 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 curves = task_rows.groupby(task_rows["length"].fillna(-1), sort=True)
                 for index, (length, curve) in enumerate(curves):
                     curve = curve.sort_values("lambda")
-                    label = "all" if length < 0 else f"{tables._length_label(length)} tokens"
+                    label = "all" if length < 0 else f"{length_label(length)} tokens"
                     ax.plot(curve["lambda"], curve["value"], marker=MARKERS[index % len(MARKERS)], label=label,
                             color=shade.get(int(length), PALETTE[0]), linewidth=1.5, markersize=5)
                 family = task_rows["family"].iloc[0]
                 ax.set_title(panel_title(task))
                 ax.set_xlabel("lambda (constant gate)")
-                ax.set_ylabel({"s-niah": "accuracy", "ppl": "perplexity"}.get(family, "score"))
+                ax.set_ylabel("accuracy" if family in ruler.RULER_FAMILY_NAMES else
+                              "perplexity" if family == "ppl" else "score")
                 ticks = sorted(members["lambda"].unique())
                 ax.set_xticks(ticks, [f"{lam:g}" for lam in ticks])
                 if family == "ppl":
                     _log_y(ax)
                 else:
                     ax.set_ylim(-0.03 * _score_limit(task_rows), 1.03 * _score_limit(task_rows))
-                ax.legend(frameon=False)
+            _figure_legend(fig, axes)
             fig.suptitle(f"{sweep}: score vs lambda (CCQ attached training-free, constant gate)")
             paths += _save(fig, out, f"ccq_sweep_{_safe(sweep)}")
     return paths
 
 
-def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
-    """Every figure the results support, as PNG and PDF under `out`; returns their paths."""
+def draw_all(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAULT_THRESHOLD) -> list[Path]:
+    """Every figure the results support, as PNG and PDF under `out`; returns their paths. `threshold`: the
+    RULER heatmaps' effective-length threshold (% accuracy)."""
     out = Path(out)
     for folder in (out, *out.parents):
         if folder.exists() and not folder.is_dir():
@@ -386,13 +454,14 @@ def draw_all(tidy: pd.DataFrame, out: Path) -> list[Path]:
     paths = []
     paths += sniah_heatmaps(tidy, out)
     paths += accuracy_curves(tidy, out, colors)
+    paths += ruler_heatmaps(tidy, out, threshold)
     paths += perplexity_curves(tidy, out, colors)
     paths += longbench_bars(tidy, out, colors)
     paths += longbench_e_bars(tidy, out, colors)
     paths += ccq_sweep_curves(tidy, out)
     if not paths:
         raise ResultsError(
-            "nothing to draw: the results hold no per-length S-NIAH or perplexity values and no LongBench "
-            "scores (figures need the samples_<task>.jsonl logs of S-NIAH / perplexity runs)"
+            "nothing to draw: the results hold no per-length RULER (S-NIAH, ...) or perplexity values and no "
+            "LongBench scores (figures need the samples_<task>.jsonl logs of RULER / perplexity runs)"
         )
     return paths

@@ -8,18 +8,18 @@ of script are inline, and nothing is fetched. It holds
 - the run: models with their checkpoint fingerprints, tasks with their grid, device, dtype,
   package versions, commit and command line, as the units' meta.json / unit.json / results.json
   record them;
-- the paper tables (`ccq-eval table`) and the paired statistics of every NAME / NAME-ccq pair
-  (`ccq-eval compare`);
+- the paper tables (`ccq-eval table`), RULER's view (`ccq-eval table --view ruler`: average and
+  effective length, when the results hold RULER tasks beyond S-NIAH) and the paired statistics of every
+  comparison pair (`ccq-eval compare`), their p-values adjusted together for their number;
 - every figure (`ccq-eval figures`);
-- a sample browser: one collapsible block per S-NIAH cell (model, task, length, depth) with its
-  failures (expected answer, generated text, the context around the needle), and one per
-  perplexity (model, task, length) with its worst documents. Selects filter the blocks by model,
-  task, length and depth; with scripts off every block is shown and the selects stay hidden.
+- a sample browser (ccq_eval.analysis.report_samples): one collapsible block per cell of S-NIAH and
+  the other RULER tasks (model, task, length, depth) with its failures, and one per perplexity (model,
+  task, length) with its worst documents. Selects filter the blocks by model, task, length and depth;
+  with scripts off every block is shown and the selects stay hidden.
 
-This module gathers that as plain data (tables as Table and Cell, sample blocks as SampleCell);
-the jinja2 templates in templates/ (package data) lay it out, report.html.j2 being the page. The
-template engine escapes every value it writes, so sample text cannot become markup. Nothing here
-imports torch or fla.
+This module gathers that as plain data (tables as Table and Cell); the jinja2 templates in templates/
+(package data) lay it out, report.html.j2 being the page. The template engine escapes every value it
+writes, so sample text cannot become markup. Nothing here imports torch or fla.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import base64
 import functools
 import html
 import json
-import math
 import re
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,25 +41,19 @@ import pandas as pd
 from markupsafe import Markup
 
 from ccq_eval.analysis import figures as figure_module
-from ccq_eval.analysis import stats, tables
-from ccq_eval.harness import results_store
-from ccq_eval.harness.results_store import UNIT_SPEC_FILE, ResultsError, StoredUnit
-from ccq_eval.task_families import PERPLEXITY, S_NIAH, family_of
+from ccq_eval.analysis import ruler, stats, tables
+from ccq_eval.analysis.formatting import NON_FINITE_NOTE, display_task, flat, format_cell, length_text
+from ccq_eval.analysis.report_samples import sample_cells, sample_selects
+from ccq_eval.harness import store
+from ccq_eval.harness.store import UNIT_SPEC_FILE, ResultsError, StoredUnit
 
 REPORT_FILE = "report.html"
 PAGE_TEMPLATE = "report.html.j2"
-# Characters of the prompt shown on each side of the needle, and of a document's start.
-CONTEXT_CHARS = 240
-EXCERPT_CHARS = 400
 # Perplexity documents listed per (model, task, length), highest perplexity first.
 WORST_DOCUMENTS = 5
-# Generated text longer than this is cut (S-NIAH budgets are a few dozen tokens; a runaway model's
-# output would bloat the page).
-GENERATED_CHARS = 600
-# Failures listed per S-NIAH cell (the rest are counted): keeps a large grid's page small enough to open.
+# Failures listed per cell of a task that generates answers (the rest are counted): keeps a large grid's
+# page small enough to open.
 FAILURES_PER_CELL = 10
-_NOT_ARCHIVED = "; not archived>"
-
 
 # --------------------------------------------------------------------------------------------
 # What the templates show
@@ -83,71 +76,6 @@ class Table:
     rows: list[list[Cell]]
 
 
-@dataclass(frozen=True)
-class PromptWindow:
-    """Characters `low` to `high` of a prompt of `length` characters, as (text, is an answer) pieces."""
-
-    pieces: list[tuple[str, bool]]
-    low: int
-    high: int
-    length: int
-
-
-@dataclass(frozen=True)
-class SniahFailure:
-    """An S-NIAH sample scored below full marks. `window` is the prompt around the needle (None when
-    the prompt was not logged or was archived; `archived_prompt` is then the archive's placeholder)."""
-
-    doc_id: Any
-    score: float
-    expected: str  # every accepted answer, " / " between them
-    generated: str  # cut at GENERATED_CHARS
-    window: PromptWindow | None
-    archived_prompt: str | None = None
-
-
-@dataclass(frozen=True)
-class PerplexityDocument:
-    """A document of a perplexity cell; `excerpt` is the start of its text (None when archived)."""
-
-    doc_id: Any
-    label: str
-    perplexity: float
-    tokens: int
-    excerpt: str | None
-
-
-@dataclass
-class SampleCell:
-    """One block of the sample browser: an S-NIAH cell (its failures, the first FAILURES_PER_CELL
-    listed) or a perplexity (model, task, length) with its worst documents."""
-
-    model: str
-    task: str
-    length: int | None
-    depth: float | None
-    summary: str
-    failures: list[SniahFailure] = field(default_factory=list)
-    unlisted_failures: int = 0
-    documents: list[PerplexityDocument] = field(default_factory=list)
-
-    @property
-    def filter_values(self) -> dict[str, str]:
-        """The block's value for each select of the browser (its data-* attributes)."""
-        return {"model": self.model, "task": self.task,
-                "length": "" if self.length is None else str(self.length),
-                "depth": "" if self.depth is None else f"{self.depth:g}"}
-
-
-@dataclass(frozen=True)
-class Select:
-    """A select of the sample browser: `name` is the filter_values key it matches; options are
-    (value, text) pairs."""
-
-    name: str
-    options: list[tuple[str, str]]
-
-
 # --------------------------------------------------------------------------------------------
 # Reading: what the folder holds and what it lacks
 
@@ -162,9 +90,9 @@ def missing_parts(root: Path, units: Sequence[StoredUnit]) -> list[str]:
                          f"rerun the `ccq-eval run` command to finish it")
     tasks_of: dict[str, set[str]] = defaultdict(set)
     for unit in units:
-        non_finite = results_store.non_finite_values(unit.results)
+        non_finite = store.non_finite_values(unit.results)
         if non_finite:
-            notes.append(f"failed unit: {results_store.non_finite_message(unit.model, non_finite)}")
+            notes.append(f"failed unit: {store.non_finite_message(unit.model, non_finite)}")
         for task in unit.leaf_tasks():
             tasks_of[unit.model].add(task)
             if task not in unit.samples_paths:
@@ -198,7 +126,7 @@ def _cell(value: Any, digits: int = 2) -> Cell:
     if isinstance(value, Cell):
         return value
     numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return Cell(tables._format_cell(value, digits), numeric=numeric)
+    return Cell(format_cell(value, digits), numeric=numeric)
 
 
 def _table(headers: Sequence[Any], rows: Iterable[Sequence[Any]], digits: int = 2) -> Table:
@@ -206,7 +134,7 @@ def _table(headers: Sequence[Any], rows: Iterable[Sequence[Any]], digits: int = 
 
 
 def _frame_table(frame: pd.DataFrame, digits: int) -> Table:
-    return _table(*tables._flat(frame), digits)
+    return _table(*flat(frame), digits)
 
 
 def _distinct(values: Iterable[Any]) -> str:
@@ -216,17 +144,13 @@ def _distinct(values: Iterable[Any]) -> str:
     return "; ".join(seen) if seen else "-"
 
 
-def _length_text(length: Any) -> str:
-    return "-" if length is None else tables._length_label(length)
-
-
 # --------------------------------------------------------------------------------------------
 # The run, the paper tables, the comparisons, the figures
 
 
 def _unit_spec(unit: StoredUnit) -> dict[str, Any]:
-    path = unit.folder / UNIT_SPEC_FILE
-    spec = results_store.read_json(path) if path.is_file() else unit.meta.get("spec")
+    """The unit's settings (its unit.json, in the current format; {} when it records none)."""
+    spec = unit.spec
     return spec if isinstance(spec, dict) else {}
 
 
@@ -265,9 +189,9 @@ def tasks_table(units: Sequence[StoredUnit]) -> Table:
     for task, own in sorted(by_task.items()):
         specs = [_unit_spec(u) for u in own]
         grids = [s.get("task_metadata") or {} for s in specs]
-        lengths = (", ".join(_length_text(x) for x in g["lengths"]) for g in grids if g.get("lengths"))
+        lengths = (", ".join(length_text(x) for x in g["lengths"]) for g in grids if g.get("lengths"))
         depths = (", ".join(f"{d:g}%" for d in g["depths"]) for g in grids if g.get("depths"))
-        rows.append([tables.display_task(task), Cell(task, code=True),
+        rows.append([display_task(task), Cell(task, code=True),
                      _distinct(u.meta.get("requested_as") for u in own), _distinct(lengths),
                      _distinct(depths), _distinct(g.get("samples_per_cell") for g in grids),
                      _distinct(s.get("limit") for s in specs), _distinct(s.get("max_length") for s in specs),
@@ -307,24 +231,38 @@ def paper_tables(tidy: pd.DataFrame, digits: int = 2) -> list[dict[str, Any]]:
             for pivot in tables.paper_pivots(tidy)]
 
 
-def comparisons(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed: int,
-                alpha: float) -> dict[str, Any]:
-    """The paired statistics of every comparison pair (`ccq-eval compare`) as (title, Table); a pair
-    that cannot be compared adds its reason to `notes`."""
+def ruler_view(tidy: pd.DataFrame, threshold: float, digits: int = 2) -> dict[str, Any]:
+    """RULER's view (`ccq-eval table --view ruler`) as (title, Table) pairs and its note; no table when the
+    results hold no RULER task beyond S-NIAH (S-NIAH alone has its own table)."""
+    families = set(ruler.ruler_values(tidy)["family"])
+    if not families - {"s-niah"}:
+        return {"tables": [], "note": ""}
+    shown = [(title, _frame_table(frame, digits)) for title, frame in ruler.ruler_tables(tidy, threshold)]
+    return {"tables": shown, "note": ruler.ruler_note(threshold)}
+
+
+def comparisons(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed: int, alpha: float,
+                p_adjust: str = stats.DEFAULT_P_ADJUST) -> dict[str, Any]:
+    """The paired statistics of every comparison pair (`ccq-eval compare`) as (title, Table), their p-values
+    adjusted by `p_adjust` as one family; a pair that cannot be compared adds its reason to `notes`."""
     pairs = stats.comparison_pairs(units)
-    shown = []
+    compared = []
     for baseline, variant in pairs:
         try:
-            frame = stats.compare_models(list(units), baseline, variant, n_boot=n_boot, seed=seed,
-                                         alpha=alpha)
+            frame = stats.compare_models(list(units), baseline, variant, n_boot=n_boot, seed=seed, alpha=alpha,
+                                         p_adjust=p_adjust)
         except ResultsError as exc:
             notes.append(f"{variant} vs {baseline}: no comparison ({exc})")
             continue
-        shown.append((f"{variant} vs {baseline}",
-                      _frame_table(stats.comparison_display(frame, baseline, variant), 3)))
+        compared.append((baseline, variant, frame))
+    frames = stats.adjust_comparisons([frame for _, _, frame in compared], p_adjust, alpha)
+    shown = []
+    for (baseline, variant, _), frame in zip(compared, frames):
+        shown.append((f"{variant} vs {baseline}", _frame_table(stats.comparison_display(frame, baseline, variant), 3)))
         if (frame["verdict"] == "failed").any():
-            notes.append(f"{variant} vs {baseline}: {tables.NON_FINITE_NOTE}")
-    return {"has_pairs": bool(pairs), "tables": shown, "note": stats.comparison_note(alpha),
+            notes.append(f"{variant} vs {baseline}: {NON_FINITE_NOTE}")
+    family = int(frames[0]["p_family"].iloc[0]) if frames else 0
+    return {"has_pairs": bool(pairs), "tables": shown, "note": stats.comparison_note(alpha, p_adjust, family),
             "n_boot": n_boot, "seed": seed}
 
 
@@ -348,149 +286,6 @@ def _data_uri(png: bytes) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Sample browser
-
-
-def _generated(sample: dict[str, Any]) -> str:
-    for key in ("filtered_resps", "resps"):
-        value = sample.get(key)
-        while isinstance(value, list) and value:
-            value = value[0]
-        if isinstance(value, str):
-            return value
-    return ""
-
-
-def _archived(text: str) -> bool:
-    return text.startswith("<") and text.endswith(_NOT_ARCHIVED)
-
-
-def needle_context(prompt: str, answers: Sequence[str], offset: Any = None) -> PromptWindow:
-    """The prompt around the needle: CONTEXT_CHARS on each side of the first answer found (from the
-    needle's offset on, when the document records it), every answer marked."""
-    start_at = int(offset) if isinstance(offset, (int, float)) and 0 <= offset < len(prompt) else 0
-    positions = [prompt.find(a, start_at) for a in answers if a]
-    positions = [p for p in positions if p >= 0] or [start_at]
-    centre = min(positions)
-    low, high = max(0, centre - CONTEXT_CHARS), min(len(prompt), centre + CONTEXT_CHARS)
-    window = prompt[low:high]
-    marks: list[tuple[int, int]] = []
-    for answer in answers:
-        found = window.find(answer) if answer else -1
-        while found >= 0:
-            marks.append((found, found + len(answer)))
-            found = window.find(answer, found + len(answer))
-    pieces, cursor = [], 0
-    for begin, end in sorted(marks):
-        if begin < cursor:
-            continue
-        pieces += [(window[cursor:begin], False), (window[begin:end], True)]
-        cursor = end
-    pieces.append((window[cursor:], False))
-    return PromptWindow(pieces, low, high, len(prompt))
-
-
-def _sniah_failure(sample: dict[str, Any], score: float) -> SniahFailure:
-    doc = sample.get("doc") or {}
-    answers = [str(a) for a in doc.get("outputs") or [sample.get("target", "")]]
-    generated = _generated(sample)
-    shown = generated if len(generated) <= GENERATED_CHARS else generated[:GENERATED_CHARS] + "…"
-    prompt = str(doc.get("input", ""))
-    archived = _archived(prompt)
-    window = needle_context(prompt, answers, doc.get("needle_char_offset")) if prompt and not archived else None
-    return SniahFailure(sample.get("doc_id"), score, " / ".join(answers), shown, window,
-                        prompt if archived else None)
-
-
-def _full_marks(values: Iterable[float]) -> float:
-    return 100.0 if any(v > 1.0 for v in values) else 1.0
-
-
-def sniah_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
-    """One cell per (length, depth): its failures with expected answer, generated text and context."""
-    name = tables.primary_metric(task, tables.metric_infos(unit, task))
-    samples = unit.samples(task)
-    first_filter = samples[0].get("filter", "none") if samples else "none"
-    scored = []
-    for sample in samples:
-        value = tables._stored_value(sample.get(name))
-        length, depth = tables.doc_cell(sample.get("doc"))
-        if sample.get("filter", "none") == first_filter and isinstance(value, float) and length is not None:
-            scored.append((int(length), depth, value, sample))
-    full = _full_marks(v for _, _, v, _ in scored)
-    by_cell: dict[tuple[int, float | None], list[tuple[float, dict]]] = defaultdict(list)
-    for length, depth, value, sample in scored:
-        by_cell[(length, depth)].append((value, sample))
-    cells = []
-    for (length, depth), entries in sorted(by_cell.items(), key=lambda item: (item[0][0], item[0][1] or 0.0)):
-        failures = [(v, s) for v, s in entries if v < full]
-        where = f"{_length_text(length)}" + ("" if depth is None else f", depth {depth:g}%")
-        outcome = f"{len(failures)} of {len(entries)} failed" if failures else f"all {len(entries)} right"
-        summary = f"{unit.model} · {tables.display_task(task)} · {where}: {outcome}"
-        cells.append(SampleCell(unit.model, task, length, depth, summary,
-                                failures=[_sniah_failure(s, v) for v, s in failures[:FAILURES_PER_CELL]],
-                                unlisted_failures=max(0, len(failures) - FAILURES_PER_CELL)))
-    return cells
-
-
-def _perplexity_document(sample: dict[str, Any], perplexity: float, tokens: int) -> PerplexityDocument:
-    doc = sample.get("doc") or {}
-    label = doc.get("document") or (f"block {doc['block_index']}" if "block_index" in doc else "")
-    text = str(doc.get("text", ""))
-    excerpt = None if _archived(text) else text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")
-    return PerplexityDocument(sample.get("doc_id"), str(label), perplexity, tokens, excerpt)
-
-
-def perplexity_cells(unit: StoredUnit, task: str) -> list[SampleCell]:
-    """One cell per evaluated length: the WORST_DOCUMENTS documents of highest perplexity."""
-    name = tables.primary_metric(task, tables.metric_infos(unit, task))
-    by_length: dict[int, list[tuple[float, int, dict]]] = defaultdict(list)
-    for sample in unit.samples(task):
-        for key in sample.get("metrics") or [k for k in sample if k == name or k.startswith(f"{name}@")]:
-            base, suffix_length, bucket = tables.split_metric(key)
-            value = tables._stored_value(sample.get(key))
-            if base != name or bucket is not None or not isinstance(value, tuple) or value[1] <= 0:
-                continue
-            length = suffix_length or tables.doc_cell(sample.get("doc"))[0]
-            if length is None:
-                continue
-            nll, tokens = value
-            by_length[int(length)].append((math.exp(nll / tokens), int(tokens), sample))
-    cells = []
-    for length, documents in sorted(by_length.items()):
-        documents.sort(key=lambda entry: -entry[0])
-        summary = (f"{unit.model} · {tables.display_task(task)} · {_length_text(length)}: worst "
-                   f"{min(WORST_DOCUMENTS, len(documents))} of {len(documents)} documents "
-                   f"(perplexity {documents[0][0]:.2f} to {documents[-1][0]:.2f})")
-        worst = [_perplexity_document(sample, perplexity, tokens)
-                 for perplexity, tokens, sample in documents[:WORST_DOCUMENTS]]
-        cells.append(SampleCell(unit.model, task, length, None, summary, documents=worst))
-    return cells
-
-
-def sample_cells(units: Sequence[StoredUnit]) -> list[SampleCell]:
-    cells = []
-    for unit in sorted(units, key=lambda u: u.model):
-        for task in sorted(unit.leaf_tasks()):
-            if task not in unit.samples_paths:
-                continue
-            family = family_of(task)
-            if family is S_NIAH:
-                cells += sniah_cells(unit, task)
-            elif family is PERPLEXITY:
-                cells += perplexity_cells(unit, task)
-    return cells
-
-
-def sample_selects(cells: Sequence[SampleCell]) -> list[Select]:
-    """The browser's selects: every model, task, length and depth of the cells."""
-    lengths = sorted({c.length for c in cells if c.length is not None})
-    depths = sorted({c.depth for c in cells if c.depth is not None})
-    return [
-        Select("model", [(m, m) for m in sorted({c.model for c in cells})]),
-        Select("task", [(t, tables.display_task(t)) for t in sorted({c.task for c in cells})]),
-        Select("length", [(str(x), _length_text(x)) for x in lengths]),
-        Select("depth", [(f"{d:g}", f"{d:g}%") for d in depths]),
-    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,23 +315,27 @@ def _templates() -> jinja2.Environment:
 
 def build_report(results: Path, *, figure_paths: Sequence[Path] | None = None,
                  n_boot: int = stats.DEFAULT_BOOTSTRAP, seed: int = stats.DEFAULT_SEED,
-                 alpha: float = stats.DEFAULT_ALPHA) -> str:
+                 alpha: float = stats.DEFAULT_ALPHA, p_adjust: str = stats.DEFAULT_P_ADJUST,
+                 threshold: float = ruler.DEFAULT_THRESHOLD) -> str:
     """The report of the results folder `results` as one HTML string.
 
     `figure_paths`: figures already drawn from these results (their PNGs are embedded); by default
-    they are drawn afresh. Raises ResultsError when the folder holds no finished unit.
+    they are drawn afresh. `p_adjust`: how the comparisons' p-values are adjusted for their number
+    (holm, bonferroni, none); `threshold`: the RULER view's effective-length threshold (% accuracy).
+    Raises ResultsError when the folder holds no finished unit.
     """
+    ruler.check_threshold(threshold)
     results = Path(results)
     try:
-        units = results_store.load_results(results)
+        units = store.load_results(results)
     except ResultsError as exc:
         raise (_unfinished_error(results) or exc) from None
     root = results if results.is_dir() else results.parent
     tidy = tables.tidy_table(units)
     notes = missing_parts(root, units)
-    compared = comparisons(units, notes, n_boot, seed, alpha)
+    compared = comparisons(units, notes, n_boot, seed, alpha, p_adjust)
     images = figure_images(tidy, figure_paths, notes)
-    cells = sample_cells(units)
+    cells = sample_cells(units, failures_per_cell=FAILURES_PER_CELL, worst_documents=WORST_DOCUMENTS)
     models = sorted({unit.model for unit in units})
     from ccq_eval import __version__
 
@@ -544,7 +343,7 @@ def build_report(results: Path, *, figure_paths: Sequence[Path] | None = None,
         title=f"ccq-eval report: {root.resolve().name}", unit_count=len(units), model_count=len(models),
         model_names=", ".join(models), version=__version__, root=str(root), missing=notes,
         models=models_table(units), tasks=tasks_table(units), environment=environment_pairs(units),
-        paper_tables=paper_tables(tidy), comparisons=compared,
+        paper_tables=paper_tables(tidy), ruler=ruler_view(tidy, threshold), comparisons=compared,
         figures=[(name, _data_uri(png)) for name, png in images],
         sample_cells=cells, sample_selects=sample_selects(cells))
 
@@ -562,5 +361,5 @@ def write_report(results: Path, output: Path | None = None, **options: Any) -> P
         if folder.exists() and not folder.is_dir():
             raise ResultsError(f"--output {output}: {folder} is a file, not a folder; give another path")
     text = build_report(results, **options)
-    results_store.atomic_write_text(Path(output), text)
+    store.atomic_write_text(Path(output), text)
     return Path(output)

@@ -9,11 +9,14 @@
   (whose import alone takes seconds).
 - Exact sign test for other per-sample scores: the same binomial test on the signs of the
   non-zero paired differences.
+- The p-values of one output are adjusted for their number (ccq_eval.analysis.p_values: Holm by
+  default); significance marks and verdicts read the adjusted p-values.
 
-Samples are paired only when they are the same document: by lm-eval's doc_hash (a hash of the
-whole document), or by prompt and target hash (the same model input) where that pairs more of
-them; `pairing` in the output says which, `unpaired` how many samples had no partner. Two runs
-without a document in common (another --seed) are refused, never paired by position.
+Samples are paired only when they are the same document (ccq_eval.analysis.pairing): by lm-eval's
+doc_hash, or by prompt and target hash where that pairs more of them; `pairing` in the output says
+which, `unpaired` how many samples had no partner. Two runs without a document in common (another
+--seed) are refused, never paired by position. The tables `compare` prints are made in
+ccq_eval.analysis.comparison_tables (re-exported here).
 """
 
 from __future__ import annotations
@@ -27,14 +30,38 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ccq_eval.analysis import tables
-from ccq_eval.harness.results_store import ResultsError, StoredUnit
+from ccq_eval.analysis import sweeps
+from ccq_eval.analysis.comparison_tables import (  # noqa: F401  (re-exported: what `compare` prints)
+    adjust_comparisons,
+    comparison_display,
+    comparison_note,
+    comparison_summary,
+    render_comparison,
+    render_comparisons,
+    render_summary,
+)
+from ccq_eval.analysis.p_values import (  # noqa: F401  (re-exported: the significance levels)
+    DEFAULT_ALPHA,
+    DEFAULT_P_ADJUST,
+    P_ADJUST_METHODS,
+    adjust_p_values,
+    check_p_adjust,
+    significance_mark,
+)
+from ccq_eval.analysis.pairing import (
+    comparison_metric,
+    group_order,
+    pair_samples,
+    sample_entries,
+    settings_difference,
+    units_of,
+)
+from ccq_eval.analysis.tidy import MetricInfo
+from ccq_eval.harness.store import ResultsError, StoredUnit
 
 DEFAULT_BOOTSTRAP = 10_000
 DEFAULT_SEED = 0
-DEFAULT_ALPHA = 0.05
 _CHUNK_ROWS = 1000  # bootstrap resamples drawn per chunk (bounds memory, same stream as one draw)
-
 
 # --------------------------------------------------------------------------------------------
 # Statistics of one model over (resampled) samples. Input rows are samples; for ratio
@@ -201,133 +228,13 @@ def is_binary(*arrays: np.ndarray) -> bool:
     return bool(np.isin(values, (0.0, 1.0)).all() or np.isin(values, (0.0, 100.0)).all())
 
 
-def significance_mark(p_value: float, alpha: float = DEFAULT_ALPHA) -> str:
-    if p_value < alpha / 50:
-        return "***"
-    if p_value < alpha / 5:
-        return "**"
-    if p_value < alpha:
-        return "*"
-    return ""
-
-
 # --------------------------------------------------------------------------------------------
 # Comparing two models in stored results
-
-
-def _ppl_group(suffix_length: int | None, bucket: str | None) -> Any:
-    if bucket is not None:
-        return bucket
-    return "all" if suffix_length is None else suffix_length
-
-
-def _comparison_metric(unit: StoredUnit, task: str, metric: str | None) -> tables.MetricInfo:
-    """The metric compared for `task`: --metric, else the task's primary one."""
-    infos = tables.metric_infos(unit, task)
-    family = tables.task_family(task)
-    name = metric or tables.primary_metric(task, infos)
-    if name is None:
-        raise ResultsError(f"task {task} in {unit.results_path} declares no metric")
-    if family == "ppl":
-        # Per-document (nll_sum, n_tokens) pairs; perplexity = exp(sum nll / sum n).
-        return tables.MetricInfo(name, "nll_pairs", False)
-    for info in infos:
-        if info.name == name:
-            return info
-    valid = ", ".join(sorted({tables.split_metric(i.name)[0] for i in infos}))
-    raise ResultsError(f"task {task} has no metric {name!r}; its metrics: {valid}")
-
-
-def _sample_entries(unit: StoredUnit, task: str, info: tables.MetricInfo) -> dict[Any, list[dict[str, Any]]]:
-    """group -> [{doc_id, doc_hash, value}] for one model's samples of `task`.
-
-    Groups: "all", plus the length (S-NIAH: the document's length; perplexity: the "@L"
-    metric), the position bucket ("@start-end") or the LongBench-E bucket."""
-    family = tables.task_family(task)
-    groups: dict[Any, list[dict[str, Any]]] = {}
-
-    def add(group: Any, sample: dict[str, Any], value: Any) -> None:
-        prompt = sample.get("prompt_hash")
-        groups.setdefault(group, []).append({
-            "doc_id": sample.get("doc_id"), "doc_hash": sample.get("doc_hash"),
-            "prompt_hash": None if prompt is None else f"{prompt}:{sample.get('target_hash')}", "value": value})
-
-    for sample in unit.samples(task):
-        if family == "ppl":
-            for key in sample.get("metrics") or [k for k in sample if "@" in k or k == info.name]:
-                base, length, bucket = tables.split_metric(key)
-                value = tables._stored_value(sample.get(key))
-                if base == info.name and isinstance(value, tuple):
-                    add(_ppl_group(length, bucket), sample, value)
-            continue
-        value = tables._stored_value(sample.get(info.name))
-        if value is None:
-            continue
-        add("all", sample, value)
-        if family in tables.CELL_FAMILIES:
-            length, _ = tables.doc_cell(sample.get("doc"))
-            if length is not None:
-                add(int(length), sample, value)
-        elif family == "longbench-e":  # the bucket is the one score_<bucket> the sample carries
-            buckets = [m.removeprefix(f"{info.name}_") for m in sample.get("metrics", [])
-                       if m.startswith(f"{info.name}_")]
-            if len(buckets) == 1:
-                add(buckets[0], sample, value)
-    return groups
-
-
-PAIRING_KEYS = ("doc_hash", "prompt_hash")
-
-
-def _keyed(samples: list[dict], key: str) -> dict[tuple[str, int], dict]:
-    """Samples by (key, occurrence): a document logged twice pairs with the other model's second copy."""
-    seen: dict[str, int] = {}
-    keyed = {}
-    for sample in samples:
-        value = sample[key]
-        if value is not None:
-            keyed[(value, seen.get(value, 0))] = sample
-            seen[value] = seen.get(value, 0) + 1
-    return keyed
-
-
-def _pair(base: list[dict], var: list[dict]) -> tuple[list[tuple[dict, dict]], str, int]:
-    """(pairs, pairing key, unpaired count): samples are paired only when they are the same document, by
-    lm-eval's doc_hash (a hash of the whole document) or, where documents differ only in bookkeeping
-    fields such as the tokenizer path, by prompt and target hash (the same model input). Never by doc_id:
-    position k of two runs with other seeds or task settings is another document."""
-    best: tuple[list[tuple[dict, dict]], str] = ([], PAIRING_KEYS[0])
-    for key in PAIRING_KEYS:
-        base_by, var_by = _keyed(base, key), _keyed(var, key)
-        pairs = [(base_by[k], var_by[k]) for k in base_by if k in var_by]
-        if len(pairs) > len(best[0]):
-            best = (pairs, key)
-    pairs, key = best
-    return pairs, key, len(base) + len(var) - 2 * len(pairs)
-
-
-def _settings_difference(base: StoredUnit, var: StoredUnit) -> str:
-    """What differs between two units' seeds and task settings (from their meta.json), e.g. 'seed 0 vs 1'."""
-    def settings(unit: StoredUnit) -> dict[str, Any]:
-        spec = unit.meta.get("spec") if isinstance(unit.meta.get("spec"), dict) else {}
-        return {"seed": unit.meta.get("seed"), **(spec.get("task_metadata") or {})}
-
-    first, second = settings(base), settings(var)
-    names = sorted(name for name in set(first) | set(second) if first.get(name) != second.get(name))
-    return ", ".join(f"{name} {first.get(name)} vs {second.get(name)}" for name in names)
 
 
 def _group_seed(seed: int, *parts: Any) -> int:
     # Each comparison gets its own stream, independent of the order groups are visited in.
     return (seed * 1_000_003 + zlib.crc32("|".join(map(str, parts)).encode())) % 2**32
-
-
-def _units_of(units: list[StoredUnit], model: str) -> list[StoredUnit]:
-    found = [u for u in units if u.model == model]
-    if not found:
-        models = sorted({u.model for u in units})
-        raise ResultsError(f"no results for model {model!r}; models with results: {', '.join(models)}")
-    return found
 
 
 def compare_models(
@@ -339,13 +246,17 @@ def compare_models(
     n_boot: int = DEFAULT_BOOTSTRAP,
     seed: int = DEFAULT_SEED,
     alpha: float = DEFAULT_ALPHA,
+    p_adjust: str = DEFAULT_P_ADJUST,
 ) -> pd.DataFrame:
-    """Per task (and per length / bucket where the task has them): baseline, variant, delta,
-    paired bootstrap CI, McNemar / sign-test p-value and a significance mark."""
+    """Per task (and per length / bucket where the task has them): baseline, variant, delta, paired
+    bootstrap CI, McNemar / sign-test p-value, that p-value adjusted by `p_adjust` over this comparison's
+    rows (adjust_comparisons: pass the frames of several comparisons to it to adjust them as one family),
+    a significance mark and a verdict on the adjusted p-value."""
+    check_p_adjust(p_adjust)
     if baseline == variant:
         raise ResultsError("--baseline and --variant name the same model; give two different models")
-    base_units = {t: u for u in _units_of(units, baseline) for t in u.leaf_tasks()}
-    var_units = {t: u for u in _units_of(units, variant) for t in u.leaf_tasks()}
+    base_units = {t: u for u in units_of(units, baseline) for t in u.leaf_tasks()}
+    var_units = {t: u for u in units_of(units, variant) for t in u.leaf_tasks()}
     shared_tasks = [t for t in base_units if t in var_units]
     if not shared_tasks:
         raise ResultsError(
@@ -354,13 +265,13 @@ def compare_models(
         )
     rows = []
     for task in sorted(shared_tasks):
-        info = _comparison_metric(base_units[task], task, metric)
-        base_groups = _sample_entries(base_units[task], task, info)
-        var_groups = _sample_entries(var_units[task], task, info)
+        info = comparison_metric(base_units[task], task, metric)
+        base_groups = sample_entries(base_units[task], task, info)
+        var_groups = sample_entries(var_units[task], task, info)
         shared_groups = [group for group in base_groups if group in var_groups]
-        paired = {group: _pair(base_groups[group], var_groups[group]) for group in shared_groups}
+        paired = {group: pair_samples(base_groups[group], var_groups[group]) for group in shared_groups}
         if shared_groups and not any(pairs for pairs, _, _ in paired.values()):
-            differ = _settings_difference(base_units[task], var_units[task])
+            differ = settings_difference(base_units[task], var_units[task])
             raise ResultsError(
                 f"{baseline!r} and {variant!r} share no document of {task}"
                 + (f" (their settings differ: {differ})" if differ else "")
@@ -371,30 +282,21 @@ def compare_models(
             if not pairs:
                 continue
             rows.append(_compare_group(task, group, info, pairs, mode, unpaired, n_boot,
-                                       _group_seed(seed, task, group, info.name), alpha))
+                                       _group_seed(seed, task, group, info.name)))
     if not rows:
         raise ResultsError(
             f"no per-sample logs to pair for {baseline!r} and {variant!r}: the comparison needs the "
             "samples_<task>.jsonl files that `ccq-eval run` writes, with the same documents for both"
         )
     frame = pd.DataFrame(rows)
-    frame["_order"] = frame["length"].map(_group_order)
+    frame["_order"] = frame["length"].map(group_order)
     frame = frame.sort_values(["task", "metric", "_order"], kind="stable").drop(columns="_order")
-    return frame.reset_index(drop=True)
+    return adjust_comparisons([frame.reset_index(drop=True)], p_adjust, alpha)[0]
 
 
-def _group_order(group: Any) -> float:
-    if group == "all":
-        return -1.0
-    if isinstance(group, int):
-        return float(group)
-    # LongBench-E buckets "0-4k" < "4-8k" < "8k+", after any numeric length
-    digits = "".join(ch for ch in str(group).split("-")[0] if ch.isdigit())
-    return 1e12 + float(digits or 0)
-
-
-def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[tuple[dict, dict]],
-                   pairing: str, unpaired: int, n_boot: int, seed: int, alpha: float) -> dict:
+def _compare_group(task: str, group: Any, info: MetricInfo, pairs: list[tuple[dict, dict]],
+                   pairing: str, unpaired: int, n_boot: int, seed: int) -> dict:
+    """One group's row: statistics, bootstrap interval and test (sig and verdict: adjust_comparisons)."""
     base = np.array([b["value"] for b, _ in pairs], dtype=float)
     var = np.array([v["value"] for _, v in pairs], dtype=float)
     aggregation = info.aggregation if info.aggregation in STATISTICS else "mean"
@@ -414,16 +316,6 @@ def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[t
             per_doc_base, per_doc_var = base, var
         plus, minus, p_value = sign_test(per_doc_var - per_doc_base)
         test = f"sign test (+{plus}/-{minus})"
-    if aggregation in LOWER_IS_BETTER:
-        higher_is_better = False
-    elif info.higher_is_better is None:
-        higher_is_better = True
-    else:
-        higher_is_better = bool(info.higher_is_better)
-    mark = significance_mark(p_value, alpha)
-    verdict = "not significant"
-    if mark and boot.delta != 0:
-        verdict = "variant better" if (boot.delta > 0) == higher_is_better else "variant worse"
     return {
         "task": task,
         "length": group,
@@ -437,14 +329,21 @@ def _compare_group(task: str, group: Any, info: tables.MetricInfo, pairs: list[t
         "ci_high": boot.high,
         "p_value": p_value,
         "test": test,
-        "sig": mark,
-        "verdict": verdict,
+        "sig": "",
+        "verdict": "not significant",
         "pairing": pairing,
         "unpaired": unpaired,
+        "higher_is_better": _higher_is_better(aggregation, info),
     }
 
 
-def _failed_group(task: str, group: Any, info: tables.MetricInfo, aggregation: str, base: np.ndarray,
+def _higher_is_better(aggregation: str, info: MetricInfo) -> bool:
+    if aggregation in LOWER_IS_BETTER:
+        return False
+    return True if info.higher_is_better is None else bool(info.higher_is_better)
+
+
+def _failed_group(task: str, group: Any, info: MetricInfo, aggregation: str, base: np.ndarray,
                   var: np.ndarray, pairing: str, unpaired: int) -> dict:
     """The row of a group where a model's per-sample values are not all finite (its unit failed): the
     statistics as they come out (NaN or inf), no interval and no test."""
@@ -453,7 +352,8 @@ def _failed_group(task: str, group: Any, info: tables.MetricInfo, aggregation: s
     return {"task": task, "length": group, "metric": info.name, "statistic": aggregation, "n": len(base),
             "baseline": baseline, "variant": variant, "delta": variant - baseline, "ci_low": math.nan,
             "ci_high": math.nan, "p_value": math.nan, "test": "none: non-finite values", "sig": "",
-            "verdict": "failed", "pairing": pairing, "unpaired": unpaired}
+            "verdict": "failed", "pairing": pairing, "unpaired": unpaired,
+            "higher_is_better": _higher_is_better(aggregation, info)}
 
 
 def ccq_pairs(models: Iterable[str]) -> list[tuple[str, str]]:
@@ -465,88 +365,13 @@ def ccq_pairs(models: Iterable[str]) -> list[tuple[str, str]]:
 def comparison_pairs(units: Iterable[StoredUnit]) -> list[tuple[str, str]]:
     """The (baseline, variant) comparisons `compare` and the report make when none is named: every CCQ twin
     pair NAME / NAME-ccq, then every --ccq-attach sweep's lambda = 0 (the plain model) against each of its
-    other lambdas in increasing order (tables.sweep_points: read from the units' specs, not their names)."""
+    other lambdas in increasing order (sweeps.sweep_points: read from the units' specs, not their names)."""
     units = list(units)
-    attachments = tables.sweep_attachments((unit.model, unit.meta) for unit in units)
+    attachments = sweeps.sweep_attachments((unit.model, unit.meta) for unit in units)
     pairs = ccq_pairs(unit.model for unit in units)
-    for _, members in tables.sweep_points(attachments, {unit.model for unit in units}).groupby("sweep", sort=True):
+    for _, members in sweeps.sweep_points(attachments, {unit.model for unit in units}).groupby("sweep", sort=True):
         members = members.sort_values("lambda")
         zero = members[members["lambda"] == 0]
         if not zero.empty:
             pairs += [(zero["model"].iloc[0], model) for model in members.loc[members["lambda"] > 0, "model"]]
     return pairs
-
-
-def comparison_summary(comparisons: Iterable[tuple[str, str, pd.DataFrame]]) -> pd.DataFrame:
-    """compare_models' frames of several (baseline, variant) pairs as one table: a row per pair, a column
-    per task, each cell "delta [CI low, CI high], p = P" and the significance mark, over all of the task's
-    paired samples (S-NIAH: every length pooled) or, where a task has no such group (the perplexity sweep:
-    one value per length), at its longest length ("@2048" in the column's name)."""
-    rows: dict[str, dict[str, str]] = {}
-    for baseline, variant, frame in comparisons:
-        cells = {}
-        tasks = sorted(frame["task"].unique(), key=lambda task: (tables.task_family(task) != "s-niah", task))
-        for task in tasks:  # S-NIAH first
-            group = frame[frame["task"] == task]
-            pooled = group[group["length"] == "all"]
-            row = pooled.iloc[0] if not pooled.empty else group.loc[group["length"].map(_group_order).idxmax()]
-            column = tables.display_task(task) + ("" if not pooled.empty else f" @{row['length']}")
-            cells[column] = (f"{row['delta']:+.3g} [{row['ci_low']:+.3g}, {row['ci_high']:+.3g}], "
-                             f"p = {row['p_value']:.2g}{row['sig']}")
-        rows[f"{variant} vs {baseline}"] = cells
-    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("comparison")
-
-
-def render_summary(comparisons: Iterable[tuple[str, str, pd.DataFrame]], fmt: str = "markdown",
-                   alpha: float = DEFAULT_ALPHA) -> str:
-    """comparison_summary as `compare --summary` prints it, with the note that says how to read it."""
-    table = comparison_summary(comparisons)
-    if fmt == "csv":
-        return table.to_csv()
-    if fmt == "latex":
-        return tables.to_latex(table, 3, "CCQ against its baseline") + "\n"
-    if fmt != "markdown":
-        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
-    note = (f"{comparison_note(alpha)}; S-NIAH: all lengths pooled; a column named @L: at length L only "
-            "(perplexity: lower is better)")
-    return tables.to_markdown(table, 3) + f"\n\n_{note}_\n"
-
-
-def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,
-                       confidence: float = 0.95) -> pd.DataFrame:
-    """compare_models' frame as printed: task display names, the models' names as column heads, the CI
-    and p-value as text; indexed by (task, length)."""
-    shown = frame.copy()
-    shown["task"] = shown["task"].map(tables.display_task)
-    shown = shown.rename(columns={"baseline": baseline, "variant": variant})
-    level = f"{confidence * 100:g}%"
-    shown[f"{level} CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else "-"
-                            for lo, hi in zip(frame["ci_low"], frame["ci_high"])]
-    shown["p_value"] = [f"{p:.3g}" if math.isfinite(p) else "-" for p in frame["p_value"]]
-    for column in (baseline, variant, "delta"):
-        shown[column] = [v if math.isfinite(v) else tables.failed_label(v) for v in shown[column]]
-    columns = ["task", "length", "metric", "n", baseline, variant, "delta", f"{level} CI", "p_value", "sig",
-               "verdict", "test"]
-    return shown[columns].set_index(["task", "length"])
-
-
-def comparison_note(alpha: float = DEFAULT_ALPHA) -> str:
-    return ("delta = variant - baseline; CI: paired bootstrap over the same samples; "
-            f"sig: * p<{alpha:g}, ** p<{alpha / 5:g}, *** p<{alpha / 50:g} "
-            "(exact McNemar for right/wrong scores, exact sign test otherwise)")
-
-
-def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str = "markdown",
-                      confidence: float = 0.95, alpha: float = DEFAULT_ALPHA) -> str:
-    if fmt == "csv":
-        return frame.to_csv(index=False)
-    table = comparison_display(frame, baseline, variant, confidence)
-    note = comparison_note(alpha)
-    if (frame["verdict"] == "failed").any():
-        note += f"; {tables.NON_FINITE_NOTE}"
-    if fmt == "latex":
-        return tables.to_latex(table, 3, f"{variant} vs {baseline}") + "\n"
-    if fmt != "markdown":
-        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(tables.FORMATS)}")
-    heading = f"### {tables.markdown_escape(variant)} vs {tables.markdown_escape(baseline)}"
-    return f"{heading}\n\n" + tables.to_markdown(table, 3) + f"\n\n_{note}_\n"

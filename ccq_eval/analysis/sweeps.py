@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from ccq_eval.harness import results_store
+from ccq_eval.harness import store
 
 
 def ccq_attachment(meta: Any) -> dict[str, Any] | None:
@@ -70,7 +70,7 @@ def ccq_sweep_points(tidy: pd.DataFrame) -> pd.DataFrame:
     records (the model names are not parsed)."""
     metas = []
     for model, source in tidy[["model", "source"]].drop_duplicates().itertuples(index=False):
-        meta_path = Path(source).parent / results_store.META_FILE
-        if Path(source).name == results_store.RESULTS_FILE and meta_path.is_file():
-            metas.append((model, results_store.read_json(meta_path)))
+        meta_path = Path(source).parent / store.META_FILE
+        if Path(source).name == store.RESULTS_FILE and meta_path.is_file():
+            metas.append((model, store.read_meta(meta_path)))
     return sweep_points(sweep_attachments(metas), tidy["model"].unique())

@@ -41,6 +41,7 @@ from lm_eval.api.registry import register_model
 
 from ccq_eval.harness.batching import (
     CPU_GENERATION_BATCH,
+    CPU_SHORT_SCORING_BATCH,
     PROBE_TOKENS,
     BatchSizer,
     free_memory_bytes,
@@ -48,9 +49,10 @@ from ccq_eval.harness.batching import (
 )
 from ccq_eval.harness.generation import Generator, as_bool
 from ccq_eval.harness.model_runtime import ModelRuntime
-from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, Scorer, TokenNLL
+from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, HFLM_DEFAULT_WINDOW, Scorer, TokenNLL
 from ccq_eval.harness.tokens import TokenCodec
 from ccq_eval.harness.truncation import Truncator
+from ccq_eval.harness.zeroshot import HFLM_ROLLING_TASKS, rolling_protocol
 from ccq_eval.model.kernels.autotune import capped_autotuning
 from ccq_eval.model.kernels.token_logprob import token_logprob
 from ccq_eval.model.modeling_ccq import prepare_runtime
@@ -113,6 +115,19 @@ def end_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def _window_tokens(window_tokens: int | str | None, model: torch.nn.Module, tokenizer: Any) -> int:
+    """The windows of the HFLM rolling protocol: as given, else the max_length lm-eval's HFLM resolves for
+    this model (its config's n_positions / max_position_embeddings / n_ctx, the tokenizer's
+    model_max_length, else 2048)."""
+    if window_tokens is not None and str(window_tokens).strip():
+        if int(window_tokens) < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        return int(window_tokens)
+    from lm_eval.models.utils import resolve_max_length
+
+    return int(resolve_max_length(getattr(model, "config", None), tokenizer, default=HFLM_DEFAULT_WINDOW))
+
+
 def _resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -169,6 +184,14 @@ class CCQEvalLM(LM):
             shapes); False gives the eager path.
         default_truncation: policy for requests that name none (generation whose task declares no
             `ccq_truncation`, and loglikelihood). Default "error".
+        rolling_windows: how loglikelihood_rolling scores a text: "hflm" (lm-eval HFLM's disjoint windows of
+            `window_tokens`, each read afresh), "carry" (one pass, the state carried), or None (the default):
+            per task, HFLM's windows for the zero-shot suite's wikitext, one pass for every other task
+            (zeroshot.rolling_protocol). get_model_info() says which protocol scored each task.
+        window_tokens: the windows of the "hflm" protocol; default: the max_length HFLM resolves from the
+            model's config and tokenizer (lm_eval.models.utils.resolve_max_length), not `max_length`.
+        share_contexts: loglikelihood requests with one context (multiple choice) read it once and score
+            each continuation from a copy of its state (short_requests.py); False scores each row whole.
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
         seed: for sampling when a task asks for do_sample: each request draws from its own generator,
             seeded by `seed` and the request's identity, so resuming or batching never changes an answer.
@@ -191,6 +214,9 @@ class CCQEvalLM(LM):
         allow_pickle: bool | str = False,
         trust_remote_code: bool | str = False,
         seed: int | str = 1234,
+        rolling_windows: str | None = None,
+        window_tokens: int | str | None = None,
+        share_contexts: bool | str = True,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -213,23 +239,29 @@ class CCQEvalLM(LM):
         fixed_batch_size, self.cuda_graphs = resolve_fast_path(
             self._device.type, self.runtime.recurrent, asked_batch_size,
             _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name)
-        cpu_generation = (CPU_GENERATION_BATCH if asked_batch_size is None and self._device.type == "cpu"
-                          and self.runtime.recurrent else None)
-        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size, logits_chunk, cpu_generation)
+        cpu_auto = asked_batch_size is None and self._device.type == "cpu"
+        cpu_generation = CPU_GENERATION_BATCH if cpu_auto and self.runtime.recurrent else None
+        self.sizer = self._batch_sizer(fixed_batch_size, chunk_size, logits_chunk, cpu_generation,
+                                       CPU_SHORT_SCORING_BATCH if cpu_auto else None)
         self.scorer = Scorer(self.runtime, self.codec, self.truncator, chunk_size=chunk_size,
-                             logits_chunk=logits_chunk, sizer=self.sizer, cuda_graphs=self.cuda_graphs)
+                             logits_chunk=logits_chunk, sizer=self.sizer, cuda_graphs=self.cuda_graphs,
+                             rolling_windows=rolling_windows or None,
+                             window_tokens=_window_tokens(window_tokens, model, tokenizer),
+                             share_contexts=as_bool(share_contexts))
         self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
                                    sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed))
 
     def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int, logits_chunk: int,
-                     generation_rows: int | None = None) -> BatchSizer:
-        """Rows per batch: `fixed_batch_size` (generation: `generation_rows` when given), or None: sized
+                     generation_rows: int | None = None, short_rows: int | None = None) -> BatchSizer:
+        """Rows per batch: `fixed_batch_size` (generation: `generation_rows`, short loglikelihood rows:
+        `short_rows`, when given), or None: sized
         from free memory, the row cost measured on first need by one eager forward of one row of
         PROBE_TOKENS tokens (fewer when chunk_size is), then the LM head and log-probabilities on up to
         `logits_chunk` of its positions, as scoring forms them."""
         device = self._device
         if fixed_batch_size is not None and device.type != "cuda":
-            return BatchSizer(fixed_batch_size, chunk_size=chunk_size, generation_rows=generation_rows)
+            return BatchSizer(fixed_batch_size, chunk_size=chunk_size, generation_rows=generation_rows,
+                              short_rows=short_rows)
         probe_tokens = min(PROBE_TOKENS, chunk_size)
 
         @torch.no_grad()
@@ -246,7 +278,7 @@ class CCQEvalLM(LM):
 
         # With a fixed batch size the row cost serves only BatchSizer.fits_now (a prefill ahead).
         return BatchSizer(fixed_batch_size, chunk_size=chunk_size, logits_chunk=logits_chunk,
-                          generation_rows=generation_rows,
+                          generation_rows=generation_rows, short_rows=short_rows,
                           free_memory=lambda: free_memory_bytes(device),
                           measure=lambda: measure_row_cost(run_body, device, probe_tokens,
                                                            self.codec.eot_token_id or 0, head=run_head))
@@ -354,6 +386,22 @@ class CCQEvalLM(LM):
     def last_decode_steps(self) -> int:
         """One-token model calls of the last generate batch (graph replays included; for benchmarks)."""
         return self.generator.last_decode_steps
+
+    @property
+    def rolling_protocols(self) -> dict[str, str]:
+        """Task -> the loglikelihood_rolling protocol ("hflm" / "carry") that scored it (this process)."""
+        return dict(self.scorer.rolling_protocols)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval copies into results["config"] after a run: how this adapter scores, so that a table
+        can say which rolling protocol produced a perplexity (lm_eval.evaluator.simple_evaluate and
+        ccq-eval's runner both call it after evaluating). rolling_protocol_by_task names the zero-shot
+        suite's rolling tasks always (their protocol follows from the settings, also where a resumed run
+        scored none of their requests here) and every other task whose rolling requests this process scored."""
+        asked = self.scorer.rolling_windows
+        by_task = {task: rolling_protocol(task, asked) for task in sorted(HFLM_ROLLING_TASKS)} | self.rolling_protocols
+        return {"ccq_scoring": {"rolling_windows": asked or "per task", "window_tokens": self.scorer.window_tokens,
+                                "rolling_protocol_by_task": by_task, "share_contexts": self.scorer.share_contexts}}
 
     def tok_encode(self, text: str) -> list[int]:
         return self.codec.encode(text)

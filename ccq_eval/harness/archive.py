@@ -12,15 +12,8 @@ import lzma
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.harness.results_store import (
-    META_FILE,
-    RESULTS_FILE,
-    UNIT_SPEC_FILE,
-    ResultsError,
-    atomic_write_bytes,
-    dumps,
-    load_results,
-)
+from ccq_eval.atomic_io import atomic_write_bytes, dumps
+from ccq_eval.harness.store import META_FILE, RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, load_results
 
 # Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
 # as their digest: they are regenerated from the task seed or the embedded corpus, and they make up

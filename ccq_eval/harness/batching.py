@@ -32,8 +32,13 @@ logger = logging.getLogger(__name__)
 AUTO_BATCH_CAP = 64
 # Prompts decoded together by a recurrent model on the CPU when the batch size is "auto": each decode step
 # costs mostly per-call overhead there, so decoding prompts together is several times faster, and a
-# recurrent row's greedy text does not depend on its neighbours. Scoring on the CPU stays one row at a time.
+# recurrent row's greedy text does not depend on its neighbours. Long texts are scored one row at a time.
 CPU_GENERATION_BATCH = 16
+# Rows of one loglikelihood batch of short rows (at most SHORT_ROW_TOKENS tokens: multiple-choice requests)
+# on the CPU when the batch size is "auto": a forward of a small model on a short row costs mostly per-call
+# overhead, and right-padded rows of similar length share one forward (short_requests.py).
+CPU_SHORT_SCORING_BATCH = 16
+SHORT_ROW_TOKENS = 1024
 # Share of the free memory that auto batches plan to fill: the rest absorbs allocator fragmentation,
 # CUDA graph pools and the per-batch tensors the row cost leaves out (outputs, kernels' workspaces).
 MEMORY_SHARE = 0.8
@@ -133,18 +138,22 @@ class BatchSizer:
     and `free_memory` (-> bytes, read at the start of each call). With `fixed`, measure and free_memory
     (optional) serve `fits_now` only. logits_chunk: the positions whose
     logits scoring forms at once (None: a whole slice). generation_rows: with `fixed`, the rows of a
-    generation batch instead (CPU_GENERATION_BATCH on the CPU's "auto").
+    generation batch instead (CPU_GENERATION_BATCH on the CPU's "auto"). short_rows: with `fixed`, the rows
+    of a loglikelihood batch whose rows have at most SHORT_ROW_TOKENS tokens (CPU_SHORT_SCORING_BATCH on the
+    CPU's "auto").
     """
 
     def __init__(self, fixed: int | None, *, chunk_size: int, measure: Callable[[], RowCost] | None = None,
                  free_memory: Callable[[], int] | None = None, cap: int = AUTO_BATCH_CAP,
-                 generation_rows: int | None = None, logits_chunk: int | None = None) -> None:
+                 generation_rows: int | None = None, logits_chunk: int | None = None,
+                 short_rows: int | None = None) -> None:
         if fixed is None and (measure is None or free_memory is None):
             raise ValueError("auto batch sizing needs measure= and free_memory=")
         if (measure is None) != (free_memory is None):
             raise ValueError("give measure= and free_memory= together")
         self.fixed = fixed
         self.generation_rows = generation_rows if fixed is not None else None
+        self.short_rows = short_rows if fixed is not None else None
         self.chunk_size = chunk_size
         self.logits_chunk = logits_chunk
         self.cap = cap
@@ -160,7 +169,7 @@ class BatchSizer:
     @property
     def max_rows(self) -> int:
         """The most rows one batch may take (scoring or generation)."""
-        return max(self.scoring_max_rows, self.generation_rows or 0)
+        return max(self.scoring_max_rows, self.generation_rows or 0, self.short_rows or 0)
 
     @property
     def scoring_max_rows(self) -> int:
@@ -175,11 +184,15 @@ class BatchSizer:
             self._row_cost = self._measure()
         return self._row_cost
 
-    def rows_for(self, generation: bool) -> Callable[[int], int]:
+    def rows_for(self, generation: bool, short: bool = False) -> Callable[[int], int]:
         """tokens of a batch's longest row -> rows of that batch, for scoring or (generation=True)
-        generation; auto sizing reads the free memory now, once for the batches of one call."""
+        generation; short=True: loglikelihood rows, which take short_rows where they are short. Auto sizing
+        reads the free memory now, once for the batches of one call."""
         if self.fixed is not None:
             fixed = self.generation_rows if generation and self.generation_rows else self.fixed
+            if short and not generation and self.short_rows:
+                short_rows = self.short_rows
+                return lambda tokens: short_rows if tokens <= SHORT_ROW_TOKENS else fixed
             return lambda tokens: fixed
         cost = self.row_cost  # measured before the free memory is read: the probe's blocks are then free
         free = MEMORY_SHARE * self._free_memory()  # type: ignore[misc]

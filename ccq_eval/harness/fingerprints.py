@@ -1,5 +1,6 @@
 """What a unit's answers depend on besides its settings: the sha256 of its checkpoint files and of the
-LongBench data file it reads, recorded in its spec when it is planned and checked again before it runs.
+data file it reads (a LongBench dataset of --longbench-dir, a QA file of --qa-dir), recorded in its spec
+when it is planned and checked again before it runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class PlannedUnit(Protocol):
     task: str
     model_source: str
     spec: dict[str, Any]
+    task_metadata: dict[str, Any]  # what the task is given (its data folders included)
 
 
 def longbench_data_file(task: str, data_dir: Path) -> Path | None:
@@ -36,11 +38,41 @@ def longbench_data_present(task: str, data_dir: Path) -> bool:
     return longbench_data_file(task, data_dir) is not None
 
 
+def qa_data_file(task: str, qa_dir: Path) -> Path | None:
+    """The data file of a RULER QA task in qa_dir, None when it has none, found as the task finds it."""
+    from ccq_eval.tasks.ruler_qa.data import qa_data_file as task_data_file
+
+    return task_data_file(task, qa_dir)
+
+
+def qa_data_present(task: str, qa_dir: Path) -> bool:
+    """Whether qa_dir holds the data file of a RULER QA task (qa_data_file)."""
+    return qa_data_file(task, qa_dir) is not None
+
+
+def qa_data_names(task: str) -> str:
+    """The file name a RULER QA task looks for (its official name; the task accepts RULER's as well)."""
+    from ccq_eval.tasks.ruler_qa.data import FILE_NAMES, dataset_of
+
+    return FILE_NAMES[dataset_of(task)][0]
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is off for the tasks (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set), as
+    the RULER QA tasks decide it: then data no folder holds cannot be fetched."""
+    from ccq_eval.tasks.ruler_qa.data import hub_allowed
+
+    return not hub_allowed()
+
+
 def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | None:
     """{file name: sha256} of the data file a task's documents are read from (a LongBench dataset in
-    --longbench-dir, metadata's data_dir); None for tasks built from the embedded corpora."""
-    data_dir = metadata.get("data_dir")
+    --longbench-dir, metadata's data_dir; a QA file in --qa-dir, metadata's qa_dir); None for tasks built
+    from the embedded corpora or fetched from the hub."""
+    data_dir, qa_dir = metadata.get("data_dir"), metadata.get("qa_dir")
     path = longbench_data_file(task, Path(data_dir)) if data_dir else None
+    if path is None and qa_dir:
+        path = qa_data_file(task, Path(qa_dir))
     return None if path is None else {path.name: checkpoint.file_sha256(path)}
 
 
@@ -54,7 +86,7 @@ def changed_since_planning(unit: PlannedUnit) -> str | None:
         current |= (checkpoint_fingerprint(unit.model_source) or {"sha256": {}})["sha256"]
     if unit.spec.get("data_files") is not None:
         planned |= unit.spec["data_files"]
-        current |= data_fingerprint(unit.task, unit.spec["task_metadata"]) or {}
+        current |= data_fingerprint(unit.task, unit.task_metadata) or {}
     changed = sorted(name for name in set(planned) | set(current) if planned.get(name) != current.get(name))
     return (
         "; ".join(

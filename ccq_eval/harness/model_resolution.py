@@ -1,18 +1,21 @@
 """Which models a run evaluates: --model names (registry names, checkpoint folders, hub ids) resolved to
 ModelEntry objects, with --ccq-attach's lambdas and the default run's CCQ sweep, each checked to have a
-results folder of its own and a readable checkpoint folder. Loads no model; raises PlanError.
+results folder of its own and a readable checkpoint folder; and how the tasks are told each model's
+tokenizer. Loads no model; raises PlanError.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.harness import results_store
-from ccq_eval.harness.options import CCQAttach, PlanError, attached_models, parse_ccq_attach
+from ccq_eval.harness.options import CCQAttach, PlanError, parse_ccq_attach
 from ccq_eval.harness.run_options import RunOptions
+from ccq_eval.harness.store import slugify
 from ccq_eval.model import checkpoint
 from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, default_model_names
@@ -84,7 +87,7 @@ def _check_folders(models: list[ModelEntry]) -> None:
     by_folder: dict[str, str] = {}
     for model in models:
         try:
-            folder_name = results_store.slugify(model.name)
+            folder_name = slugify(model.name)
         except ValueError:
             raise PlanError(
                 f"--model {model.name!r}: no results folder can be named after it; rename the "
@@ -128,3 +131,53 @@ def _with_default_sweep(models: list[ModelEntry]) -> ResolvedModels:
         ) from None
     added = [model for model in expanded if model.name not in names]
     return ResolvedModels(models + added, attachments, {model.name for model in added})
+
+
+def attached_models(models: list[ModelEntry], attach: CCQAttach) -> tuple[list[ModelEntry], dict[str, dict]]:
+    """--ccq-attach: each model itself under its own name (the sweep's lambda = 0: the real baseline, one
+    unit whether or not the model is also asked plainly) and once per lambda > 0, named as
+    CCQAttach.model_name says, with the ccq_attach entry of each attached model's unit specs (the runner
+    loads the model with it; "baseline" names the plain model that is the sweep's lambda = 0). The fields
+    and every local checkpoint are checked with the config classes first (imports torch and fla; loads no
+    weights)."""
+    from ccq_eval.model import loading
+
+    expanded, attachments = [], {}
+    for model in models:
+        try:
+            if Path(model.source).is_dir():
+                loading.ccq_attach_config(Path(model.source), max(attach.lambdas), attach.fields)
+            else:  # a hub id: its config is checked when it is fetched
+                loading.check_ccq_attach_fields(attach.fields)
+        except loading.ModelLoadError as exc:
+            raise PlanError(f"--ccq-attach: {exc}") from None
+        expanded.append(model)
+        for lam in attach.lambdas:
+            if lam == 0:  # the plain checkpoint computes it
+                continue
+            name = attach.model_name(model.name, lam)
+            expanded.append(ModelEntry(name=name, source=model.source,
+                                       description=f"{model.name} with CCQ attached at lambda = {lam:g}"))
+            attachments[name] = {"sweep": attach.sweep_name(model.name), "lambda": lam, "fields": dict(attach.fields),
+                                 "baseline": model.name}
+    return expanded, attachments
+
+
+def tokenizer_metadata(model: ModelEntry, fingerprint: dict[str, Any] | None) -> dict[str, str]:
+    """What the tasks are told of `model`'s tokenizer, so that their documents name no path of this machine:
+    "tokenizer", what they load it from (the registered name of a model of the installed registry, which the
+    tasks resolve themselves; a hub id; else the checkpoint folder), and "tokenizer_name", what documents
+    record of it (the registered name, the hub id, or for a folder <folder name>@<12 hex digits of its
+    checkpoint fingerprint>, the same for every copy of the checkpoint)."""
+    source = Path(model.source)
+    try:
+        installed = model_registry_module.load_model_registry()
+    except model_registry_module.RegistryError:  # the run's own registry was read already; the tasks name none
+        installed = {}
+    registered = [name for name, entry in installed.items() if entry.source == model.source]
+    if registered:
+        return {"tokenizer": registered[0], "tokenizer_name": registered[0]}
+    if not source.is_dir() or fingerprint is None:
+        return {"tokenizer": model.source, "tokenizer_name": model.source}
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode("utf-8")).hexdigest()
+    return {"tokenizer": str(source.resolve()), "tokenizer_name": f"{source.name}@{digest[:12]}"}

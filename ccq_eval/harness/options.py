@@ -1,7 +1,8 @@
-"""Parsing `ccq-eval run`'s options: lengths, depths, --lm-eval-arg pairs (simple_evaluate arguments and
-lm-eval's result loggers), --shard and --ccq-attach. A bad value raises PlanError naming the option and
-a valid form. Imports neither torch nor lm-eval unless --lm-eval-arg is given (--ccq-attach imports torch
-and fla: the CCQ config classes judge its fields).
+"""`ccq-eval run`'s options parsed and checked in one pass (parse_options), into the one object planning
+reads (ParsedOptions): the grid of lengths, depths and samples, --lm-eval-arg pairs (simple_evaluate
+arguments and lm-eval's result loggers), --shard, --ccq-attach, --suite and the data folders. A bad value
+raises PlanError naming the option and a valid form. Imports neither torch nor lm-eval unless
+--lm-eval-arg is given.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.model.registry import ModelEntry
+from ccq_eval.errors import UserError
+from ccq_eval.harness.run_options import RunOptions
+from ccq_eval.harness.suites import SUITES, Suite
 
 # simple_evaluate arguments the runner sets itself; --lm-eval-arg may not override them.
 MANAGED_LMEVAL_ARGS = {
@@ -51,8 +55,15 @@ UNSUPPORTED_LMEVAL_ARGS = {
 }
 
 
-class PlanError(Exception):
+class PlanError(UserError):
     """A bad command (unknown name, unparseable or conflicting options); nothing was loaded."""
+
+
+# The default run: small enough for a 2-core CPU in minutes on the embedded tiny models.
+DEFAULT_LENGTHS = "1k,2k"
+DEFAULT_DEPTHS = "0,50,100"
+DEFAULT_SAMPLES_PER_CELL = 4
+DTYPE_CHOICES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")
 
 
 _LENGTH_TOKEN = re.compile(r"^(?P<number>\d+(?:\.\d+)?)(?P<unit>[kKmM]?)$")
@@ -256,31 +267,140 @@ def _parse_lambdas(text: str) -> tuple[float, ...]:
     return tuple(sorted(values))
 
 
-def attached_models(models: list[ModelEntry], attach: CCQAttach) -> tuple[list[ModelEntry], dict[str, dict]]:
-    """--ccq-attach: each model itself under its own name (the sweep's lambda = 0: the real baseline, one
-    unit whether or not the model is also asked plainly) and once per lambda > 0, named as
-    CCQAttach.model_name says, with the ccq_attach entry of each attached model's unit specs (the runner
-    loads the model with it; "baseline" names the plain model that is the sweep's lambda = 0). The fields
-    and every local checkpoint are checked with the config classes first (imports torch and fla; loads no
-    weights)."""
-    from ccq_eval.model import loading
+# --------------------------------------------------------------------------------------------
+# The launch environment (torchrun / accelerate launch)
 
-    expanded, attachments = [], {}
-    for model in models:
-        try:
-            if Path(model.source).is_dir():
-                loading.ccq_attach_config(Path(model.source), max(attach.lambdas), attach.fields)
-            else:  # a hub id: its config is checked when it is fetched
-                loading.check_ccq_attach_fields(attach.fields)
-        except loading.ModelLoadError as exc:
-            raise PlanError(f"--ccq-attach: {exc}") from None
-        expanded.append(model)
-        for lam in attach.lambdas:
-            if lam == 0:  # the plain checkpoint computes it
-                continue
-            name = attach.model_name(model.name, lam)
-            expanded.append(ModelEntry(name=name, source=model.source,
-                                       description=f"{model.name} with CCQ attached at lambda = {lam:g}"))
-            attachments[name] = {"sweep": attach.sweep_name(model.name), "lambda": lam, "fields": dict(attach.fields),
-                                 "baseline": model.name}
-    return expanded, attachments
+
+def environment_int(name: str, default: int) -> int:
+    """A whole number >= 0 that torchrun / accelerate launch set in the environment (RANK, WORLD_SIZE,
+    LOCAL_RANK); `default` when it is unset."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise PlanError(f"environment variable {name}={text!r} is not a whole number >= 0: torchrun and "
+                        f"accelerate launch set it; outside them unset it (`unset {name}`)")
+    return int(text)
+
+
+def data_parallel_ranks() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) of this process, (0, 1) outside torchrun / accelerate launch. A RANK that is not
+    below WORLD_SIZE (a RANK=1 left in the shell, without the launcher's WORLD_SIZE) is a PlanError:
+    that process would evaluate and never write a result."""
+    rank, world_size = environment_int("RANK", 0), environment_int("WORLD_SIZE", 1)
+    if world_size < 1 or rank >= world_size:
+        raise PlanError(f"environment variables RANK={rank} and WORLD_SIZE={world_size}: the rank must lie "
+                        "below the world size; a RANK or WORLD_SIZE left from another launch? unset both "
+                        "(`unset RANK WORLD_SIZE`) or start the run with torchrun / accelerate launch")
+    return rank, world_size
+
+
+# --------------------------------------------------------------------------------------------
+# All options in one pass
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The lengths, depths and sample counts a run asks its tasks for, defaults filled in."""
+
+    using_defaults: bool  # no --task and no --suite: the default tasks' small grid
+    lengths: list[int] | None
+    depths: list[float] | None
+    samples_per_cell: int | None
+    max_length: int | None  # --max-length, else the longest length
+
+
+@dataclass(frozen=True)
+class ParsedOptions:
+    """RunOptions parsed and checked: everything planning reads of the command line."""
+
+    options: RunOptions  # as given (a unit's meta.json records the command that reproduces them)
+    grid: Grid
+    lm_eval_args: dict[str, Any]  # simple_evaluate arguments (parse_lm_eval_args)
+    lm_eval_loggers: dict[str, dict[str, Any]]  # lm-eval's result loggers (split_logger_args)
+    shard: tuple[int, int] | None  # (K, N) of --shard K/N
+    attach: CCQAttach | None  # --ccq-attach
+    suite: Suite | None  # --suite
+    longbench_dir: Path | None  # --longbench-dir, an existing folder
+    qa_dir: Path | None  # --qa-dir, an existing folder (absolute)
+
+
+def parse_options(options: RunOptions) -> ParsedOptions:
+    """Every option of `options` parsed and checked against the others, in one pass; raises PlanError.
+    Reads no registry, task or model: planning resolves those names afterwards."""
+    _check_values(options)
+    evaluate_pairs, lm_eval_loggers = split_logger_args(options.lm_eval_args)
+    lm_eval_args = parse_lm_eval_args(evaluate_pairs)
+    for flag, text in (("--lengths", options.lengths), ("--depths", options.depths)):
+        if text is not None and not text.strip(" ,"):
+            raise PlanError(f"{flag} is empty; give comma-separated values (e.g. --lengths 1k,2k --depths 0,50,100) "
+                            "or leave the option out for the defaults")
+    shard = parse_shard(options.shard) if options.shard is not None else None
+    attach = parse_ccq_attach(options.ccq_attach) if options.ccq_attach is not None else None
+    if attach is not None and not options.models:
+        raise PlanError("--ccq-attach needs --model: name the plain GLA / Gated DeltaNet checkpoints to attach "
+                        "CCQ to (e.g. --model tiny-gla)")
+    output = Path(options.output)
+    for folder in (output, *output.parents):
+        if folder.exists() and not folder.is_dir():
+            raise PlanError(f"--output {options.output}: {folder} is a file, not a folder; give a folder path")
+    return ParsedOptions(
+        options=options, grid=_grid(options), lm_eval_args=lm_eval_args, lm_eval_loggers=lm_eval_loggers,
+        shard=shard, attach=attach, suite=SUITES[options.suite] if options.suite is not None else None,
+        longbench_dir=Path(options.longbench_dir) if options.longbench_dir is not None else None,
+        qa_dir=Path(options.qa_dir).resolve() if options.qa_dir is not None else None,
+    )
+
+
+def _check_values(options: RunOptions) -> None:
+    """The options that are wrong on their own or together, before any name is resolved."""
+    if options.limit is not None and options.samples_per_cell is not None:
+        raise PlanError(
+            "--limit and --samples-per-cell conflict: --limit takes the first N documents of a task "
+            "across all lengths, --samples-per-cell sets N per (length, depth) cell; give one of them"
+        )
+    for flag, value, wanted in (("--limit", options.limit, "positive (a count, or a fraction below 1)"),
+                                ("--samples-per-cell", options.samples_per_cell, "a positive whole number"),
+                                ("--batch-size", options.batch_size, "a positive whole number"),
+                                ("--max-length", options.max_length, "a positive number of tokens")):
+        if value is not None and value <= 0:
+            raise PlanError(f"{flag} must be {wanted}")
+    if not 0 <= options.seed < 2**32:
+        raise PlanError(f"--seed {options.seed} is out of range: give a whole number from 0 to {2**32 - 1} "
+                        "(numpy's seed range, which lm-eval seeds too)")
+    data_parallel_ranks()
+    if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
+        raise PlanError(f"--dtype {options.dtype!r}: valid choices are {', '.join(DTYPE_CHOICES)}")
+    if options.cuda_graphs and options.device != "auto" and not str(options.device).startswith("cuda"):
+        raise PlanError(f"--cuda-graphs needs a CUDA device (--device cuda); got --device {options.device}")
+    if options.suite is not None:
+        if options.suite not in SUITES:
+            raise PlanError(f"--suite {options.suite!r}: valid suites are {', '.join(SUITES)}")
+        given = [flag for flag, value in (("--task", options.tasks), ("--lengths", options.lengths),
+                                          ("--limit", options.limit)) if value]
+        if given:
+            raise PlanError(f"--suite {options.suite} sets the tasks and lengths itself; drop {', '.join(given)} "
+                            "(or run without --suite)")
+    for flag, folder in (("--longbench-dir", options.longbench_dir), ("--qa-dir", options.qa_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise PlanError(f"{flag} {folder}: no such folder")
+
+
+def _grid(options: RunOptions) -> Grid:
+    """--lengths, --depths and --samples-per-cell parsed, with the default run's small grid where no
+    --task or --suite is given."""
+    using_defaults = not options.tasks and options.suite is None
+    lengths_text = options.lengths if options.lengths is not None else (DEFAULT_LENGTHS if using_defaults else None)
+    depths_text = options.depths if options.depths is not None else (DEFAULT_DEPTHS if using_defaults else None)
+    samples_per_cell = options.samples_per_cell
+    if using_defaults and samples_per_cell is None and options.limit is None:
+        samples_per_cell = DEFAULT_SAMPLES_PER_CELL
+    lengths = parse_lengths(lengths_text) if lengths_text else None
+    depths = parse_depths(depths_text) if depths_text else None
+    max_length = options.max_length or (max(lengths) if lengths else None)
+    if options.max_length and lengths and options.max_length < max(lengths):
+        raise PlanError(
+            f"--max-length {options.max_length} is shorter than the longest of --lengths ({max(lengths)}); "
+            "raise --max-length or drop the longer lengths"
+        )
+    return Grid(using_defaults, lengths, depths, samples_per_cell, max_length)

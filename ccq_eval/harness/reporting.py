@@ -1,10 +1,22 @@
-"""Progress reporting of a run: silent, or rich progress bars on stderr."""
+"""Progress reporting of a run on stderr: one line per unit (the default), nothing, or rich progress bars.
+
+A unit that another worker finished is counted in the run's summary and has no line of its own: the
+helper processes of the same command report their units through the command's reporter (workers.py),
+and another command's units are that command's to report.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
 from typing import Any, Protocol
 
 from ccq_eval.harness.plan import RunPlan, Unit
+
+logger = logging.getLogger(__name__)
+# The status of a unit found finished by another worker when this process came to it.
+DONE_ELSEWHERE = "done by another worker"
 
 
 class Reporter(Protocol):
@@ -13,6 +25,11 @@ class Reporter(Protocol):
     def requests(self, unit: Unit, done: int, total: int, cell: str) -> None: ...
     def unit_end(self, unit: Unit, status: str, detail: str = "") -> None: ...
     def run_end(self) -> None: ...
+
+
+def unit_line(unit: Unit, status: str, detail: str = "") -> str:
+    """`done: tiny-gla / ccq_s_niah_1 (10.4 s)`: a unit's status, with its detail when there is one."""
+    return f"{status}: {unit.model} / {unit.task}" + (f" ({detail})" if detail else "")
 
 
 class SilentReporter:
@@ -32,8 +49,24 @@ class SilentReporter:
         pass
 
 
+class LineReporter(SilentReporter):
+    """One line on stderr as each unit ends (`done: MODEL / TASK (12.3 s)`, `failed: ...`); a unit another
+    worker finished is logged at INFO only. Safe to call from the thread that relays helper processes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def unit_end(self, unit: Unit, status: str, detail: str = "") -> None:
+        if status == DONE_ELSEWHERE:
+            logger.info("%s", unit_line(unit, status, detail))
+            return
+        with self._lock:
+            print(unit_line(unit, status, detail), file=sys.stderr, flush=True)
+
+
 class RichReporter:
-    """Two progress bars: units of the run, and requests of the current unit (with its cell)."""
+    """Two progress bars: units of the run, and requests of the current unit (with its cell); a line per
+    unit as it ends, but none for a unit another worker finished (the units bar counts it once)."""
 
     def __init__(self, console: Any = None) -> None:
         from rich.console import Console
@@ -61,6 +94,7 @@ class RichReporter:
         )
         self._units_bar: Any = None
         self._requests_bar: Any = None
+        self._ended: set[tuple[str, str]] = set()
 
     def run_start(self, plan: RunPlan) -> None:
         self.progress.start()
@@ -78,9 +112,14 @@ class RichReporter:
         self.progress.update(self._requests_bar, completed=done, total=total, cell=f"[{cell}]" if cell else "")
 
     def unit_end(self, unit: Unit, status: str, detail: str = "") -> None:
-        self.progress.advance(self._units_bar)
-        message = f"{status}: {unit.model} / {unit.task}" + (f" ({detail})" if detail else "")
-        self.progress.console.print(message, markup=False, highlight=False)
+        key = (unit.model, unit.task)
+        if key not in self._ended:  # a helper's unit ends twice: in the helper, then found done here
+            self._ended.add(key)
+            self.progress.advance(self._units_bar)
+        if status == DONE_ELSEWHERE:
+            logger.info("%s", unit_line(unit, status, detail))
+            return
+        self.progress.console.print(unit_line(unit, status, detail), markup=False, highlight=False)
 
     def run_end(self) -> None:
         self.progress.stop()

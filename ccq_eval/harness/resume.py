@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ccq_eval.harness.results_store import ResponseCache
+from ccq_eval.harness.store import ResponseCache
 from ccq_eval.task_families import DEPTH_KEYS, LENGTH_KEYS
 
 

@@ -24,9 +24,10 @@ class RunOptions:
     output: Path = Path("results/latest")
     lm_eval_args: list[str] = field(default_factory=list)
     longbench_dir: Path | None = None
+    qa_dir: Path | None = None  # SQuAD v2 / HotpotQA files of the RULER QA tasks (else the hub)
     keep_going: bool = False
     cuda_graphs: bool | None = None  # CUDA-graph decode and scoring; None: where they apply (adapter)
-    suite: str | None = None  # a name in SUITES: its tasks and lengths instead of --task / --lengths
+    suite: str | None = None  # a name in suites.SUITES: its tasks and lengths instead of --task / --lengths
     shard: str | None = None  # "K/N": this worker runs the K-th of N deterministic parts of the units
     ccq_attach: str | None = (
         None  # "lambda=0,1,2;order=2": each model once per lambda, CCQ attached (options)
@@ -50,6 +51,7 @@ def options_command_line(options: RunOptions) -> list[str]:
         ("--dtype", options.dtype),
         ("--max-length", options.max_length),
         ("--longbench-dir", options.longbench_dir),
+        ("--qa-dir", options.qa_dir),
     ):
         if value is not None:
             argv += [flag, str(value)]

@@ -1,231 +1,43 @@
 """Executing a plan: one lm-eval evaluation per unit, each stored as soon as it finishes.
 
-Execution skips finished units, resumes an interrupted one from its response cache
-(results_store.ResponseCache, through resume.ResumableLM) and stores each finished unit atomically.
-The unit evaluator is injectable (`EvaluateUnit`): the default one loads the model, wraps it in the
-lm-eval adapter and calls lm_eval.simple_evaluate; tests pass fakes.
+Execution skips finished units, resumes an interrupted one from its response cache (through
+resume.ResumableLM) and stores each finished unit atomically, calling the plan's results store once per
+phase of a unit (claim, open, commit). The unit evaluator is injectable (`EvaluateUnit`): the default one
+(unit_evaluator.LmEvalUnitEvaluator) loads the model, wraps it in the lm-eval adapter and runs lm-eval's
+evaluator; tests pass fakes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import platform
 import shlex
 import sys
 import time
-import unittest.mock
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ccq_eval.errors import UserError
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store
 from ccq_eval.harness import workers as workers_module
-from ccq_eval.harness.plan import RunPlan, TaskCatalog, Unit, options_command_line
+from ccq_eval.harness.plan import RunPlan, Unit
 from ccq_eval.harness.reporting import Reporter, SilentReporter
-from ccq_eval.harness.results_store import ResponseCache, ResultsError
-from ccq_eval.harness.resume import ResumableLM
+from ccq_eval.harness.run_options import options_command_line
+from ccq_eval.harness.store import ResultsError, ResultsStore
+from ccq_eval.harness.unit_evaluator import (
+    EvaluateUnit,
+    LmEvalUnitEvaluator,
+    UnitContext,
+    UnitOutcome,
+    check_inputs_unchanged,
+    cpu_threads,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class UnitOutcome:
-    results: dict[str, Any]  # lm-eval results dict
-    samples: dict[str, list[dict[str, Any]]]  # lm-eval logged samples per task
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class UnitContext:
-    plan: RunPlan
-    cache: ResponseCache
-    on_progress: Callable[[int, int, str], None]
-
-
-EvaluateUnit = Callable[[Unit, UnitContext], UnitOutcome]
-
-
-def cpu_threads() -> int:
-    """torch's intra-op threads for a CPU evaluation: OMP_NUM_THREADS when the user set it, else half
-    the usable cores (at least one). All cores oversubscribe the machine as soon as anything else runs
-    beside the evaluation (lm-eval's own Python work, another run, a test job), which slows the small
-    models evaluated on CPUs severalfold (benchmarks/README.md, "CPU threads")."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, usable // 2)
-
-
-def _load_model_default(source: str, device: str, dtype: str | None,
-                        ccq_attach: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The model of a unit; ccq_attach (a --ccq-attach unit's spec entry) attaches CCQ at its lambda."""
-    from ccq_eval.model.loading import load_model
-
-    if device == "cpu":
-        import torch
-
-        torch.set_num_threads(cpu_threads())
-    if ccq_attach is None:
-        return load_model(source, device=device, dtype=dtype)
-    return load_model(source, device=device, dtype=dtype, ccq_lambda=ccq_attach["lambda"],
-                      ccq_fields=ccq_attach["fields"])
-
-
-def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int | None, seed: int,
-                          cuda_graphs: bool | None) -> Any:
-    """The adapter; batch_size / cuda_graphs None leave them to the adapter's "auto" (the fast path where
-    it applies: a recurrent fla model on CUDA)."""
-    from ccq_eval.harness.adapter import CCQEvalLM
-
-    kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "seed": seed,
-                              "batch_size": "auto" if batch_size is None else batch_size,
-                              "cuda_graphs": "auto" if cuda_graphs is None else cuda_graphs}
-    if max_length is not None:
-        kwargs["max_length"] = max_length
-    return CCQEvalLM(**kwargs)
-
-
-def batch_sizes_meta(adapter: Any, batch_size: int) -> dict[str, Any]:
-    """meta.json's batch sizes as run: "batch_size" is `batch_size` (the most rows a batch may take), or with
-    the adapter's auto sizing the largest batch that ran; "batch_sizes_run" maps the rows of a batch to the
-    batches that ran with that many (None for an adapter that does not count them)."""
-    used = getattr(adapter, "batch_sizes_run", None)
-    largest = max(used) if getattr(adapter, "batch_size_auto", False) and used else batch_size
-    runs = None if used is None else {str(rows): used[rows] for rows in sorted(used, reverse=True)}
-    return {"batch_size": largest, "batch_sizes_run": runs}
-
-
-def model_config_sha256(model: Any) -> str | None:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return None
-    payload = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
-
-
-def truncation_info(adapter: Any) -> dict[str, Any] | None:
-    """The adapter's truncation bookkeeping: policy per task and how many prompts were cut."""
-    summary = getattr(adapter, "truncation_summary", None)
-    if callable(summary):
-        return summary()
-    return None
-
-
-def check_inputs_unchanged(unit: Unit) -> None:
-    """PlanError when a unit's checkpoint or data files are no longer the bytes planning hashed into its
-    spec: what was loaded or read is then not what unit.json would record."""
-    changed = run_plan.changed_since_planning(unit)
-    if changed:
-        answered = results_store.answered_count(unit.dir.responses_db)
-        redo = (f"delete {unit.dir.path} (its {answered} answers may come from the old files) and rerun "
-                "the same command" if answered else "rerun the same command")
-        raise run_plan.PlanError(f"{unit.model} / {unit.task}: files changed after the run was planned "
-                                 f"({changed}), so the unit was not stored; once they stay as they are, {redo}")
-
-
-def quiet_git_commit_hash() -> str | None:
-    """lm-eval's get_git_commit_hash (the results' git_hash) without git's "fatal: not a git repository"
-    on stderr, which lm-eval's version prints once per unit outside a git checkout."""
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        from lm_eval.loggers.utils import get_commit_from_path
-
-        return get_commit_from_path(os.getcwd())
-
-
-class LmEvalUnitEvaluator:
-    """Default unit evaluator: model -> adapter -> ResumableLM -> lm_eval.simple_evaluate.
-
-    Keeps the last loaded model, so consecutive units of one model load it once.
-    """
-
-    def __init__(
-        self,
-        *,
-        load_model: Callable[..., tuple[Any, Any]] = _load_model_default,  # (source, device, dtype[, ccq_attach])
-        make_adapter: Callable[[Any, Any, int | None, int | None, int, bool | None], Any] = _make_adapter_default,
-        task_catalog: TaskCatalog | None = None,
-    ) -> None:
-        self._load_model = load_model
-        self._make_adapter = make_adapter
-        self._task_catalog = task_catalog
-        self._loaded_key: tuple[str, str, str | None, str] | None = None
-        self._loaded: tuple[Any, Any] | None = None
-
-    def _model(self, source: str, device: str, dtype: str | None,
-               ccq_attach: dict[str, Any] | None = None) -> tuple[Any, Any]:
-        key = (source, device, dtype, json.dumps(ccq_attach, sort_keys=True))  # each --ccq-attach lambda its own
-        if self._loaded_key != key:
-            self._loaded = None  # free the previous model before loading the next
-            self._loaded = (self._load_model(source, device, dtype) if ccq_attach is None
-                            else self._load_model(source, device, dtype, ccq_attach))
-            self._loaded_key = key
-        assert self._loaded is not None
-        return self._loaded
-
-    def __call__(self, unit: Unit, context: UnitContext) -> UnitOutcome:
-        from lm_eval import evaluator
-
-        options = context.plan.options
-        model, tokenizer = self._model(unit.model_source, context.plan.device, context.plan.dtype,
-                                       unit.spec.get("ccq_attach"))
-        check_inputs_unchanged(unit)  # after loading: the weights in memory are the ones unit.json records
-        adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
-                                     options.cuda_graphs)
-        # The most rows a batch may take (--batch-size, or the adapter's auto choice): also the requests per
-        # resumable chunk, so that a chunk can fill a batch.
-        batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)
-        wrapped = ResumableLM(adapter, context.cache, chunk_size=batch_size, on_progress=context.on_progress)
-        catalog = self._task_catalog or run_plan.default_task_catalog()
-        metadata = dict(unit.spec["task_metadata"])
-        metadata.setdefault("tokenizer", unit.model_source)
-        task_manager = catalog.make_task_manager(metadata)
-        seed = options.seed
-        kwargs = {"bootstrap_iters": 1000} | dict(context.plan.lm_eval_args)
-        # simple_evaluate's git lookup without git's stderr noise, for this call only (lm-eval stays as it is).
-        with unittest.mock.patch.object(evaluator, "get_git_commit_hash", quiet_git_commit_hash):
-            results = evaluator.simple_evaluate(
-                model=wrapped,
-                tasks=[unit.task],
-                task_manager=task_manager,
-                limit=options.limit,
-                log_samples=True,
-                batch_size=batch_size,
-                device=context.plan.device,
-                random_seed=seed,
-                numpy_random_seed=seed,
-                torch_random_seed=seed,
-                fewshot_random_seed=seed,
-                **kwargs,
-            )
-        truncation = truncation_info(adapter)  # collective in a data-parallel run: every rank asks
-        if results is None and wrapped.rank != 0:  # data-parallel: rank 0 gathers and stores the results
-            return UnitOutcome(results={}, samples={})
-        if results is None:
-            raise RuntimeError(f"lm-eval returned no results for {unit.task}")
-        samples = results.pop("samples", {}) or {}
-        if isinstance(results.get("config"), dict):
-            results["config"]["model"] = unit.model
-        meta = {
-            "model_config_sha256": model_config_sha256(model),
-            "truncation": truncation,
-            "requests_from_cache": wrapped.cached_count,
-            "requests_computed": wrapped.computed_count,
-            **batch_sizes_meta(adapter, batch_size),
-            "cuda_graphs": bool(getattr(adapter, "cuda_graphs", False)),  # as run
-            "world_size": wrapped.world_size,  # processes sharing the unit (torchrun / accelerate launch)
-        }
-        return UnitOutcome(results=results, samples=samples, meta=meta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,15 +130,16 @@ def execute_plan(
         summary=RunSummary(skipped=[unit for unit in plan.units if unit.finished]),
     )
     for unit in session.summary.skipped:  # a stored non-finite result stays a failure on every rerun
-        non_finite = results_store.non_finite_values(results_store.read_json(unit.dir.results))
-        if non_finite:
-            session.summary.failed.append((unit, results_store.non_finite_message(unit.model, non_finite)))
+        failure = plan.store.failure(unit.dir, unit.model)
+        if failure is not None:
+            session.summary.failed.append((unit, failure))
     session.report.run_start(plan)
     if workers is None:
         workers = workers_module.auto_workers(plan, cpu_threads())
     helpers = None
     if workers > 1:
-        helpers = workers_module.start_helpers(execute_plan, plan, workers - 1, session.argv)
+        helpers = workers_module.start_helpers(execute_plan, plan, workers - 1, session.argv,
+                                               reporter=session.report)
     completed = False
     try:
         session.run(plan.pending)
@@ -360,6 +173,10 @@ class RunSession:
     argv: list[str]
     kernels: dict[str, str | None]
     summary: RunSummary
+
+    @property
+    def store(self) -> ResultsStore:
+        return self.plan.store
 
     def run(self, pending: list[Unit]) -> None:
         """Evaluate and store the `pending` units: in a data-parallel launch all processes together, else
@@ -398,12 +215,12 @@ class RunSession:
         """Evaluate `unit` under its lock; False when another worker holds the lock (and not `blocking`).
         A unit that another worker finished meanwhile with the same settings is counted, not computed again;
         one it started or finished with other settings fails (check_against_disk)."""
-        lock = results_store.UnitLock(unit.dir)
-        if not lock.acquire(blocking=blocking):
+        lock = self.store.claim(unit.dir, blocking=blocking)
+        if lock is None:
             return False
         try:
             try:
-                run_plan.check_against_disk(unit)  # another worker may have run it with other settings
+                run_plan.check_against_disk(unit, self.store)  # another worker may have run it with other settings
             except run_plan.PlanError as exc:
                 return self.fail(unit, exc)
             if unit.finished:
@@ -418,7 +235,7 @@ class RunSession:
 
     def fail(self, unit: Unit, exc: Exception) -> bool:
         """Report `unit` as failed; raise `exc` unless the plan keeps going."""
-        ours = isinstance(exc, (run_plan.PlanError, ResultsError))  # our messages name the problem already
+        ours = isinstance(exc, UserError)  # our messages name the problem already
         detail = str(exc) if ours else f"{type(exc).__name__}: {exc}"
         self.report.unit_end(unit, "failed", detail)
         self.summary.failed.append((unit, detail))
@@ -428,11 +245,9 @@ class RunSession:
 
     def evaluate_and_store(self, unit: Unit, *, writes: bool = True) -> None:
         """Evaluate and store `unit`; with writes=False (a data-parallel rank other than 0) only evaluate."""
-        if writes:
-            results_store.atomic_write_json(unit.dir.spec, unit.spec)
         started = time.time()
         try:
-            cache = ResponseCache(unit.dir.responses_db, identity=results_store.spec_identity(unit.spec))
+            cache = self.store.open(unit.dir, unit.spec, write_spec_file=writes)
         except ResultsError as exc:
             self.fail(unit, exc)
             return
@@ -451,14 +266,14 @@ class RunSession:
             cache.close()
         wall_time = time.time() - started
         try:
-            check_inputs_unchanged(unit)  # the data files were read during the evaluation
+            check_inputs_unchanged(unit, self.store)  # the data files were read during the evaluation
         except run_plan.PlanError as exc:
             self.fail(unit, exc)
             return
         if not writes:
             self.summary.done.append(unit)
             return
-        self.store(unit, outcome, started, wall_time)
+        self.commit(unit, outcome, started, wall_time)
 
     def unit_meta(self, unit: Unit, outcome: UnitOutcome, started: float, wall_time: float) -> dict[str, Any]:
         """meta.json of a finished unit: what was asked, what ran (the evaluator's meta wins), where, when."""
@@ -491,18 +306,16 @@ class RunSession:
             "platform": platform.platform(),
         } | outcome.meta
 
-    def store(self, unit: Unit, outcome: UnitOutcome, started: float, wall_time: float) -> None:
-        """Write the evaluated `unit`, drop its resume cache, log it to the plan's lm-eval loggers; a
-        non-finite result is stored and then reported as a failure."""
-        results_store.write_unit(unit.dir, outcome.results, outcome.samples,
-                                 self.unit_meta(unit, outcome, started, wall_time))
-        results_store.remove_resume_cache(unit.dir)  # the unit is stored: its answers are in its samples
+    def commit(self, unit: Unit, outcome: UnitOutcome, started: float, wall_time: float) -> None:
+        """Store the evaluated `unit` (the store drops its resume cache), log it to the plan's lm-eval loggers;
+        a non-finite result is stored and then reported as a failure."""
+        failure = self.store.commit(unit.dir, unit.model, outcome.results, outcome.samples,
+                                    self.unit_meta(unit, outcome, started, wall_time))
         if self.plan.lm_eval_loggers:
             log_to_wandb(self.plan.lm_eval_loggers, unit, outcome)
         unit.finished = True
-        non_finite = results_store.non_finite_values(outcome.results)
-        if non_finite:
-            self.fail(unit, ResultsError(results_store.non_finite_message(unit.model, non_finite)))
+        if failure is not None:
+            self.fail(unit, ResultsError(failure))
             return
         self.summary.done.append(unit)
         self.report.unit_end(unit, "done", f"{wall_time:.1f} s")

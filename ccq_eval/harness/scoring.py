@@ -15,10 +15,12 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.harness import short_requests
 from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.tokens import TokenCodec, ahead_on_threads, on_threads
 from ccq_eval.harness.truncation import Truncator
+from ccq_eval.harness.zeroshot import rolling_protocol
 from ccq_eval.model.kernels.token_logprob import token_logprob
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,9 @@ logger = logging.getLogger(__name__)
 # keeps activation memory per call small; logits are formed DEFAULT_LOGITS_CHUNK positions at a time.
 DEFAULT_CHUNK_SIZE = 32768
 DEFAULT_LOGITS_CHUNK = 4096
+# HFLM's max_length when neither the model config nor the tokenizer names one (HFLM._DEFAULT_MAX_LENGTH):
+# the window of the HFLM rolling protocol then.
+HFLM_DEFAULT_WINDOW = 2048
 
 
 class TokenNLL(float):
@@ -104,7 +109,8 @@ class Scorer:
     """
 
     def __init__(self, runtime: ModelRuntime, codec: TokenCodec, truncator: Truncator, *, chunk_size: int,
-                 logits_chunk: int, sizer: BatchSizer, cuda_graphs: bool) -> None:
+                 logits_chunk: int, sizer: BatchSizer, cuda_graphs: bool, rolling_windows: str | None = None,
+                 window_tokens: int = HFLM_DEFAULT_WINDOW, share_contexts: bool = True) -> None:
         self.runtime = runtime
         self.codec = codec
         self.truncator = truncator
@@ -118,11 +124,23 @@ class Scorer:
             # Graphs of at most one slice: a longer text's cache would be built inside the capture.
             self.graphed = GraphedScoring(self.score_eagerly, runtime.device, chunk_size)
         self._warned_rolling_over_length = False
+        rolling_protocol(None, rolling_windows)  # checks the value
+        self.rolling_windows = rolling_windows
+        self.window_tokens = window_tokens
+        self.share_contexts = share_contexts
+        # Task -> the protocol that scored its loglikelihood_rolling requests (this process).
+        self.rolling_protocols: dict[str, str] = {}
+
+    @property
+    def pad_id(self) -> int:
+        """The token right-padded rows end with (never read: padding follows every scored position)."""
+        return self.codec.eot_token_id or 0
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, score_from: int, to_cpu: bool = True,
-            keep_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """Run [B, T] token rows through the model in slices of chunk_size, carrying the cache.
+            keep_cache: bool = True, cache: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """Run [B, T] token rows through the model in slices of chunk_size, carrying the cache (`cache`: the
+        state of B rows the tokens continue from; None: they start the text).
 
         Scores the predictions made at positions score_from .. T-2 (position p predicts token
         p + 1). Returns (logprob [B, T-1-score_from] fp32, greedy-match [B, ...] bool, both on CPU
@@ -135,7 +153,6 @@ class Scorer:
         n_rows, total = input_ids.shape
         logprob_parts: list[torch.Tensor] = []
         greedy_parts: list[torch.Tensor] = []
-        cache = None
         last_logits = None
         for start in range(0, total, self.chunk_size):
             end = min(start + self.chunk_size, total)
@@ -219,29 +236,73 @@ class Scorer:
 
     def loglikelihood(self, requests: list[Instance], cache_hook: CacheHook,
                       disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """(log-likelihood, greedy) of each request's continuation; each answer also goes to `cache_hook`."""
+        """(log-likelihood, greedy) of each request's continuation; each answer also goes to `cache_hook`.
+        Requests that repeat a context read it once where the model allows (short_requests.py)."""
         prepared = self._prepare_loglikelihood(requests)
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        grouped = list(batches([len(ids) for ids, _ in prepared], self.sizer.rows_for(generation=False)))
-        for batch in tqdm(grouped, desc="ccq loglikelihood", disable=disable_tqdm):
-            self.sizer.record(len(batch))
-            rows = [prepared[i][0] for i in batch]
-            total = len(rows[0])
-            n_scored = [prepared[i][1] for i in batch]
-            score_from = total - 1 - max(n_scored)
-            logprob, greedy = (x.cpu() for x in self.score(self.runtime.tensor(rows), score_from))
-            for row, index in enumerate(batch):
-                n = n_scored[row]
-                if n == 0:
-                    answer = (0.0, True)
-                else:
-                    answer = (float(logprob[row, -n:].double().sum()), bool(greedy[row, -n:].all()))
-                results[index] = answer
-                cache_hook.add_partial("loglikelihood", requests[index].args, answer)
-        return results  # type: ignore[return-value]
+        rows, n_scored = [ids for ids, _ in prepared], [n for _, n in prepared]
+        with tqdm(total=len(rows), desc="ccq loglikelihood", disable=disable_tqdm) as progress:
+            scored = short_requests.score_rows(self, rows, n_scored, share=self.share_contexts, pad_id=self.pad_id,
+                                               progress=progress)
+        results: list[tuple[float, bool]] = []
+        for request, (logprob, greedy) in zip(requests, scored, strict=True):
+            answer = (float(logprob.double().sum()), bool(greedy.all()))  # no tokens: (0.0, True)
+            results.append(answer)
+            cache_hook.add_partial("loglikelihood", request.args, answer)
+        return results
 
     def loglikelihood_rolling(self, requests: list[Instance], cache_hook: CacheHook,
                               disable_tqdm: bool = False) -> list[TokenNLL]:
+        """Each text scored by its task's protocol (zeroshot.rolling_protocol: rolling_windows when given,
+        else HFLM's windows for the zero-shot suite's wikitext and one carried pass for every other task)."""
+        protocols = [rolling_protocol(request.task_name, self.rolling_windows) for request in requests]
+        for request, protocol in zip(requests, protocols, strict=True):
+            if request.task_name:
+                self.rolling_protocols[request.task_name] = protocol
+        results: list[TokenNLL | None] = [None] * len(requests)
+        for protocol, score in (("hflm", self._rolling_windows), ("carry", self._rolling_carried)):
+            indices = [i for i, p in enumerate(protocols) if p == protocol]
+            if indices:
+                for index, value in zip(indices, score([requests[i] for i in indices], cache_hook, disable_tqdm),
+                                        strict=True):
+                    results[index] = value
+        return results  # type: ignore[return-value]
+
+    def _rolling_windows(self, requests: list[Instance], cache_hook: CacheHook,
+                         disable_tqdm: bool = False) -> list[TokenNLL]:
+        """lm-eval HFLM's protocol: each text in disjoint windows of window_tokens predictions with one
+        token of context (the first window: the prefix token, BOS else EOS, as HFLM's prefix_token_id), each
+        window read from an empty state; lm-eval's own window function (lm_eval.utils). The text is encoded
+        without special tokens, as HFLM with add_bos_token=False does. A window's row holds one token more than
+        HFLM's input (its last scored token, which predicts nothing), so it is scored on rotary or no
+        positions alike. TokenNLL holds every token's NLL, in text order."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        prefix_token = self.codec.prefix[0] if self.codec.prefix else self.codec.eot_token_id
+        encoded = on_threads(self.codec.encode, [request.args[0] for request in requests], self.codec.settle)
+        rows: list[list[int]] = []
+        n_scored: list[int] = []
+        owners: list[int] = []
+        for owner, ids in enumerate(encoded):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=ids, prefix_token=prefix_token, max_seq_len=self.window_tokens, context_len=1)):
+                rows.append(context + continuation)
+                n_scored.append(len(continuation))
+                owners.append(owner)
+        with tqdm(total=len(rows), desc="ccq loglikelihood_rolling (windows)", disable=disable_tqdm) as progress:
+            scored = short_requests.score_rows(self, rows, n_scored, share=False, pad_id=self.pad_id,
+                                               progress=progress)
+        parts: list[list[torch.Tensor]] = [[] for _ in requests]
+        for owner, (logprob, _) in zip(owners, scored, strict=True):
+            parts[owner].append(logprob)
+        results: list[TokenNLL] = []
+        for request, logprobs in zip(requests, parts, strict=True):
+            value = TokenNLL.from_token_nll((-torch.cat(logprobs).double()).tolist() if logprobs else [])
+            results.append(value)
+            cache_hook.add_partial("loglikelihood_rolling", request.args, value)
+        return results
+
+    def _rolling_carried(self, requests: list[Instance], cache_hook: CacheHook,
+                         disable_tqdm: bool = False) -> list[TokenNLL]:
         """Each text scored whole in one recurrent pass. A pipeline keeps the GPU busy: all texts are
         tokenised at once on threads (tens of ms for a 20K-token text; the fast tokenizers release the
         GIL), one row at a time starts on the first text while the rest are tokenised, and a batch's

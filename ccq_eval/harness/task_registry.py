@@ -20,6 +20,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from ccq_eval.errors import UserError
+from ccq_eval.task_families import ZEROSHOT_TASKS
+
 TASKS_PACKAGE = "ccq_eval.tasks"  # tasks/ of the repository, installed as this package (pyproject.toml)
 TASK_FOLDERS = ("s_niah", "ruler_niah", "ruler_vt", "ruler_aggregation", "ruler_qa", "ppl", "longbench")
 
@@ -54,10 +57,15 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     "ppl-sweep": (("ccq_ppl_sweep",), "perplexity of the first L tokens of documents, per L (YaRN)"),
     "longbench": (("ccq_longbench",), "LongBench v1, 21 datasets"),
     "longbench-e": (("ccq_longbench_e",), "LongBench-E, 13 English datasets by length bucket"),
+    "zeroshot": (ZEROSHOT_TASKS, "the zero-shot table of the GLA / Gated DeltaNet papers: lm-eval's own "
+                                 "wikitext, lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challenge, "
+                                 "boolq, sciq, copa, openbookqa, social_iqa"),
 }
+# Alias targets that are lm-eval's own tasks, not ours: they resolve as they are.
+LMEVAL_ALIAS_TARGETS = frozenset(ZEROSHOT_TASKS)
 
 
-class UnknownTaskError(KeyError, ValueError):
+class UnknownTaskError(UserError, KeyError, ValueError):
     """A task name that is neither an alias, one of our tasks, nor an lm-eval task."""
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
@@ -226,7 +234,7 @@ def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list
     for name in names:
         if name in ALIASES:
             targets = list(ALIASES[name][0])
-            missing = [t for t in targets if t not in index]
+            missing = [t for t in targets if t not in index and t not in LMEVAL_ALIAS_TARGETS]
             if missing:
                 raise UnknownTaskError(f"task alias {name!r} needs {', '.join(missing)}, which {tasks_dir()} "
                                        "does not define (is that task family installed?)")
@@ -240,7 +248,7 @@ def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise UnknownTaskError(f"unknown task {name!r}{hint}; {valid_names_message()}")
         for target in targets:
-            leaves = _leaf_tasks(target, index) if expand_groups else [target]
+            leaves = _leaf_tasks(target, index) if expand_groups and target in index else [target]
             resolved += [leaf for leaf in leaves if leaf not in resolved]
     return resolved
 

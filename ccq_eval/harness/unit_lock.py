@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 
 class UnitFolder(Protocol):
-    """What a lock needs of a unit (results_store.UnitDir): its folder."""
+    """What a lock needs of a unit (store.UnitDir): its folder."""
 
     path: Path
 

@@ -2,23 +2,27 @@
 
 A CPU evaluation of the small models runs one torch thread per process (runner.cpu_threads: more threads
 per process slow it down), so one process leaves the other cores idle. Helpers run the same plan; every
-unit is taken under its lock (results_store.UnitLock), so each is computed once, by whichever process gets
+unit is taken under its lock (unit_lock.UnitLock), so each is computed once, by whichever process gets
 to it first, and stored exactly as the command's own process would store it. Each helper sends back the
-units it finished, so the command's summary counts them as evaluated here.
+units it finished, as it finishes each (the command's reporter prints its line) and as it exits (the
+command's summary counts them as evaluated here, not as done by another worker).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
 import queue
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ccq_eval.harness import plan as run_plan
+from ccq_eval.harness.reporting import Reporter, SilentReporter
 
 # Tests set this to 1 so that "auto" keeps fakes and counts in one process.
 WORKERS_ENV = "CCQ_EVAL_WORKERS"
@@ -38,59 +42,102 @@ def auto_workers(plan: run_plan.RunPlan, threads_per_worker: int) -> int:
 
 @dataclass
 class Helpers:
-    """The started helper processes and the queue on which each reports the units it finished."""
+    """The started helper processes and the queue on which they report: each unit as a helper finishes it
+    (relayed to `reporter`, by a thread of the command's process, as it arrives), then the units each
+    helper finished, as it exits."""
 
     processes: list[Any]
-    finished: Any  # multiprocessing Queue of (helper index, [unit folder, ...])
+    messages: Any  # multiprocessing Queue of ("unit", folder, status, detail) and ("finished", index, [folder])
+    units: dict[str, run_plan.Unit]  # the plan's units by folder, to relay a helper's unit to `reporter`
+    reporter: Reporter | None = None
+    done: set[Path] = field(default_factory=set)
+    _relay: threading.Thread | None = field(default=None, init=False, repr=False)
+
+    def start_relay(self) -> None:
+        """Relay the helpers' messages from a thread while the command's own process evaluates units."""
+        self._relay = threading.Thread(target=self._read, name="ccq-eval-worker-relay", daemon=True)
+        self._relay.start()
 
     def finish(self, *, wait: bool) -> set[Path]:
         """Wait for every helper (or, when the command's own run failed, stop them: what they answered
         stays in the units' resume caches) and return the unit folders they finished."""
-        done: set[Path] = set()
         if not wait:
             for process in self.processes:
                 process.terminate()
+        if self._relay is not None:
+            self._relay.join()
+        else:
+            self._read()
+        for process in self.processes:
+            process.join()
+        return self.done
+
+    def _read(self) -> None:
+        """Read messages until every helper has sent its last one (or none is alive any more). They are
+        read before the helpers are joined: a helper exits only once its messages have left the queue."""
         reports = 0
-        # Reports are read before joining: a helper exits only once its report has left the queue.
         while reports < len(self.processes):
             try:
-                _, folders = self.finished.get(timeout=1.0)
+                message = self.messages.get(timeout=1.0)
             except queue.Empty:
                 if not any(process.is_alive() for process in self.processes):
                     break
                 continue
-            reports += 1
-            done.update(Path(folder) for folder in folders)
-        for process in self.processes:
-            process.join()
-        return done
+            if message[0] == "unit":
+                _, folder, status, detail = message
+                if self.reporter is not None and folder in self.units:
+                    self.reporter.unit_end(self.units[folder], status, detail)
+            else:
+                reports += 1
+                self.done.update(Path(folder) for folder in message[2])
+
+
+class _QueueReporter(SilentReporter):
+    """A helper's reporter: each unit it finished goes to the command's process at once. A failure is not
+    sent: the command's own process takes the unit up again and reports it with its full message."""
+
+    def __init__(self, messages: Any) -> None:
+        self.messages = messages
+
+    def unit_end(self, unit: run_plan.Unit, status: str, detail: str = "") -> None:
+        if status == "done":
+            self.messages.put(("unit", str(unit.dir.path), status, detail))
 
 
 def start_helpers(execute: Callable[..., Any], plan: run_plan.RunPlan, count: int,
-                  command_line: list[str]) -> Helpers:
+                  command_line: list[str], reporter: Reporter | None = None) -> Helpers:
     """Start `count` helper processes that run `execute` (runner.execute_plan, a module-level function:
-    the child imports it by name) on `plan`; spawned: a fresh interpreter, no forked torch state."""
+    the child imports it by name, after it has switched off progress bars) on `plan`; spawned: a fresh
+    interpreter, no forked torch state. `reporter` (the command's) hears of each unit a helper finishes."""
     context = multiprocessing.get_context("spawn")
-    finished = context.Queue()
-    processes = [context.Process(target=_helper_main, args=(execute, plan, command_line, index, finished),
+    messages = context.Queue()
+    target = (execute.__module__, execute.__qualname__)
+    processes = [context.Process(target=_helper_main, args=(target, plan, command_line, index, messages),
                                  name=f"ccq-eval-worker-{index}") for index in range(count)]
     for process in processes:
         process.start()
-    return Helpers(processes, finished)
+    helpers = Helpers(processes, messages, {str(unit.dir.path): unit for unit in plan.units}, reporter)
+    if reporter is not None:
+        helpers.start_relay()
+    return helpers
 
 
-def _helper_main(execute: Callable[..., Any], plan: run_plan.RunPlan, command_line: list[str], index: int,
-                 finished: Any) -> None:
-    """A helper: run the plan silently and report the units it finished. A unit that fails here is left to
-    the command's own process, which takes it up again and reports the failure with its full message."""
+def _helper_main(target: tuple[str, str], plan: run_plan.RunPlan, command_line: list[str], index: int,
+                 messages: Any) -> None:
+    """A helper: run the plan without progress bars or warnings, send each unit it finished as it finishes
+    it, then the list of them. A unit that fails here is left to the command's own process, which takes it
+    up again and reports the failure with its full message."""
     from ccq_eval import logs
 
-    logs.silence_progress_bars()
+    logs.hide_progress_bars()  # before `execute`'s module imports tqdm and the rest
+    logs.ignore_unactionable_warnings()
     logging.disable(logging.WARNING)
+    module_name, function_name = target
+    execute = getattr(importlib.import_module(module_name), function_name)
     plan = replace(plan, options=replace(plan.options, keep_going=True))
     try:
-        summary = execute(plan, command_line=command_line)
+        summary = execute(plan, command_line=command_line, reporter=_QueueReporter(messages))
         done = [str(unit.dir.path) for unit in summary.done]
     except BaseException:  # noqa: BLE001  (the command's process reports it, see above)
         done = []
-    finished.put((index, done))
+    messages.put(("finished", index, done))

@@ -10,6 +10,8 @@ S-NIAH prompts.
 - figures.py: the figures, from the tables (no torch).
 """
 
+from ccq_eval.errors import UserError
 
-class InspectError(ValueError):
+
+class InspectError(UserError, ValueError):
     """A model, task or prompt `ccq-eval inspect` cannot read; the message says what to use instead."""

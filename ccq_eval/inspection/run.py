@@ -112,8 +112,8 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
 
 def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambda message: None) -> list[Path]:
     """Read every model on every prompt, then write the tables, inspect.json and the figures."""
+    from ccq_eval.atomic_io import atomic_write_text
     from ccq_eval.harness.plan import PlanError, resolve_device
-    from ccq_eval.harness.results_store import atomic_write_text
 
     resolve_task(options.task)
     if options.output.exists() and not options.output.is_dir():

@@ -9,6 +9,7 @@ times and inode, so an unchanged multi-GB checkpoint is read once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ccq_eval.atomic_io import atomic_write_json
+from ccq_eval.errors import UserError
 
 SAFE_WEIGHT_PATTERNS = ("*.safetensors",)
 PICKLE_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -28,7 +30,7 @@ _HASH_BLOCK = 8 << 20
 _CACHE_MIN_BYTES = 64 << 20  # smaller files hash faster than the cache is read
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint folder that cannot be used; the message names the file and what to do."""
 
 
@@ -116,8 +118,6 @@ def file_sha256(path: Path) -> str:
     if stat.st_size >= _CACHE_MIN_BYTES:
         prefix = f"{path.resolve()}|"
         cached = {k: v for k, v in cached.items() if not k.startswith(prefix)} | {key: value}
-        try:  # best effort: a read-only home only costs the next run a re-hash
+        with contextlib.suppress(OSError):  # best effort: a read-only home only costs the next run a re-hash
             atomic_write_json(cache_file, cached)
-        except OSError:
-            pass
     return value

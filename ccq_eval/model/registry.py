@@ -12,13 +12,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ccq_eval.errors import UserError
+
 # A regular package on the file system: files() is its folder (checkpoints are loaded from files).
 MODELS_DIR = Path(str(importlib.resources.files("ccq_eval.models")))
 MODEL_REGISTRY_PATH = MODELS_DIR / "registry.json"
 FALLBACK_DEFAULT_MODELS = ["tiny-gla", "tiny-gla-ccq", "tiny-gdn", "tiny-gdn-ccq", "tiny-transformer"]
 
 
-class RegistryError(Exception):
+class RegistryError(UserError):
     """The registry file cannot be read; the message names it and what is wrong."""
 
 

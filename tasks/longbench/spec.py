@@ -4,7 +4,7 @@ Source: THUDM/LongBench, commit 2e00731f8d0bff23dc4325161044d0ed8af94c1e,
 LongBench/config/dataset2prompt.json, LongBench/config/dataset2maxlen.json, LongBench/eval.py and
 LongBench/pred.py. The templates are data and must stay byte-exact, typos included ("asconcisely" in
 narrativeqa, the leading space before " Answer the question" in qasper, "all news. " in multi_news);
-tests/test_longbench_tasks.py checks them against a verbatim copy of the official JSON files.
+tests/tasks/test_longbench_tasks.py checks them against a verbatim copy of the official JSON files.
 
 This module has no dependencies so that any part of the project can import it by path.
 """

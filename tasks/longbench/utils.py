@@ -82,7 +82,7 @@ def _parse_records(lines: list[str], source: str, dataset: str) -> list[dict[str
         except json.JSONDecodeError as err:
             raise ValueError(f"{source} line {line_number}: not valid JSON ({err})") from err
         if not isinstance(raw, dict):
-            raise ValueError(  # noqa: TRY004 - bad data, not a programming error
+            raise ValueError(
                 f"{source} line {line_number}: expected a JSON object, got {type(raw).__name__}")
         missing = [field for field in ("input", "context", "answers", "length") if field not in raw]
         if missing:

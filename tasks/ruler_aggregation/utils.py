@@ -320,7 +320,7 @@ def make_fwe_sample(tokenizer: Any, ranked: Sequence[str], shuffle_seed: int, *,
 
 # ================================================================ dataset builders
 def common_fields(task: str, grid: dict, length: int, index: int) -> dict:
-    return {"length": length, "sample": index, "task": task, "seed": grid["seed"], "tokenizer": grid["tokenizer"]}
+    return {"length": length, "sample": index, "task": task, "seed": grid["seed"], "tokenizer": grid["tokenizer_name"]}
 
 
 def generate_docs(task: str, **metadata: Any) -> list[dict]:

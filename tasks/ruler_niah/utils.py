@@ -310,7 +310,7 @@ def generate_docs(task: str, **metadata: Any) -> list[dict]:
                         "distractor_char_offsets": sample.distractor_char_offsets,
                         "answer_prefix": answer_prefix(variant, needles.queries),
                         "seed": grid["seed"],
-                        "tokenizer": grid["tokenizer"],
+                        "tokenizer": grid["tokenizer_name"],
                     }
                 )
     return docs

@@ -227,7 +227,7 @@ def generate_docs(task: str, **metadata: Any) -> list[dict]:
                     "needle_char_offset": fit.gold_char_offset,
                     "answer_prefix": ANSWER_PREFIX,
                     "seed": grid["seed"],
-                    "tokenizer": grid["tokenizer"],
+                    "tokenizer": grid["tokenizer_name"],
                     "data_file": data.source,
                 })
     if repeated:

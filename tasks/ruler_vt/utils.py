@@ -262,7 +262,7 @@ def generate_docs(**metadata: Any) -> list[dict]:
                         "needle_char_offsets": sample.needle_char_offsets,
                         "answer_prefix": ANSWER_PREFIX.format(num_v=len(draw.names), query=draw.value),
                         "seed": grid["seed"],
-                        "tokenizer": grid["tokenizer"],
+                        "tokenizer": grid["tokenizer_name"],
                     }
                 )
     return docs

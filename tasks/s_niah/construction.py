@@ -50,6 +50,7 @@ METRIC_LENGTHS = tuple(sorted({256, 512, 262144, 524288, 1048576} | {1024 * k fo
 
 KNOWN_METADATA = {
     "lengths", "max_seq_lengths", "depths", "samples_per_cell", "seed", "tokenizer", "pretrained", "haystack",
+    "tokenizer_name", "max_length",  # lm-eval merges --model_args (max_length, ...) into every task's metadata
 }
 
 
@@ -380,6 +381,10 @@ def parse_grid(metadata: dict[str, Any], family: str = "S-NIAH") -> dict[str, An
         "samples_per_cell": samples[0],
         "seed": seed[0],
         "tokenizer": tokenizer,
+        # What the documents record as their tokenizer: ccq-eval passes a name that holds on every machine
+        # (a registered model's name, or a folder's name with its checkpoint fingerprint); a bare path
+        # given to lm-eval is recorded as given.
+        "tokenizer_name": str(metadata.get("tokenizer_name") or tokenizer),
         "haystack": str(metadata.get("haystack", DEFAULT_HAYSTACK_CORPUS)),
     }
 

@@ -223,7 +223,7 @@ def generate_docs(task: str, **metadata: Any) -> list[dict]:
                         "needle_char_offset": sample.needle_char_offset,
                         "answer_prefix": ANSWER_PREFIX.format(kind=kinds[:-1], key=key),
                         "seed": grid["seed"],
-                        "tokenizer": grid["tokenizer"],
+                        "tokenizer": grid["tokenizer_name"],
                     }
                 )
     return docs

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from ccq_eval import cli
 from ccq_eval.analysis import figures as figures_module
 from ccq_eval.analysis import report, stats, tables
-from ccq_eval.harness import results_store
+from ccq_eval.harness import store as results_store
 
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference"
 MAX_REPORT_BYTES = 2 * 1024 * 1024

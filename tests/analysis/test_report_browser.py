@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ccq_eval.analysis import figures, report, stats, tables
-from ccq_eval.harness import results_store
+from ccq_eval.harness import store as results_store
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

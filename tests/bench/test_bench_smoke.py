@@ -45,6 +45,7 @@ def bench_module():
     return module
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_report_header(smoke):
     report, _, _ = smoke
     assert report["schema"] == "ccq-eval-bench/1"
@@ -61,6 +62,7 @@ def test_report_header(smoke):
     assert set(report["models"]) == set(ARCHS)
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_model_rows_pair_baseline_and_ccq(smoke):
     report, _, _ = smoke
     settings = report["settings"]
@@ -76,7 +78,7 @@ def test_model_rows_pair_baseline_and_ccq(smoke):
                     assert math.isclose(
                         row["tokens_per_s"], row["tokens"] / (row["median_ms"] / 1000), rel_tol=1e-9
                     )
-                    assert 0 < row["mfu"]
+                    assert row["mfu"] > 0
                 assert math.isclose(
                     ccq["ratio_vs_baseline"], ccq["median_ms"] / base["median_ms"], rel_tol=1e-9
                 )
@@ -88,6 +90,7 @@ def test_model_rows_pair_baseline_and_ccq(smoke):
             assert math.isclose(train["flops"], 3 * fwd["flops"], rel_tol=1e-12)
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_ops_rows(smoke):
     report, _, _ = smoke
     ops = [r["op"] for r in report["results"]["ops"]]
@@ -95,6 +98,7 @@ def test_ops_rows(smoke):
     assert all(r["median_ms"] > 0 for r in report["results"]["ops"])
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_harness_scores_every_token_and_ccq_changes_the_model(smoke):
     report, _, _ = smoke
     rows = report["results"]["harness"]
@@ -114,6 +118,7 @@ def test_harness_scores_every_token_and_ccq_changes_the_model(smoke):
         assert adapter[True] != adapter[False]
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_generation_rows(smoke):
     report, _, _ = smoke
     settings = report["settings"]
@@ -168,6 +173,7 @@ def test_generation_timing_starts_replay_time_at_the_first_graph_replay(monkeypa
     assert GraphedDecodeStep.__call__ is original
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_sniah_rows_and_known_failures(smoke):
     report, _, _ = smoke
     rows = report["results"]["sniah"]
@@ -186,6 +192,7 @@ def test_sniah_rows_and_known_failures(smoke):
     assert report["errors"] == []
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_targets_listed(smoke):
     report, _, _ = smoke
     names = [t["name"] for t in report["targets"]]
@@ -198,6 +205,7 @@ def test_targets_listed(smoke):
         assert set(target) == {"name", "threshold", "value", "passed", "detail"}
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_markdown_tables(smoke):
     report, markdown, _ = smoke
     assert markdown.startswith("# ccq-eval benchmark (SMOKE")
@@ -216,6 +224,7 @@ def test_markdown_tables(smoke):
             assert f"| {arch} | fwd | {T} |" in markdown and f"| {arch} | fwd+bwd | {T} |" in markdown
 
 
+@pytest.mark.slow  # the module's `smoke` fixture runs benchmarks/bench.py
 def test_merge_reassembles_split_runs(smoke, tmp_path):
     """Sections run in separate device calls merge back into one report with every row."""
     report, _, _ = smoke

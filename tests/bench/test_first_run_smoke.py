@@ -27,7 +27,8 @@ def test_smoke_times_a_cold_and_a_warm_run(tmp_path):
     for label in ("cold", "warm"):
         run = report["runs"][label]
         assert run["returncode"] == 0 and run["samples"] == 2 and run["seconds"] > 0
-        assert run["command"][1:5] == ["-m", "ccq_eval", "run", "-m"] and "--device" not in run["command"]  # the defaults
+        # the defaults
+        assert run["command"][1:5] == ["-m", "ccq_eval", "run", "-m"] and "--device" not in run["command"]
         assert (out / f"run-{label}" / "table.md").is_file()
     assert (out / "checkpoint" / "model.safetensors").is_file() and (out / "checkpoint" / "tokenizer.json").is_file()
     with pytest.raises(SystemExit, match="is not empty"):  # a cold run needs a new folder

@@ -217,8 +217,8 @@ def test_a_run_finds_the_jieba_standin_only_after_what_is_installed(suite_module
         def poll(self):
             return 0
 
-    monkeypatch.setenv("PYTHONPATH", "/somewhere/site")
+    monkeypatch.setenv("PYTHONPATH", "/nonexistent/site")
     monkeypatch.setattr(suite_module.subprocess, "Popen", FinishedAtOnce)
     run = suite_module.timed_run(tmp_path / "model", tmp_path / "data", tmp_path / "out", [], timeout=60)
     assert run["returncode"] == 0 and "--suite" in seen["command"]
-    assert seen["path"] == [str(suite_module.REPO), "/somewhere/site", str(suite_module.JIEBA_STANDIN)]
+    assert seen["path"] == [str(suite_module.REPO), "/nonexistent/site", str(suite_module.JIEBA_STANDIN)]

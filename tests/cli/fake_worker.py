@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_cli_run import REGISTRY, TASK_NAME, TASK_UTILS, TASK_YAML, FakeCatalog, FakeLM  # noqa: E402
+from test_cli_run import REGISTRY, TASK_NAME, TASK_UTILS, TASK_YAML, FakeCatalog, FakeLM
 
 # Two S-NIAH-like tasks (the test task and a copy under another name): a grid of models x tasks.
 TASKS = (TASK_NAME, f"{TASK_NAME}_b")

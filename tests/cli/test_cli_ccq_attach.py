@@ -13,9 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from ccq_eval import cli
+from ccq_eval.harness import model_resolution, store, task_selection
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store
 from ccq_eval.harness.options import PlanError, parse_ccq_attach
+from ccq_eval.harness.run_options import options_command_line
 from ccq_eval.model import loading
 from ccq_eval.model import registry as model_registry
 
@@ -32,7 +33,7 @@ def test_parse_ccq_attach_and_the_names_of_its_models():
     plain = parse_ccq_attach("lambda=0,2,0.25")
     assert [plain.model_name("tiny-gla", lam) for lam in plain.lambdas] == [
         "tiny-gla+ccq-lambda0", "tiny-gla+ccq-lambda0.25", "tiny-gla+ccq-lambda2"]
-    assert results_store.slugify("tiny-gla+ccq-lambda2") == "tiny-gla+ccq-lambda2"  # the folder name
+    assert store.slugify("tiny-gla+ccq-lambda2") == "tiny-gla+ccq-lambda2"  # the folder name
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.1, 0.5, 2.0, 4.0])
@@ -92,12 +93,12 @@ def test_each_setting_is_its_own_unit_and_resumes_as_itself(tmp_path):
                                                   output=tmp_path))
     assert [unit.spec for unit in plain.units] == [plan.units[0].spec]  # one unit, asked either way
     assert plan.units[0].spec["checkpoint"] == plan.units[2].spec["checkpoint"] is not None
-    assert "--ccq-attach" in run_plan.options_command_line(options)
+    assert "--ccq-attach" in options_command_line(options)
     # A folder holding another setting's answers is refused, not resumed.
     first = plan.units[1]
     first.dir.path.mkdir(parents=True)
-    results_store.atomic_write_json(first.dir.spec, plan.units[2].spec)
-    results_store.atomic_write_json(first.dir.results, {"results": {}})
+    store.atomic_write_json(first.dir.spec, plan.units[2].spec)
+    store.atomic_write_json(first.dir.results, {"results": {}})
     with pytest.raises(PlanError, match="different settings.*ccq_attach"):
         run_plan.plan_run(options)
 
@@ -111,8 +112,9 @@ def test_the_default_run_adds_a_training_free_sweep_of_each_twin_s_baseline(tmp_
     defaults = model_registry.default_model_names(registry)
     baselines = [name for name in defaults if f"{name}-ccq" in defaults]
     assert baselines  # the embedded twins
-    lambdas = parse_ccq_attach(run_plan.DEFAULT_SWEEP_ATTACH).lambdas
-    sweep_tasks = [task for alias in run_plan.DEFAULT_SWEEP_TASKS for task in run_plan.default_task_catalog().resolve(alias)]
+    lambdas = parse_ccq_attach(model_resolution.DEFAULT_SWEEP_ATTACH).lambdas
+    sweep_tasks = [task for alias in task_selection.DEFAULT_SWEEP_TASKS
+                   for task in run_plan.default_task_catalog().resolve(alias)]
     expected_sweep = {(f"{name}+ccq-lambda{lam:g}", task) for name in baselines for lam in lambdas if lam
                       for task in sweep_tasks}
     units = {(unit.model, unit.task): unit for unit in plan.units}

@@ -21,14 +21,14 @@ from typer.testing import CliRunner
 
 from ccq_eval import cli
 from ccq_eval.analysis import figures, report, stats, tables
-from ccq_eval.harness import results_store
+from ccq_eval.harness import store
 
 
 def _attach(folder, sweep: str, lam: float, baseline: str | None) -> None:
     """Record in a fake unit's meta.json the ccq_attach spec entry `ccq-eval run --ccq-attach` stores."""
-    meta = results_store.read_json(folder / results_store.META_FILE)
+    meta = store.read_json(folder / store.META_FILE)
     entry = {"sweep": sweep, "lambda": lam, "fields": {}} | ({"baseline": baseline} if baseline else {})
-    results_store.atomic_write_json(folder / results_store.META_FILE, meta | {"spec": {"ccq_attach": entry}})
+    store.atomic_write_json(folder / store.META_FILE, meta | {"spec": {"ccq_attach": entry}})
 
 
 def _never_right(length: int, depth: int, index: int) -> bool:
@@ -59,7 +59,7 @@ EXPECTED_PAIRS = [("tiny-gla", "tiny-gla-ccq"), ("tiny-gdn+ccq-lambda0", "tiny-g
 
 
 def test_compare_without_names_finds_every_twin_and_sweep_pair(results):
-    assert stats.comparison_pairs(results_store.load_results(results)) == EXPECTED_PAIRS
+    assert stats.comparison_pairs(store.load_results(results)) == EXPECTED_PAIRS
     result = CliRunner().invoke(cli.app, ["compare", str(results), "--n-boot", "200"])
     assert result.exit_code == 0, result.output
     headings = [line for line in result.output.splitlines() if line.startswith("### ")]
@@ -89,7 +89,8 @@ def test_compare_summary_is_one_row_per_comparison(results):
     assert list(rows) == [f"{variant} vs {baseline}" for baseline, variant in EXPECTED_PAIRS]
     # lambda 2 loses all 16 of the baseline's 24 right answers: McNemar b = 16, c = 0, p = 2 * 0.5^16
     niah, ppl = rows["tiny-gla+ccq-lambda2 vs tiny-gla"]
-    assert niah.startswith("-66.7 [") and niah.endswith("p = 3.1e-05***")
+    # Holm over the table's 6 p-values: 6 * 3.1e-05, the raw p-value beside it
+    assert niah.startswith("-66.7 [") and niah.endswith("p = 0.00018*** (Holm; raw 3.1e-05)")
     # perplexity at 2K: exp(mean NLL 2.3) - exp(2.7), lower is better
     assert ppl.startswith(f"{math.exp(2.3) - math.exp(2.7):+.3g} [")
     assert rows["tiny-gla-ccq vs tiny-gla"][1] == "-"  # the twin has no perplexity unit
@@ -114,5 +115,5 @@ def test_a_sweep_whose_baseline_has_no_results_is_not_paired(results):
     import shutil
 
     shutil.rmtree(results / "tiny-gla")
-    assert stats.comparison_pairs(results_store.load_results(results)) == [
+    assert stats.comparison_pairs(store.load_results(results)) == [
         ("tiny-gdn+ccq-lambda0", "tiny-gdn+ccq-lambda4")]

@@ -10,9 +10,10 @@ import pytest
 import test_cli_run
 from test_cli_run import RUN_ARGS, TASK_NAME, FakeLM, invoke
 
-from ccq_eval import cli
+from ccq_eval.cli import common as cli_choices
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store, runner
+from ccq_eval.harness import runner, store, suites
+from ccq_eval.harness.options import DTYPE_CHOICES
 from ccq_eval.model import registry as model_registry
 
 fake_world = test_cli_run.fake_world  # the fixture: registry, task catalog and evaluator replaced by fakes
@@ -78,7 +79,7 @@ def test_meta_records_what_was_asked_and_what_ran(fake_world, monkeypatch):
     monkeypatch.setattr(runner, "default_evaluator", make_evaluator)
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "auto")
     assert result.exit_code == 0, result.output
-    meta = json.loads(results_store.unit_dir(Path("auto"), "tiny-strong", TASK_NAME).meta.read_text())
+    meta = json.loads(store.unit_dir(Path("auto"), "tiny-strong", TASK_NAME).meta.read_text())
     assert asked == [(None, None)] and loads == [("cuda", "bfloat16")]
     assert {key: meta[key] for key in ("device", "device_requested", "dtype", "dtype_requested", "batch_size",
                                        "batch_size_requested", "cuda_graphs", "cuda_graphs_requested")} == {
@@ -92,7 +93,7 @@ def test_meta_records_what_was_asked_and_what_ran(fake_world, monkeypatch):
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "eager", "--no-cuda-graphs", "--batch-size",
                     "2", "--dtype", "fp32")
     assert result.exit_code == 0, result.output
-    meta = json.loads(results_store.unit_dir(Path("eager"), "tiny-strong", TASK_NAME).meta.read_text())
+    meta = json.loads(store.unit_dir(Path("eager"), "tiny-strong", TASK_NAME).meta.read_text())
     assert asked[-1] == (2, False) and loads[-1] == ("cuda", "float32")
     assert (meta["cuda_graphs"], meta["cuda_graphs_requested"], meta["batch_size"], meta["dtype"]) == (
         False, False, 2, "float32")
@@ -104,10 +105,10 @@ def test_units_stored_before_dtypes_were_resolved_still_resume(fake_world):
     one stored as bf16 does not."""
     plan = _plan(output=Path("old"))
     unit = plan.units[0]
-    results_store.atomic_write_json(unit.dir.results, {"results": {}})  # a finished unit: its spec is checked
-    results_store.atomic_write_json(unit.dir.spec, dict(unit.spec, dtype=None))
+    store.atomic_write_json(unit.dir.results, {"results": {}})  # a finished unit: its spec is checked
+    store.atomic_write_json(unit.dir.spec, dict(unit.spec, dtype=None))
     assert _plan(output=Path("old")).units[0].spec["dtype"] == "float32"
-    results_store.atomic_write_json(unit.dir.spec, dict(unit.spec, dtype="bf16"))
+    store.atomic_write_json(unit.dir.spec, dict(unit.spec, dtype="bf16"))
     with pytest.raises(run_plan.PlanError, match="dtype: stored 'bfloat16', asked 'float32'"):
         _plan(output=Path("old"))
 
@@ -118,7 +119,7 @@ def test_paper_suite_plans_the_papers_grid(monkeypatch, tmp_path):
     registry = {name: model_registry.ModelEntry(name, str(tmp_path / name), "") for name in ("base", "ccq")}
     monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: registry)
     monkeypatch.setattr(run_plan, "cuda_available", lambda: False)
-    monkeypatch.setattr(run_plan, "training_context", lambda model: {"ccq": 8192}.get(model.name))
+    monkeypatch.setattr(suites, "training_context", lambda model: {"ccq": 8192}.get(model.name))
     options = {"models": ["base", "ccq"], "suite": "paper", "output": tmp_path / "out"}
 
     plan = run_plan.plan_run(run_plan.RunOptions(**options))
@@ -154,13 +155,13 @@ def test_training_context_comes_from_the_checkpoint_config(tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     entry = model_registry.ModelEntry("ckpt", str(folder), "")
-    assert run_plan.training_context(entry) is None  # no config.json
+    assert suites.training_context(entry) is None  # no config.json
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    assert run_plan.training_context(entry) == 4096
-    part = run_plan.SUITES["paper"].parts[0]
-    assert run_plan.suite_lengths(part, entry) == [1024, 2048, 4096, 8192]  # 8K already goes past 4K
+    assert suites.training_context(entry) == 4096
+    part = suites.SUITES["paper"].parts[0]
+    assert suites.suite_lengths(part, entry) == [1024, 2048, 4096, 8192]  # 8K already goes past 4K
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 16384}))
-    assert run_plan.suite_lengths(part, entry) == [1024, 2048, 4096, 8192, 32768]
+    assert suites.suite_lengths(part, entry) == [1024, 2048, 4096, 8192, 32768]
 
 
 def test_tasks_lists_the_suites_and_cli_choices_match_the_plan():
@@ -168,5 +169,5 @@ def test_tasks_lists_the_suites_and_cli_choices_match_the_plan():
     assert result.exit_code == 0, result.output
     listing = result.output.split("Suites (run --suite NAME):")[1]
     assert listing.split()[0] == "paper" and "S-NIAH-1/2/3 at 1K-8K" in listing
-    assert [s.value for s in cli.SuiteName] == list(run_plan.SUITES)
-    assert [d.value for d in cli.Dtype] == list(run_plan.DTYPE_CHOICES)
+    assert [s.value for s in cli_choices.SuiteName] == list(suites.SUITES)
+    assert [d.value for d in cli_choices.Dtype] == list(DTYPE_CHOICES)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.harness import results_store
+from ccq_eval.harness import store
 
 SNIAH_TASK = "ccq_s_niah_1"
 LENGTHS = (1024, 2048)
@@ -65,8 +65,8 @@ def results_dict(task: str, values: dict[str, Any], metric_list: list[tuple[str,
 
 
 def write(output: Path, model: str, task: str, results: dict, samples: list[dict]) -> Path:
-    unit = results_store.unit_dir(output, model, task)
-    results_store.write_unit(unit, results, {task: samples}, {"model": model, "task": task})
+    unit = store.unit_dir(output, model, task)
+    store.write_unit(unit, results, {task: samples}, {"model": model, "task": task})
     return unit.path
 
 
@@ -248,6 +248,6 @@ def test_store_reads_lm_eval_cli_layout(tmp_path):
     (folder / "results_2025-01-01T00-00-00.json").write_text(json.dumps(results))
     sample = make_sample(0, {"length": 1024, "depth": 0}, "1", "p", "1", {"acc": 100.0})
     (folder / "samples_ccq_s_niah_1_2025-01-01T00-00-00.jsonl").write_text(json.dumps(sample) + "\n")
-    [unit] = results_store.load_results(tmp_path / "lm")
+    [unit] = store.load_results(tmp_path / "lm")
     assert unit.model == "some/model"
     assert unit.samples("ccq_s_niah_1")[0]["acc"] == 100.0

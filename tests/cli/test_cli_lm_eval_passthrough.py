@@ -1,9 +1,15 @@
-"""`ccq-eval lm-eval ...` is lm-eval's own CLI with the `ccq` model registered."""
+"""`ccq-eval lm-eval ...` is lm-eval's own CLI with the `ccq` model registered with lm-eval and the CCQ
+model types with transformers' Auto classes."""
 
 import json
+import logging
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from ccq_eval.cli import app
@@ -11,7 +17,18 @@ from ccq_eval.cli import app
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_lm_eval_cli_runs_our_model_on_our_task(tmp_path, monkeypatch):
+@pytest.fixture
+def lm_eval_logging():
+    """lm-eval's CLI adds its own handler to the lm_eval logger (once per process); it writes to the
+    stream the test runner had then, so it leaves with the test."""
+    before = list(logging.getLogger("lm_eval").handlers)
+    yield
+    lm_eval_logger = logging.getLogger("lm_eval")
+    for handler in [h for h in lm_eval_logger.handlers if h not in before]:
+        lm_eval_logger.removeHandler(handler)
+
+
+def test_lm_eval_cli_runs_our_model_on_our_task(tmp_path, monkeypatch, lm_eval_logging):
     monkeypatch.chdir(REPO)
     document = tmp_path / "doc.txt"
     document.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
@@ -28,3 +45,32 @@ def test_lm_eval_cli_runs_our_model_on_our_task(tmp_path, monkeypatch):
     values = json.loads(results_file.read_text())["results"]["ccq_ppl_sweep"]
     assert values["tokens@256,none"] == 255  # 256 tokens in, 255 predictions
     assert 1.0 < values["ppl@256,none"] < 256 and math.isfinite(values["ppl@256,none"])
+
+
+def _s_niah_sample(tmp_path: Path, name: str, model: str, model_args: str) -> tuple[dict, str]:
+    """The first S-NIAH-1 sample (1K tokens, depth 50) of `ccq-eval lm-eval run --model MODEL`, and its stderr."""
+    output = tmp_path / name
+    metadata = {"tokenizer": "byt5", "lengths": [1024], "depths": [50]}
+    done = subprocess.run(
+        [sys.executable, "-m", "ccq_eval", "lm-eval", "run", "--model", model, "--model_args", model_args,
+         "--tasks", "ccq_s_niah_1", "--include_path", str(REPO / "tasks"), "--metadata", json.dumps(metadata),
+         "--limit", "1", "--log_samples", "--output_path", str(output)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (samples,) = output.rglob("samples_ccq_s_niah_1_*.jsonl")
+    return json.loads(samples.read_text(encoding="utf-8").splitlines()[0]), done.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_hf_model_loads_a_ccq_checkpoint_and_answers_as_our_adapter(tmp_path):
+    """`--model hf` builds the CCQ model from a CCQ checkpoint folder and, decoding greedily the same prompt
+    (no special tokens added), gives the same answer as the `ccq` adapter; neither run prints a warning
+    of fla or transformers."""
+    checkpoint = REPO / "models" / "tiny-gla-ccq"
+    ours, our_log = _s_niah_sample(tmp_path, "ccq", "ccq", f"pretrained={checkpoint}")
+    hf, hf_log = _s_niah_sample(tmp_path, "hf", "hf", f"pretrained={checkpoint},add_bos_token=False")
+    assert hf["arguments"] == ours["arguments"]  # the same prompt
+    assert hf["filtered_resps"] == ours["filtered_resps"] and hf["acc"] == ours["acc"]
+    for log in (our_log, hf_log):
+        assert "Warning:" not in log and "[transformers]" not in log, log[-3000:]

@@ -10,7 +10,7 @@ from test_cli_run import RUN_ARGS, fake_world, invoke  # noqa: F401  (fake_world
 from ccq_eval.analysis import report
 
 
-def test_run_writes_the_report_beside_the_table(fake_world):  # noqa: F811
+def test_run_writes_the_report_beside_the_table(fake_world):
     result = invoke(*RUN_ARGS, "-m", "tiny-strong", "-m", "tiny-weak", "--output", "out")
     assert result.exit_code == 0, result.output
     page = (Path("out") / "report.html").read_text()
@@ -22,7 +22,7 @@ def test_run_writes_the_report_beside_the_table(fake_world):  # noqa: F811
     assert figures and all(f'alt="{stem}"' in page for stem in figures)
 
 
-def test_run_keeps_its_results_when_the_report_fails(fake_world, monkeypatch):  # noqa: F811
+def test_run_keeps_its_results_when_the_report_fails(fake_world, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("cannot draw")
 

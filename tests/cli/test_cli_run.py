@@ -17,8 +17,8 @@ from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 from ccq_eval import cli
+from ccq_eval.harness import options, resume, runner, store, task_selection
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store, resume, runner
 from ccq_eval.model import registry as model_registry
 
 TASK_NAME = "ccq_s_niah_fake"
@@ -186,11 +186,11 @@ def test_run_resumes_killed_unit_without_redoing_answered_requests(fake_world, t
     result = invoke(*RUN_ARGS, *models, "--output", "killed")
     assert result.exit_code == 1
     assert "simulated kill" in result.output and "rerun the same command" in result.output
-    strong = results_store.unit_dir(Path("killed"), "tiny-strong", TASK_NAME)
-    weak = results_store.unit_dir(Path("killed"), "tiny-weak", TASK_NAME)
+    strong = store.unit_dir(Path("killed"), "tiny-strong", TASK_NAME)
+    weak = store.unit_dir(Path("killed"), "tiny-weak", TASK_NAME)
     assert strong.is_finished() and not weak.is_finished()
     finished_bytes = strong.results.read_bytes()
-    assert len(results_store.ResponseCache(weak.responses_db)) == 5  # answered requests were kept
+    assert len(store.ResponseCache(weak.responses_db)) == 5  # answered requests were kept
 
     # Rerun the same command: the finished unit is skipped, the killed one asks only what is missing.
     fake_world.calls.clear()
@@ -203,8 +203,8 @@ def test_run_resumes_killed_unit_without_redoing_answered_requests(fake_world, t
 
     # Same results and same per-sample log as the uninterrupted run.
     for model in ("tiny-strong", "tiny-weak"):
-        resumed = results_store.unit_dir(Path("killed"), model, TASK_NAME)
-        reference = results_store.unit_dir(Path("reference"), model, TASK_NAME)
+        resumed = store.unit_dir(Path("killed"), model, TASK_NAME)
+        reference = store.unit_dir(Path("reference"), model, TASK_NAME)
         assert json.loads(resumed.results.read_text())["results"] == json.loads(reference.results.read_text())[
             "results"]
         assert read_samples(resumed.path) == read_samples(reference.path)
@@ -226,7 +226,7 @@ def test_run_resumes_killed_unit_without_redoing_answered_requests(fake_world, t
 def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path):
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--seed", "3", "--output", "out")
     assert result.exit_code == 0, result.output
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     stored = json.loads(unit.results.read_text())
     assert stored["results"][TASK_NAME]["acc,none"] == pytest.approx(100 * 8 / 12)
     assert stored["n-samples"][TASK_NAME]["effective"] == N_DOCS
@@ -252,7 +252,7 @@ def test_run_stores_lm_eval_results_samples_and_metadata(fake_world, tmp_path):
 
 def test_run_progress_names_model_task_and_cell(fake_world, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # rich shortens lines to the terminal width
-    result = invoke(*[a for a in RUN_ARGS if a != "--quiet"], "--model", "tiny-weak", "--output", "out")
+    result = invoke(*[a for a in RUN_ARGS if a != "--quiet"], "--progress", "--model", "tiny-weak", "--output", "out")
     assert result.exit_code == 0, result.output
     assert "done: tiny-weak / ccq_s_niah_fake" in result.output
     assert re.search(r"\[len (1024|2048), depth (0|50|100)\]", result.output)  # the cell being evaluated
@@ -263,11 +263,11 @@ def test_run_progress_names_model_task_and_cell(fake_world, monkeypatch):
 def test_default_run_uses_registry_defaults(fake_world, monkeypatch):
     plan = run_plan.plan_run(run_plan.RunOptions(tasks=["fake"], lengths="1k", depths="0"))
     assert [u.model for u in plan.units] == ["tiny-strong", "tiny-weak"]
-    monkeypatch.setattr(run_plan, "DEFAULT_TASKS", ["fake"])
+    monkeypatch.setattr(task_selection, "DEFAULT_TASKS", ["fake"])
     plan = run_plan.plan_run(run_plan.RunOptions())
     assert {u.model for u in plan.units} == {"tiny-strong", "tiny-weak"}
-    assert plan.task_metadata["samples_per_cell"] == run_plan.DEFAULT_SAMPLES_PER_CELL
-    assert plan.lengths == run_plan.parse_lengths(run_plan.DEFAULT_LENGTHS)
+    assert plan.task_metadata["samples_per_cell"] == options.DEFAULT_SAMPLES_PER_CELL
+    assert plan.lengths == options.parse_lengths(options.DEFAULT_LENGTHS)
 
 
 @pytest.mark.parametrize(
@@ -308,7 +308,7 @@ def test_depths_without_sniah_task_is_rejected(fake_world, monkeypatch):
 
 def test_rerun_with_other_settings_into_same_output_is_refused(fake_world):
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     before = {p.name: p.read_bytes() for p in unit.path.iterdir()}
     changed = [a if a != "2" else "3" for a in RUN_ARGS]  # --samples-per-cell 3
     result = invoke(*changed, "--model", "tiny-strong", "--output", "out")
@@ -319,7 +319,7 @@ def test_rerun_with_other_settings_into_same_output_is_refused(fake_world):
 
 def test_corrupt_results_file_in_output_is_named_and_left_alone(fake_world):
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     unit.results.write_text('{"results": {')
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert result.exit_code == 2
@@ -335,20 +335,20 @@ def test_keep_going_records_failure_and_continues(fake_world):
 
 
 def test_parse_lengths_and_depths():
-    assert run_plan.parse_lengths("1k, 2K,512") == [512, 1024, 2048]
-    assert run_plan.parse_lengths("0.5k") == [512]
-    assert run_plan.parse_depths("0,50%,100") == [0.0, 50.0, 100.0]
+    assert options.parse_lengths("1k, 2K,512") == [512, 1024, 2048]
+    assert options.parse_lengths("0.5k") == [512]
+    assert options.parse_depths("0,50%,100") == [0.0, 50.0, 100.0]
     with pytest.raises(run_plan.PlanError, match="repeats"):
-        run_plan.parse_lengths("1k,1024")
+        options.parse_lengths("1k,1024")
     with pytest.raises(run_plan.PlanError, match="whole number"):
-        run_plan.parse_lengths("0.3k")
+        options.parse_lengths("0.3k")
 
 
 def test_response_cache_round_trips_token_nll(tmp_path):
     """Per-token NLLs survive the resume cache (perplexity tasks need them), as TokenNLL again."""
     from ccq_eval.harness.adapter import TokenNLL
 
-    cache = results_store.ResponseCache(tmp_path / "r.sqlite")
+    cache = store.ResponseCache(tmp_path / "r.sqlite")
 
     class Request:
         def __init__(self, text):

@@ -21,9 +21,9 @@ import pytest
 from safetensors.numpy import save_file
 from test_cli_run import N_DOCS, REGISTRY, RUN_ARGS, TASK_NAME, FakeCatalog, fake_world, invoke  # noqa: F401
 
-from ccq_eval import cli
+from ccq_eval import atomic_io, cli
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store, resume
+from ccq_eval.harness import resume, store
 from ccq_eval.model import registry as model_registry
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 
 def snapshot(root: Path) -> dict[str, bytes]:
     """Every stored unit file below `root` (results, metadata, samples, spec)."""
-    names = (results_store.RESULTS_FILE, results_store.META_FILE, results_store.UNIT_SPEC_FILE)
+    names = (store.RESULTS_FILE, store.META_FILE, store.UNIT_SPEC_FILE)
     return {str(p): p.read_bytes() for p in sorted(Path(root).rglob("*"))
             if p.is_file() and (p.name in names or p.name.startswith("samples_"))}
 
@@ -78,12 +78,12 @@ def test_two_checkpoints_sharing_a_results_folder_are_refused(fake_world, tmp_pa
 
 
 def test_resume_cache_of_another_unit_is_never_read(tmp_path):
-    cache = results_store.ResponseCache(tmp_path / "r.sqlite", identity="model-a")
+    cache = store.ResponseCache(tmp_path / "r.sqlite", identity="model-a")
     cache.put_many([("k", {"text": "from model a"})])
     cache.close()
-    with pytest.raises(results_store.ResultsError, match="answers of another model or other settings"):
-        results_store.ResponseCache(tmp_path / "r.sqlite", identity="model-b")
-    reopened = results_store.ResponseCache(tmp_path / "r.sqlite", identity="model-a")
+    with pytest.raises(store.ResultsError, match="answers of another model or other settings"):
+        store.ResponseCache(tmp_path / "r.sqlite", identity="model-b")
+    reopened = store.ResponseCache(tmp_path / "r.sqlite", identity="model-a")
     assert reopened.get_many(["k"]) == {"k": {"text": "from model a"}}
 
 
@@ -142,7 +142,7 @@ def test_archive_never_mixes_into_a_live_run(fake_world):
 def test_samples_cut_at_a_line_boundary_are_detected(fake_world, command):
     finished_run("out", "--model", "tiny-weak")
     finished_run("out2")
-    samples = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
+    samples = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
     lines = samples.read_text().splitlines(keepends=True)
     samples.write_text("".join(lines[:-3]))
     args = ["table", "out"] if command == "table" else ["compare", "out", "--baseline", "tiny-strong",
@@ -150,7 +150,7 @@ def test_samples_cut_at_a_line_boundary_are_detected(fake_world, command):
     result = invoke(*args)
     assert_one_line_error(result, str(samples), f"holds {N_DOCS - 3} samples", f"records {N_DOCS}", "delete")
     # an edited sample (same count) is found through the task hash results.json stores
-    other = results_store.unit_dir(Path("out2"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
+    other = store.unit_dir(Path("out2"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
     first = json.loads(other.read_text().splitlines()[0])
     edited = [json.dumps(first | {"doc_hash": "0" * 64})] + other.read_text().splitlines()[1:]
     other.write_text("\n".join(edited) + "\n")
@@ -162,7 +162,7 @@ def test_samples_cut_at_a_line_boundary_are_detected(fake_world, command):
 
 def test_run_after_a_corrupt_samples_file_reports_in_one_line(fake_world):
     finished_run("out")
-    samples = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
+    samples = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
     samples.write_text(samples.read_text()[:-40])
     before = snapshot(Path("out"))
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
@@ -172,7 +172,7 @@ def test_run_after_a_corrupt_samples_file_reports_in_one_line(fake_world):
 
 def test_run_after_a_corrupt_meta_file_is_refused_in_one_line(fake_world):
     finished_run("out")
-    meta = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).meta
+    meta = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).meta
     meta.write_text('{"model": ')
     before = snapshot(Path("out"))
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
@@ -187,7 +187,7 @@ def test_run_on_a_read_only_finished_store(fake_world, monkeypatch):
     def read_only(path, text):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(results_store, "atomic_write_text", read_only)  # root ignores chmod
+    monkeypatch.setattr(atomic_io, "atomic_write_text", read_only)  # root ignores chmod
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert_one_line_error(result, "Permission denied", "ccq-eval table out", code=1)
     assert fake_world.loads == [] and snapshot(Path("out")) == before
@@ -254,7 +254,7 @@ def test_config_that_does_not_match_the_weights_is_named(tmp_path):
 def test_truncated_resume_cache_is_named_before_any_model_loads(fake_world):
     fake_world.fail_after = 7
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 1
-    database = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).responses_db
+    database = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).responses_db
     database.write_bytes(database.read_bytes()[: database.stat().st_size // 2])
     fake_world.fail_after, fake_world.loads[:] = None, []
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
@@ -291,7 +291,7 @@ def test_failed_run_does_not_block_the_corrected_command(fake_world):
     corrected = [a if a != "1k,2k" else "1k" for a in RUN_ARGS]
     result = invoke(*corrected, "--model", "tiny-strong", "--output", "out")
     assert result.exit_code == 0, result.output
-    spec = json.loads(results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).spec.read_text())
+    spec = json.loads(store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).spec.read_text())
     assert spec["task_metadata"]["lengths"] == [1024]
 
 
@@ -319,7 +319,7 @@ def test_sampled_repeats_keep_their_own_answers_on_resume(tmp_path):
             return [f"draw {Sampler.calls - len(requests) + i}" for i in range(len(requests))]
 
     request = Request("same prompt")
-    cache = results_store.ResponseCache(tmp_path / "r.sqlite")
+    cache = store.ResponseCache(tmp_path / "r.sqlite")
     first = resume.ResumableLM(Sampler(), cache).generate_until([request] * 3)  # lm-eval's repeats: 3
     assert len(set(first)) == 3
     again = resume.ResumableLM(Sampler(), cache).generate_until([request] * 3)
@@ -333,7 +333,7 @@ def test_results_files_follow_the_umask(fake_world):
     finished_run("out")
     umask = os.umask(0)
     os.umask(umask)
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     for path in (unit.results, unit.meta, unit.spec, unit.samples(TASK_NAME)):
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
 
@@ -417,7 +417,7 @@ def test_killed_worker_leaves_no_stale_lock_and_resumes(grid_world, tmp_path):
     assert 0 < answered < GRID_DOCS
     _finish(_workers(tmp_path, [command], delay=0.0))
     assert sum(_computed(tmp_path).values()) <= GRID_DOCS + 1  # at most the request in flight is redone
-    unit = results_store.unit_dir(tmp_path / "out", "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(tmp_path / "out", "tiny-strong", TASK_NAME)
     assert json.loads(unit.results.read_text())["n-samples"][TASK_NAME]["effective"] == GRID_DOCS
 
 

@@ -19,7 +19,7 @@ from test_cli_run import RUN_ARGS, TASK_NAME, fake_world, invoke  # noqa: F401
 from test_reliability import assert_one_line_error, finished_run, snapshot
 
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store, runner
+from ccq_eval.harness import runner, store
 
 # 1 -------------------------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ def test_waiting_worker_accepts_a_unit_another_finished_with_the_same_settings(f
 
 def test_finished_unit_without_unit_json_is_matched_by_its_meta(fake_world):
     finished_run("out")
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     unit.spec.unlink()
     before = snapshot(Path("out"))
     fake_world.loads.clear()
@@ -80,7 +80,7 @@ def test_finished_unit_without_unit_json_is_matched_by_its_meta(fake_world):
 
 def test_finished_unit_with_no_record_of_its_settings_is_refused(fake_world):
     finished_run("out")
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     unit.spec.unlink()
     meta = json.loads(unit.meta.read_text())
     del meta["spec"]
@@ -143,7 +143,7 @@ def test_checkpoint_replaced_between_planning_and_loading_is_not_stored(fake_wor
     assert_one_line_error(result, "tiny-strong / ccq_s_niah_fake: files changed after the run was planned "
                           "(model.safetensors: planned ", "the unit was not stored; once they stay as they are, "
                           "rerun the same command", code=1)
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     assert not unit.is_finished() and snapshot(Path("out")) == {str(unit.spec): unit.spec.read_bytes()}
     monkeypatch.setattr(run_plan, "plan_run", plan_run)
     rerun = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")  # plans with the current weights
@@ -206,7 +206,7 @@ def longbench_run(data: Path):
 def test_edited_longbench_file_is_not_taken_for_the_one_a_unit_read(longbench_world):
     result = longbench_run(longbench_world)
     assert result.exit_code == 0, result.output
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK)
+    unit = store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK)
     assert list(json.loads(unit.spec.read_text())["data_files"]) == ["qasper.jsonl"]
     before = snapshot(Path("out"))
     write_records(longbench_world / "qasper.jsonl", ["111", "222", "334"])
@@ -231,7 +231,7 @@ def test_longbench_file_edited_while_a_unit_runs_is_not_stored(longbench_world, 
         return evaluator
 
     monkeypatch.setattr(runner, "default_evaluator", evaluator_that_edits_the_data)
-    unit = results_store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK)
+    unit = store.unit_dir(Path("out"), "tiny-strong", LONGBENCH_TASK)
     assert_one_line_error(longbench_run(longbench_world), "files changed after the run was planned "
                           "(qasper.jsonl: planned ", "the unit was not stored", f"delete {unit.path} (its 3 "
                           "answers may come from the old files)", code=1)
@@ -333,7 +333,7 @@ def test_run_stops_on_a_checkpoint_the_model_does_not_take_whole(fake_world, mon
         hf_logging.set_verbosity(verbosity)
     surplus = tensor_names("tiny-gla-ccq", in_layers_2_and_3)
     assert_one_line_error(result, str(folder), f"{len(surplus)} tensors the config does not use", code=1)
-    assert not results_store.unit_dir(Path("out"), folder.name, TASK_NAME).is_finished()
+    assert not store.unit_dir(Path("out"), folder.name, TASK_NAME).is_finished()
     assert {k: v for k, v in snapshot(Path("out")).items() if folder.name not in k} == before
 
 
@@ -377,12 +377,12 @@ def test_sampled_unit_killed_and_resumed_gives_the_uninterrupted_answers(tmp_pat
     from ccq_eval.harness.resume import ResumableLM
 
     requests = sampled_requests()
-    cache = results_store.ResponseCache(tmp_path / "whole.sqlite")
+    cache = store.ResponseCache(tmp_path / "whole.sqlite")
     uninterrupted = ResumableLM(sampling_adapter(7), cache, chunk_size=2).generate_until(requests)
     assert len(set(uninterrupted[-3:])) == 3  # the repeats are three draws, not one
     assert sampling_adapter(8).generate_until(requests) != uninterrupted  # the seed decides the draws
 
-    cache = results_store.ResponseCache(tmp_path / "killed.sqlite")
+    cache = store.ResponseCache(tmp_path / "killed.sqlite")
     with pytest.raises(RuntimeError, match="killed"):
         ResumableLM(sampling_adapter(7, killed_after=4), cache, chunk_size=2).generate_until(requests)
     assert len(cache) == 4

@@ -24,7 +24,8 @@ from test_cli_fakes import (
 from test_cli_run import RUN_ARGS, TASK_NAME, TASK_UTILS, fake_world, invoke  # noqa: F401  (a fixture)
 from test_reliability import assert_one_line_error, finished_run, snapshot
 
-from ccq_eval.harness import results_store
+from ccq_eval import atomic_io
+from ccq_eval.harness import store
 
 # 8 -------------------------------------------------------------------------------------------
 
@@ -64,7 +65,7 @@ def test_non_finite_result_is_a_failure_shown_in_every_table(fake_world):
     compared = invoke("compare", "out", "--baseline", "tiny-strong", "--variant", "tiny-weak")
     assert compared.exit_code == 0, compared.output
     row_2k = next(row for row in markdown_rows(compared.output) if row[1] == "2048")
-    assert row_2k[5:9] == ["NaN (failed)", "NaN (failed)", "-", "-"] and row_2k[10] == "failed"
+    assert row_2k[5:9] == ["NaN (failed)", "NaN (failed)", "-", "-"] and row_2k[11] == "failed"  # after p (Holm) and p (raw)
     assert "non-finite value" in compared.output
     assert invoke("report", "out").exit_code == 0
     page = Path("out/report.html").read_text()
@@ -207,7 +208,7 @@ def test_archive_to_a_file_is_refused_in_one_line(fake_world):
 def test_archive_of_truncated_samples_writes_nothing(fake_world):
     finished_run("src")
     finished_run("src", "--model", "tiny-weak")
-    samples = results_store.unit_dir(Path("src"), "tiny-weak", TASK_NAME).samples(TASK_NAME)
+    samples = store.unit_dir(Path("src"), "tiny-weak", TASK_NAME).samples(TASK_NAME)
     samples.write_text("".join(samples.read_text().splitlines(keepends=True)[:-2]))
     before = snapshot(Path("src"))
     result = invoke("archive", "src", "packed")
@@ -252,7 +253,7 @@ def test_full_disk_on_resume_keeps_the_cache_and_says_so(fake_world, monkeypatch
 
     fake_world.fail_after = 7
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 1
-    database = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).responses_db
+    database = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).responses_db
     kept = database.read_bytes()
     connect = sqlite3.connect
 
@@ -276,14 +277,14 @@ def test_full_disk_on_resume_keeps_the_cache_and_says_so(fake_world, monkeypatch
         def __exit__(self, *exc):
             return self._conn.__exit__(*exc)
 
-    monkeypatch.setattr(results_store.sqlite3, "connect", FullDisk)
+    monkeypatch.setattr(store.response_cache.sqlite3, "connect", FullDisk)
     fake_world.fail_after, fake_world.calls[:] = None, []
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     fragments = ("database or disk is full", "the answers it holds are kept", "free disk space")
     line = assert_one_line_error(result, f"cannot write the resume cache {database}", *fragments, code=1)
     assert "delete" not in line and "corrupt" not in line
     assert database.read_bytes() == kept and fake_world.calls == []
-    monkeypatch.setattr(results_store.sqlite3, "connect", connect)
+    monkeypatch.setattr(store.response_cache.sqlite3, "connect", connect)
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
     assert len(fake_world.calls) == N_DOCS - 7  # the kept answers were used
 
@@ -305,16 +306,16 @@ def test_fractional_limit_is_rounded_up_as_lm_eval_does(tmp_path):
 
 
 def test_a_write_cut_short_leaves_no_stale_lm_eval_copy(fake_world, monkeypatch):
-    write_json = results_store.atomic_write_json
+    write_json = atomic_io.atomic_write_json
 
     def killed_before_results(path, obj):
-        if Path(path).name == results_store.RESULTS_FILE:
+        if Path(path).name == store.RESULTS_FILE:
             raise KeyboardInterrupt  # killed between the tracker copies and results.json
         write_json(path, obj)
 
-    monkeypatch.setattr(results_store, "atomic_write_json", killed_before_results)
+    monkeypatch.setattr(atomic_io, "atomic_write_json", killed_before_results)
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 130
-    monkeypatch.setattr(results_store, "atomic_write_json", write_json)
+    monkeypatch.setattr(atomic_io, "atomic_write_json", write_json)
     tracker = Path("out/lm_eval/tiny-strong")
     assert len(list(tracker.glob("results_*.json"))) == 1
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
@@ -375,7 +376,7 @@ def test_broken_results_file_and_registry_entry_are_named(fake_world, tmp_path):
     from ccq_eval.model import registry as model_registry
 
     finished_run("out")
-    results = results_store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).results
+    results = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME).results
     results.write_text('{"results": {"x": 5}}')
     assert_one_line_error(invoke("table", "out"), str(results), "results.x should map metric names to values")
     registry = tmp_path / "registry.json"
@@ -401,7 +402,7 @@ def test_no_git_noise_outside_a_repository(fake_world, capfd):
     lookup = evaluator.get_git_commit_hash
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-weak", "--output", "out")
     assert result.exit_code == 0 and "not a git repository" not in capfd.readouterr().err
-    assert evaluator.get_git_commit_hash is lookup  # quiet for the run's calls only: lm-eval left as it was
+    assert evaluator.get_git_commit_hash is lookup  # the run looks git up itself: lm-eval left as it is
 
 
 def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
@@ -514,29 +515,8 @@ def test_help_at_80_columns_shows_every_option_name_whole():
     assert "…" not in output and max(len(line) for line in output.splitlines()) <= 80
 
 
-def test_quiet_run_prints_no_progress_bar(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    import fake_worker
-
-    fake_worker.write_tasks(tmp_path / "tasks")
-    here = Path(__file__).resolve().parent
-    command = ["run", "-m", "tiny-strong", "-t", TASK_NAME, "--lengths", "1k", "--depths", "0,100",
-               "--samples-per-cell", "2", "--lm-eval-arg", "bootstrap_iters=0", "--no-report", "-o", "out"]
-    # as a fresh shell has it: an earlier in-process `run --quiet` set these for this process
-    environment = {name: value for name, value in os.environ.items()
-                   if name not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    outputs = []
-    for quiet in ([], ["--quiet"]):
-        worker = [sys.executable, str(here / "fake_worker.py"), str(tmp_path), str(tmp_path / "log"), "0"]
-        done = subprocess.run([*worker, *command, *quiet, "-o", f"out{len(quiet)}"], capture_output=True,
-                              text=True, env=dict(environment, PYTHONPATH=str(here.parents[1])))
-        assert done.returncode == 0, done.stderr
-        outputs.append(done.stdout + done.stderr)
-    assert "it/s]" in outputs[0]  # lm-eval's bar, so the check below can fail
-    assert "it/s]" not in outputs[1] and "%|" not in outputs[1]
+# Progress bars (off unless `run --progress`) and the first run's output: a fresh `ccq-eval` process is
+# needed, as the switches are read when tqdm is imported (tests/cli/test_cli_conventions.py).
 
 
 def test_ccq_attach_prints_no_newly_initialized_report(capfd):

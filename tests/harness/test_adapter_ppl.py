@@ -73,7 +73,8 @@ def test_bucket_task_matches_direct_logits(corpus_files) -> None:
     by_index = sorted(samples, key=lambda s: s["doc"]["block_index"])
     for index, sample in enumerate(by_index):
         assert sample["doc"]["roundtrip_exact"]
-        assert tokenizer.encode(sample["doc"]["text"], add_special_tokens=False) == stream[index * block:(index + 1) * block]
+        encoded = tokenizer.encode(sample["doc"]["text"], add_special_tokens=False)
+        assert encoded == stream[index * block:(index + 1) * block]
 
     # Direct: one full forward per block, no BOS (ByT5 has none): 159 predictions per block.
     per_token = torch.stack([full_token_nll(model, stream[i * block:(i + 1) * block]) for i in range(n_blocks)])
@@ -106,7 +107,7 @@ def test_sweep_task_matches_direct_logits_with_bos(corpus_files) -> None:
     for length in lengths:
         # the model sees exactly L tokens: BOS + the first L - 1 text tokens, all of them scored
         kept = [ids[:length - 1] for ids in documents if len(ids) >= length - 1]
-        nll = torch.cat([full_token_nll(model, [tokenizer.bos_token_id] + ids) for ids in kept])
+        nll = torch.cat([full_token_nll(model, [tokenizer.bos_token_id, *ids]) for ids in kept])
         assert result[f"docs@{length},none"] == len(kept)
         assert result[f"tokens@{length},none"] == len(kept) * (length - 1) == nll.numel()
         assert result[f"ppl@{length},none"] == pytest.approx(math.exp(float(nll.mean())), rel=1e-9)

@@ -190,7 +190,7 @@ def test_truncation_policy_from_the_task_metadata() -> None:
     assert cut == whole
     assert lm.truncation_stats["by_task"]["ccq_longbench_qasper"] == {"policy": "middle", "n_requests": 1,
                                                                       "n_truncated": 1}
-    with pytest.raises(ValueError, match="task ccq_s_niah_1: prompt of .* does not fit"):
+    with pytest.raises(ValueError, match=r"task ccq_s_niah_1: prompt of .* does not fit"):
         lm.generate_until([_request("generate_until", (TEXT, dict(settings)), task="ccq_s_niah_1")])
     left = lm.generate_until([_request("generate_until", (TEXT, {**settings, "ccq_truncation": "left"}),
                                        task="ccq_s_niah_1")])

@@ -12,8 +12,8 @@ from lm_eval.api.instance import Instance
 from ccq_eval.harness import adapter as adapter_module
 from ccq_eval.harness.adapter import CCQEvalLM
 from ccq_eval.harness.batching import AUTO_BATCH_CAP, MEMORY_SHARE, BatchSizer, RowCost, auto_batch_size
-from ccq_eval.harness.runner import batch_sizes_meta
 from ccq_eval.harness.scoring import batches
+from ccq_eval.harness.unit_evaluator import batch_sizes_meta
 from ccq_eval.model.modeling_ccq import CCQGLAConfig, CCQGLAForCausalLM, prepare_runtime
 
 prepare_runtime()  # fla's CPU backend and the CCQ model types

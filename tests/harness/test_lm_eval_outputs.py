@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from ccq_eval import cli
 from ccq_eval.harness import plan as run_plan
-from ccq_eval.harness import results_store, runner
+from ccq_eval.harness import runner, store
 from ccq_eval.model.registry import ModelEntry
 
 TASKS = ("fake_a", "fake_b")
@@ -74,7 +74,7 @@ def test_lm_eval_readers_find_the_results_of_a_run(fake_run):
         [task] = stored["results"]
         found[task] = stored
         ours = json.loads((output / "m" / task / "results.json").read_text(encoding="utf-8"))
-        assert stored == ours | {results_store.TRACKER_UNIT_KEY: f"m/{task}"}  # the copy names its unit
+        assert stored == ours | {store.TRACKER_UNIT_KEY: f"m/{task}"}  # the copy names its unit
     assert set(found) == set(TASKS)
     latest = json.loads(Path(get_latest_filename(results_files)).read_text(encoding="utf-8"))
     assert set(latest["results"]) <= set(TASKS)
@@ -86,8 +86,8 @@ def test_lm_eval_readers_find_the_results_of_a_run(fake_run):
         assert Path(name).read_bytes() == (output / "m" / task / f"samples_{task}.jsonl").read_bytes()
 
     # ccq-eval's own readers count each unit once, from the run folder or from lm_eval/ alone
-    assert sorted(u.results_path.name for u in results_store.load_results(output)) == ["results.json"] * 2
-    assert len(results_store.load_results(output / "lm_eval")) == len(TASKS)
+    assert sorted(u.results_path.name for u in store.load_results(output)) == ["results.json"] * 2
+    assert len(store.load_results(output / "lm_eval")) == len(TASKS)
 
 
 def test_wandb_args_reach_lm_eval_wandb_logger_per_unit(fake_run, monkeypatch):

@@ -173,11 +173,12 @@ def test_capture_reproduces_each_layers_read_on_the_embedded_models(embedded, le
     before, kernels_before = fla_gla.chunk_gla, dict(READ_KERNELS)
     ids = torch.randint(3, 259, (1, length), generator=torch.Generator().manual_seed(0))
     needle = (length // 3, length // 3 + 12)
-    prompt = NeedlePrompt("synthetic", length, 50.0, 0, ids[0].tolist(), needle=needle, value=(needle[0] + 4, needle[1]))
+    prompt = NeedlePrompt("synthetic", length, 50.0, 0, ids[0].tolist(), needle=needle,
+                          value=(needle[0] + 4, needle[1]))
     recorder = ReadRecorder(model)
     with torch.no_grad(), recorder.capture():
         model(input_ids=ids, use_cache=False)
-    assert fla_gla.chunk_gla is before and READ_KERNELS == kernels_before
+    assert fla_gla.chunk_gla is before and kernels_before == READ_KERNELS
     assert "ccq_query" not in vars(recorder.layers[0])
     reads = recorder.ordered()
     assert len(reads) == model.config.num_hidden_layers
@@ -199,5 +200,5 @@ def test_transformer_is_refused_in_one_line():
     from ccq_eval.inspection import InspectError
     from ccq_eval.inspection.run import check_models
 
-    with pytest.raises(InspectError, match="softmax attention.*GLA / Gated DeltaNet"):
+    with pytest.raises(InspectError, match=r"softmax attention.*GLA / Gated DeltaNet"):
         check_models(["tiny-transformer"])

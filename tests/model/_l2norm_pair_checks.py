@@ -8,8 +8,8 @@ import sys
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run these checks")
 
-import _triton_bounds  # noqa: E402
-import torch  # noqa: E402
+import _triton_bounds
+import torch
 
 _triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
 

@@ -8,8 +8,8 @@ import sys
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run these checks")
 
-import _triton_bounds  # noqa: E402
-import torch  # noqa: E402
+import _triton_bounds
+import torch
 
 _triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
 
@@ -56,7 +56,8 @@ def forward_checks():
         q, final = ccq_order1_forward(r, kappa, log_gamma, lam, centered,
                                       None if state is None else tuple(s.float() for s in state),
                                       output_final_state=True, chunk_size=chunk)
-        name = f"B{B}_T{T}_H{H}_K{K}_C{chunk}_{'centered' if centered else 'uncentered'}_{'state' if with_state else 'zero'}"
+        name = (f"B{B}_T{T}_H{H}_K{K}_C{chunk}_{'centered' if centered else 'uncentered'}_"
+                f"{'state' if with_state else 'zero'}")
         # Errors relative to the size of the values (q ~ 1, P and n grow with the decayed count).
         out[name] = {"q": max_abs(q, q_ref),
                      "state": max(max_abs(a, b) / b.abs().max().item() for a, b in zip(final, s_ref))}
@@ -319,7 +320,7 @@ def _overrun_is_caught() -> bool:
     copy[(1,)](torch.ones(8), torch.zeros(8), N=8)
     try:
         copy[(1,)](torch.ones(8)[:7], torch.zeros(8), N=8)
-    except Exception as error:  # the interpreter wraps it in InterpreterError
+    except Exception as error:  # noqa: BLE001  (the interpreter wraps it in InterpreterError)
         return "OutOfBounds" in repr(error)
     return False
 

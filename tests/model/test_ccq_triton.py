@@ -35,6 +35,7 @@ def _interpreter(which: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])[which]
 
 
+@pytest.mark.slow  # the triton interpreter runs every shape of the fused forward on the CPU
 def test_fused_forward_matches_reference_in_interpreter():
     result = _interpreter("forward")
     for name, errors in result.items():
@@ -46,6 +47,7 @@ def test_fused_forward_matches_reference_in_interpreter():
     assert result["batch_rows_equal_single_rows"]
 
 
+@pytest.mark.slow  # the triton interpreter runs the fused backward on the CPU
 def test_fused_gradients_match_reference_in_interpreter():
     for name, relative in _interpreter("gradient").items():
         assert relative < 1e-5, (name, relative)
@@ -127,6 +129,7 @@ def test_token_logprob_kernel_matches_torch_in_interpreter():
         assert result["greedy_count"] == 6, (name, result)  # 5 greedy targets + the cross-block tie
 
 
+@pytest.mark.slow  # minutes: every autotune candidate of every kernel in the triton interpreter
 def test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter():
     """Each autotune candidate of every kernel (a GPU's autotuner may pick any), at head dims 64 and
     128, whole and ragged last chunks, several batches and heads: values against fp64, and every load
@@ -177,7 +180,7 @@ def test_layer_entry_fused_matches_fp64_on_cuda(constant_gate, fused):
     outputs = {}
     for device, dtype in (("cuda", torch.float32), ("cpu", torch.float64)):
         def on(x):
-            return None if x is None else x.to(device, dtype)
+            return None if x is None else x.to(device, dtype)  # noqa: B023 (called within this iteration)
 
         gate = CCQGate(on(weight), on(bias), 4.0)
         with torch.no_grad():

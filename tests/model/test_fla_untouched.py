@@ -28,6 +28,7 @@ def _outcome(process: subprocess.Popen, logs: Path, mode: str) -> dict:
     return json.loads((logs / f"{mode}.out").read_text().strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two fresh processes that build and run fla and CCQ models
 def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu(tmp_path):
     """On CPU plain fla stops at its first triton kernel: everything it computes before that must have the
     same bits, and it must stop with the same error (ccq-eval's CPU backend must not have reached it)."""

@@ -191,14 +191,14 @@ def test_invalid_ccq_fields_are_rejected(tmp_path, field, value, message):
 def test_bad_checkpoints_give_clear_errors(tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(str(empty))
 
     folder = _save(_fla_model("gla"), tmp_path / "mamba")
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "mamba"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'mamba'.*gated_deltanet"):
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'mamba'.*gated_deltanet"):
         load_model(str(folder))
 
     # A pickle-only checkpoint: refused without the opt-in, before anything is unpickled.
@@ -206,7 +206,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path, monkeypatch):
     state = {k: v for k, v in _fla_model("gla").state_dict().items()}
     (pickled / "model.safetensors").unlink()
     torch.save(state, pickled / "pytorch_model.bin")
-    with pytest.raises(ModelLoadError, match="pickle.*allow_pickle"):
+    with pytest.raises(ModelLoadError, match=r"pickle.*allow_pickle"):
         load_model(str(pickled))
     model, _ = load_model(str(pickled), allow_pickle=True, dtype="float64")
     with torch.no_grad():

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import json, torch
 from transformers import AutoModelForCausalLM
@@ -36,6 +38,7 @@ print(json.dumps({"unregistered": unregistered, "class": type(auto).__name__, "c
 """
 
 
+@pytest.mark.slow  # a fresh Python process that imports transformers and fla and loads the model twice
 def test_auto_classes_load_the_ccq_checkpoint_after_the_import():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -48,8 +48,8 @@ READ_TYPES = dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, 
 KERNELS = {
     **{f"chunk_states_{'states' if states else 'totals'}": (
         ccq_forward._ccq_chunk_states_kernel,
-        dict(kappa=BF16, key_inv_norm=F32, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32, P_in=BF16, m_in=F32,
-             n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
+        dict(kappa=BF16, key_inv_norm=F32, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32,
+             P_in=BF16, m_in=F32, n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
         dict(H=6, K=256, C=64, BR=ccq_forward.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
        for states in (False, True)},  # Gated DeltaNet-340M's heads: the widest state rows
     "state_scan": (ccq_forward._ccq_state_scan_kernel,

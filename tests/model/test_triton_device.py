@@ -69,7 +69,7 @@ def test_kernels_on_the_second_gpu_match_the_first():
     results = []
     torch.cuda.set_device(0)
     for device in ("cuda:0", "cuda:1"):
-        on = lambda x: x.to(device)  # noqa: E731
+        on = lambda x: x.to(device)  # noqa: E731, B023 (called within this iteration)
         gate_on = (on(gate[0]), on(gate[1]), gate[2])
         q, state = ccq_order1_forward(on(r), on(k), on(log_gamma), None, True, output_final_state=True,
                                       raw_keys=True, gate=gate_on)

@@ -141,7 +141,7 @@ def test_rouge_l_numpy_rows_equal_the_python_table(monkeypatch):
     assert [m.rouge_l_f(pred, gold) for pred, gold in pairs] == with_numpy
     for (pred, gold), table in zip(pairs, tables, strict=True):
         assert [list(row) for row in table] == m._lcs_table(gold.split(), pred.split())
-    assert 0 < min(with_numpy[:4]) and with_numpy[4] == 0.0
+    assert min(with_numpy[:4]) > 0 and with_numpy[4] == 0.0
 
 
 def test_rouge_l_long_sentence_no_recursion_limit():

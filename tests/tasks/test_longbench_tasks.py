@@ -51,7 +51,7 @@ def test_spec_matches_official_config_files():
     assert spec.DATASET_MAX_NEW_TOKENS == REFERENCE_MAXLEN
     assert list(spec.LONGBENCH_DATASETS) == V1 == list(REFERENCE_PROMPTS)
     assert list(spec.LONGBENCH_E_DATASETS) == E
-    assert spec.FIRST_LINE_DATASETS == {"trec", "triviaqa", "samsum", "lsht"}
+    assert {"trec", "triviaqa", "samsum", "lsht"} == spec.FIRST_LINE_DATASETS
     # every metric name resolves to a function
     metrics = _load("metrics")
     assert set(spec.DATASET_METRIC) == set(V1)

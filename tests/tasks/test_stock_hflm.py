@@ -72,7 +72,7 @@ def test_perplexity_equals_a_direct_forward(evaluation, task):
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     ids = tokenizer(sample["doc"]["text"], add_special_tokens=False).input_ids
     assert len(ids) == sample["doc"]["n_text_tokens"]
-    inputs = torch.tensor([[tokenizer.eos_token_id] + ids])
+    inputs = torch.tensor([[tokenizer.eos_token_id, *ids]])
     with torch.no_grad():
         logprobs = model(inputs).logits[0, :-1].float().log_softmax(-1)
     nll = -logprobs.gather(-1, inputs[0, 1:, None]).sum().item()

@@ -189,7 +189,7 @@ def torch_chunk_simple_gla(
         )
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(q, k, v, g, g_gamma, initial_state)
-    B, T, H, K = q.shape
+    B, T, H, _ = q.shape
     if g is None:
         g = q.new_zeros(B, T, H, dtype=dtype) if g_gamma is None else g_gamma.to(dtype).expand(B, T, H)
     return _chunk_op(q, k, v, g, scale, initial_state, output_final_state, state_v_first, dtype, per_channel=False)

@@ -114,7 +114,7 @@ def _ccq_bwd_query_kernel(
     c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
-    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    pos, t, t_ok, _g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.exp(b)
     D = _in_chunk_decays(pos, t_ok, b)
     row_ok = t_ok[:, None]
@@ -213,7 +213,7 @@ def _ccq_bwd_local_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
     cols = i_v * BV + tl.arange(0, BV)
-    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    _pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.where(t_ok, tl.exp(b), 0.0)  # decay from the end of chunk c - 1 to t
     row_ok = t_ok[:, None]
     dPu_rows = tl.load(dPu + base[:, None] + rows[None, :], mask=row_ok, other=0.0) * from_start[:, None]

@@ -136,7 +136,7 @@ def _chunk_terms(kappa, key_inv_norm, log_gamma, i_b, i_h, c, rows, T, H: tl.con
     """Chunk c's terms of the state sums: its total log decay G_c, to_end_i = exp(G_c - b_i), the
     weights of kappa_i in m (scale) and of k_i k_i^T in P (outer_scale), its K-wide keys as loaded and
     their `rows` columns in fp32."""
-    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    _pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     g_chunk = tl.sum(g, 0)
     to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
     keys = tl.load(kappa + base[:, None] + tl.arange(0, K)[None, :], mask=t_ok[:, None], other=0.0)
@@ -366,7 +366,7 @@ def _ccq_read_kernel(
     i_s, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
-    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    pos, t, t_ok, _g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     row_ok = t_ok[:, None]
     from_start = tl.exp(b)
     D = _in_chunk_decays(pos, t_ok, b)

@@ -2,9 +2,9 @@
 
 Scoring needs, at each position, log softmax(logits)[target] and whether the target is the argmax.
 In torch that is an fp32 copy of the [positions, vocab] logits plus several passes over it (logsumexp
-alone reads it more than once), a noticeable share of a small model's forward. On CUDA one Triton pass (the default; CCQ_EVAL_TOKEN_LOGPROB=torch selects torch)
-reads the model's own (bf16) logits once, with fp32 running max / sum-exp (the online softmax), the
-target's logit and the first argmax.
+alone reads it more than once), a noticeable share of a small model's forward. On CUDA one Triton pass
+(the default; CCQ_EVAL_TOKEN_LOGPROB=torch selects torch) reads the model's own (bf16) logits once, with
+fp32 running max / sum-exp (the online softmax), the target's logit and the first argmax.
 """
 
 from __future__ import annotations

@@ -1,0 +1,152 @@
+"""The commands that read results on disk (`table`, `compare`, `figures`, `report`) and `archive`, which
+copies them compactly. None of them loads torch, fla or a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ccq_eval.cli.common import (
+    FormatOpt,
+    OutputFileOpt,
+    ResultsArg,
+    TableFormat,
+    TableView,
+    emit,
+    given_path,
+    path_option,
+)
+from ccq_eval.cli.errors import fail
+from ccq_eval.errors import UserError
+
+
+def table(
+    results: ResultsArg,
+    format: FormatOpt = TableFormat.markdown,
+    view: Annotated[TableView, typer.Option(
+        help="paper: the papers' pivots; tidy: one row per value.")] = TableView.paper,
+    digits: Annotated[int, typer.Option(help="Decimals shown (markdown / latex).")] = 2,
+    output: OutputFileOpt = None,
+) -> None:
+    """Tables from results on disk: S-NIAH accuracy and perplexity per length, LongBench per dataset."""
+    output = given_path(output)
+    if not 0 <= digits <= 15:
+        fail(f"--digits {digits}: give a number of decimals from 0 to 15")
+    from ccq_eval.analysis import tables
+
+    try:
+        tidy = tables.load_tidy(results)
+        text = tables.render_tables(tidy, format.value, view.value, digits)
+    except UserError as exc:
+        fail(str(exc))
+    emit(text, output)
+
+
+def compare(
+    results: ResultsArg,
+    baseline: Annotated[str | None, typer.Option(
+        help="Model name of the baseline (as in the results); default: every CCQ pair NAME / NAME-ccq and every "
+        "`run --ccq-attach` lambda against its plain model.")] = None,
+    variant: Annotated[str | None, typer.Option(help="Model name of the variant.")] = None,
+    metric: Annotated[str | None, typer.Option(help="Metric to compare (default: each task's first).")] = None,
+    format: FormatOpt = TableFormat.markdown,
+    n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
+    seed: Annotated[int, typer.Option(help="Bootstrap seed.")] = 0,
+    alpha: Annotated[float, typer.Option(help="Significance level.")] = 0.05,
+    summary: Annotated[bool, typer.Option(
+        help="One table, a row per comparison and a column per task: delta [CI], p over all of a task's samples "
+        "(perplexity: at the longest length).")] = False,
+    output: OutputFileOpt = None,
+) -> None:
+    """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
+    output = given_path(output)
+    from ccq_eval.analysis import stats
+    from ccq_eval.harness import store
+
+    if n_boot < 100:
+        fail("--n-boot must be at least 100")
+    if not 0 < alpha < 1:
+        fail("--alpha must lie in (0, 1)")
+    if (baseline is None) != (variant is None):
+        fail("give both --baseline and --variant, or neither (then every CCQ pair NAME / NAME-ccq and every "
+             "--ccq-attach lambda against its plain model is compared)")
+    try:
+        units = store.load_results(results)
+        if baseline is None:
+            pairs = stats.comparison_pairs(units)
+            if not pairs:
+                names = ", ".join(sorted({unit.model for unit in units}))
+                fail(f"{results} holds no CCQ pair NAME / NAME-ccq and no --ccq-attach sweep with its plain model "
+                     f"(models: {names}); name the two models with --baseline and --variant")
+        else:
+            pairs = [(baseline, variant)]
+        compared = [(base, var, stats.compare_models(units, base, var, metric=metric, n_boot=n_boot, seed=seed,
+                                                     alpha=alpha)) for base, var in pairs]
+    except UserError as exc:
+        fail(str(exc))
+    if summary:
+        emit(stats.render_summary(compared, format.value, alpha=alpha), output)
+    else:
+        emit("\n".join(stats.render_comparison(frame, base, var, format.value, alpha=alpha)
+                       for base, var, frame in compared), output)
+
+
+def figures(
+    results: ResultsArg,
+    output: Annotated[Path, typer.Option("--output", "-o", parser=path_option, metavar="PATH",
+                                         help="Folder for the PNG and PDF files.")]
+    = Path("figures"),
+) -> None:
+    """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars, and score vs
+    lambda of each `run --ccq-attach` sweep."""
+    output = given_path(output)
+    from ccq_eval.analysis import figures as figure_module
+    from ccq_eval.analysis import tables
+
+    try:
+        paths = figure_module.draw_all(tables.load_tidy(results), output)
+    except UserError as exc:
+        fail(str(exc))
+    for path in paths:
+        typer.echo(str(path))
+
+
+def report(
+    results: ResultsArg,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", parser=path_option, metavar="PATH",
+        help="HTML file to write (default: RESULTS/report.html).")] = None,
+) -> None:
+    """One self-contained HTML page (opens offline in any browser): the run's metadata, tables, CCQ
+    comparisons, figures and a filterable browser of failed S-NIAH samples and worst perplexity documents."""
+    output = given_path(output)
+    from ccq_eval.analysis import report as report_module
+
+    try:
+        path = report_module.write_report(results, output)
+    except UserError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {path}", err=True)
+
+
+def archive(
+    results: ResultsArg,
+    destination: Annotated[Path, typer.Argument(help="Folder for the compact copy (e.g. results/<name>).")],
+) -> None:
+    """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
+    from ccq_eval.harness import archive as archive_module
+
+    if not results.is_dir():
+        fail(f"results folder {results} does not exist; give the folder `ccq-eval run --output` wrote")
+    source, destination = results.resolve(), destination.resolve()
+    if source == destination or source in destination.parents:
+        fail(f"{destination} lies inside {results}: choose a folder outside the results being archived")
+    try:
+        written = archive_module.archive_results(source, destination)
+    except UserError as exc:
+        fail(str(exc))
+    if not written:
+        fail(f"{results} holds no finished unit (results.json) to archive; give the folder of a finished run")
+    typer.echo(f"archived {len(written)} units into {destination}")

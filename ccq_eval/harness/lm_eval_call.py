@@ -1,0 +1,124 @@
+"""One unit's evaluation through lm-eval's evaluator (lm_eval.evaluator.evaluate), with what
+lm_eval.simple_evaluate adds around that call for an LM object that is already built (lm-eval 0.4.13,
+lm_eval/evaluator.py): the seeds, loading the tasks and applying gen_kwargs / num_fewshot to them, and the
+results' config, git, environment and tokenizer entries.
+
+simple_evaluate itself runs `git describe` with stderr left open, which prints git's "not a git
+repository" once per unit when a run starts outside a git checkout; here the same lookup runs with its
+stderr captured. Every simple_evaluate argument that `run --lm-eval-arg` may set (options.py) is a
+keyword of evaluate_tasks, so lm-eval is called through its public functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import subprocess
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def git_commit_hash() -> str | None:
+    """The results' git_hash as lm-eval's get_git_commit_hash finds it (`git describe --always` in the
+    working folder, else the commit a .git folder there names), git's messages captured."""
+    try:
+        return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        from lm_eval.loggers.utils import get_commit_from_path
+
+        return get_commit_from_path(os.getcwd())
+
+
+def _apply_overrides(loaded: dict[str, Any], gen_kwargs: dict[str, Any] | None, num_fewshot: int | None,
+                     seed: int) -> None:
+    """gen_kwargs, num_fewshot and the few-shot seed set on each loaded task, as simple_evaluate sets them."""
+    for task_name, task in loaded["tasks"].items():
+        if task.get_config("output_type") == "generate_until" and gen_kwargs is not None:
+            task.set_config(key="generation_kwargs", value=gen_kwargs, update=True)
+        if num_fewshot is None:
+            if task.get_config("num_fewshot") is None:  # a task without a default is zero-shot
+                task.set_config(key="num_fewshot", value=0)
+        elif (default := task.get_config("num_fewshot")) == 0:
+            logger.info("num_fewshot has been set to 0 for %s in its config. Manual configuration will be "
+                        "ignored.", task_name)
+        else:
+            logger.warning("Overwriting default num_fewshot of %s from %s to %s", task_name, default, num_fewshot)
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        task.set_fewshot_seed(seed=seed)
+
+
+def evaluate_tasks(
+    lm: Any,
+    task_manager: Any,
+    tasks: list[str],
+    *,
+    model_name: str,
+    limit: float | None,
+    batch_size: int | str | None,
+    device: str | None,
+    seed: int,
+    bootstrap_iters: int = 100000,
+    num_fewshot: int | None = None,
+    gen_kwargs: str | dict[str, Any] | None = None,
+    cache_requests: bool = False,
+    rewrite_requests_cache: bool = False,
+    delete_requests_cache: bool = False,
+    write_out: bool = False,
+    system_instruction: str | None = None,
+    apply_chat_template: bool | str = False,
+    fewshot_as_multiturn: bool = True,
+    check_integrity: bool = False,
+    confirm_run_unsafe_code: bool = False,
+) -> dict[str, Any] | None:
+    """lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, log_samples=True, every seed
+    = seed, ...) for an LM object: the results dict (None on a data-parallel rank other than 0), its config
+    naming the model `model_name`."""
+    import numpy as np
+    from lm_eval.evaluator import evaluate
+    from lm_eval.loggers.utils import add_env_info, add_tokenizer_info
+    from lm_eval.utils import set_torch_seed, simple_parse_args_string
+
+    if check_integrity:  # refused when planning (options.UNSUPPORTED_LMEVAL_ARGS): no task tests installed
+        raise ValueError("check_integrity runs lm-eval's own task tests, which an installed lm-eval does not ship")
+    start_date = time.time()
+    if delete_requests_cache:
+        from lm_eval.caching.cache import delete_cache
+
+        delete_cache()
+    random.seed(seed)
+    np.random.seed(seed)
+    set_torch_seed(seed)
+    if gen_kwargs:
+        if isinstance(gen_kwargs, str):
+            gen_kwargs = simple_parse_args_string(gen_kwargs)
+        logger.warning("generation_kwargs: %s specified through cli, these settings will update set parameters "
+                       "in yaml tasks. Ensure 'do_sample=True' for non-greedy decoding!", gen_kwargs)
+        gen_kwargs = gen_kwargs or None
+    loaded = task_manager.load(tasks)
+    _apply_overrides(loaded, gen_kwargs if isinstance(gen_kwargs, dict) else None, num_fewshot, seed)
+    results = evaluate(lm=lm, task_dict=loaded, limit=limit, cache_requests=cache_requests,
+                       rewrite_requests_cache=rewrite_requests_cache, bootstrap_iters=bootstrap_iters,
+                       write_out=write_out, log_samples=True, system_instruction=system_instruction,
+                       apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+                       confirm_run_unsafe_code=confirm_run_unsafe_code)
+    if lm.rank != 0 or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    config: dict[str, Any] = {"model": model_name, "model_args": None}
+    if hasattr(lm, "get_model_info"):
+        config.update(lm.get_model_info())
+    config.update({
+        "batch_size": batch_size, "batch_sizes": list(lm.batch_sizes.values()) if hasattr(lm, "batch_sizes") else [],
+        "device": device, "use_cache": None, "limit": limit, "bootstrap_iters": bootstrap_iters,
+        "gen_kwargs": gen_kwargs, "random_seed": seed, "numpy_seed": seed, "torch_seed": seed,
+        "fewshot_seed": seed,
+    })
+    results["config"] = config
+    results["git_hash"] = git_commit_hash()
+    results["date"] = start_date
+    add_env_info(results)
+    add_tokenizer_info(results, lm)
+    return results

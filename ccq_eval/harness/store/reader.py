@@ -1,0 +1,218 @@
+"""Reading results back: every results file below a folder with its metadata and per-sample logs.
+
+Readers (`table`, `compare`, `figures`, `report`) only read these files; they never load a model. Read are:
+this package's unit folders (unit_folder.py), the layout lm-eval's own CLI writes (results_<timestamp>.json
+next to samples_<task>_<timestamp>.jsonl), and archived units (archive.py: samples as
+samples_<task>.jsonl.xz with long prompt / document strings replaced by their digest, no resume cache),
+which is how results are committed to the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ccq_eval.harness.store import lm_eval_mirror
+from ccq_eval.harness.store.files import (
+    META_FILE,
+    RESULTS_FILE,
+    UNIT_SPEC_FILE,
+    ResultsError,
+    read_json,
+    slugify,
+)
+from ccq_eval.harness.store.formats import read_meta, stored_spec
+from ccq_eval.harness.store.unit_folder import task_hash
+
+
+@dataclass
+class StoredUnit:
+    """One results file and what lies next to it."""
+
+    results_path: Path
+    results: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    samples_paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def folder(self) -> Path:
+        return self.results_path.parent
+
+    @property
+    def model(self) -> str:
+        """The model's display name: run metadata, then lm-eval's config, then the folder."""
+        name = self.meta.get("model") or self.results.get("model_name")
+        if not name:
+            config = self.results.get("config") or {}
+            name = config.get("model") if isinstance(config, dict) else None
+            if name in (None, "", "CUSTOM"):
+                name = None
+        if not name:
+            # <output>/<model>/<task>/results.json or lm-eval's <output>/<model>/results_*.json
+            name = self.folder.parent.name if self.results_path.name == RESULTS_FILE else self.folder.name
+        return str(name)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """What the unit was asked to compute (its unit.json, in the current form), {} for lm-eval's layout."""
+        if self.results_path.name != RESULTS_FILE:
+            return {}
+        return stored_spec(self.folder / UNIT_SPEC_FILE, self.folder / META_FILE) or {}
+
+    @property
+    def task_results(self) -> dict[str, dict[str, Any]]:
+        return dict(self.results.get("results") or {})
+
+    @property
+    def group_names(self) -> set[str]:
+        return set((self.results.get("groups") or {}).keys()) | set(
+            (self.results.get("group_subtasks") or {}).keys()
+        )
+
+    def leaf_tasks(self) -> list[str]:
+        groups = self.group_names
+        return [name for name in self.task_results if name not in groups]
+
+    def samples(self, task: str) -> list[dict[str, Any]]:
+        """The per-sample log of `task` (empty when the run did not log samples)."""
+        path = self.samples_paths.get(task)
+        if path is None:
+            return []
+        records = list(iter_jsonl(path))
+        self._check_samples(task, path, records)
+        return records
+
+    def _check_samples(self, task: str, path: Path, records: list[dict[str, Any]]) -> None:
+        """The log must be the one the results were computed from: as many samples as lm-eval's
+        n-samples records, and (for units this package wrote) the same task hash."""
+        redo = (f"restore it, or delete {self.results_path} to redo the unit" if self.results_path.name == RESULTS_FILE
+                else "restore it from the run's output")
+        # One logged sample per evaluated document: "original" documents, cut by the run's limit.
+        # (lm-eval's "effective" is the smallest per-metric count, which per-length metrics make smaller.)
+        counts = (self.results.get("n-samples") or {}).get(task)
+        expected = counts.get("original") if isinstance(counts, dict) else None
+        limit = (self.results.get("config") or {}).get("limit")
+        if isinstance(expected, int) and isinstance(limit, (int, float)) and limit > 0:
+            # lm-eval's rule (evaluator_utils.get_sample_size): a fraction is rounded up
+            expected = min(expected, int(limit) if limit >= 1 else math.ceil(limit * expected))
+        if isinstance(expected, int) and len(records) != expected:
+            raise ResultsError(f"{path} holds {len(records)} samples but {self.results_path.name} records {expected} "
+                               f"(truncated, or from another run): {redo}")
+        stored_hash = (self.results.get("task_hashes") or {}).get(task)
+        if (self.results_path.name == RESULTS_FILE and stored_hash and records and "doc_hash" in records[0]
+                and task_hash(records) != stored_hash):
+            raise ResultsError(f"{path} does not hold the samples {self.results_path.name} was computed from "
+                               f"(task hash differs): {redo}")
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        # split on "\n" only: JSON strings may hold U+2028, U+0085 and the like unescaped, which
+        # str.splitlines() would also break at
+        raw = Path(path).read_bytes()
+        lines = (lzma.decompress(raw) if Path(path).suffix == ".xz" else raw).decode("utf-8").split("\n")
+    except (OSError, UnicodeDecodeError, lzma.LZMAError) as exc:
+        raise ResultsError(f"cannot read {path}: {exc}") from None
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ResultsError(
+                f"{path} line {line_number} is not valid JSON ({exc.msg}). The file was left as "
+                "it is: fix or delete it (delete the unit's results.json too to redo the unit)."
+            ) from None
+
+
+def _samples_for(results_path: Path, task_names: Iterable[str]) -> dict[str, Path]:
+    folder = results_path.parent
+    found: dict[str, Path] = {}
+    stamp_match = lm_eval_mirror.LMEVAL_RESULTS.match(results_path.name)
+    for task in task_names:
+        candidates = [folder / f"samples_{slugify(task)}.jsonl", folder / f"samples_{task}.jsonl"]
+        if stamp_match:
+            candidates.insert(0, folder / f"samples_{task}_{stamp_match.group('stamp')}.jsonl")
+        for candidate in candidates + [c.with_name(c.name + ".xz") for c in candidates]:
+            if candidate.is_file():
+                found[task] = candidate
+                break
+    return found
+
+
+def find_results_files(root: Path) -> list[Path]:
+    """Every unit's results.json and every lm-eval results_<stamp>.json, except the copies of the
+    units read here that the store lays out for lm-eval's readers (each result is read once)."""
+    root = Path(root)
+    files = [p for p in root.rglob("*.json") if p.name == RESULTS_FILE
+             or (lm_eval_mirror.LMEVAL_RESULTS.match(p.name) and not lm_eval_mirror.is_tracker_copy(p, root))]
+    return sorted(files)
+
+
+def _read_unit(path: Path) -> StoredUnit:
+    """One results file with its metadata (a unit folder's meta.json, read by its format's reader)."""
+    results = read_json(path)
+    if not isinstance(results, dict) or not isinstance(results.get("results"), dict):
+        raise ResultsError(
+            f"{path} is not an lm-eval results file (no 'results' mapping). The file was left as it is."
+        )
+    not_metrics = [task for task, values in results["results"].items() if not isinstance(values, dict)]
+    if not_metrics:
+        raise ResultsError(f"{path} is not an lm-eval results file: results.{not_metrics[0]} should map "
+                           "metric names to values. The file was left as it is: restore it from the run "
+                           "that wrote it")
+    meta_path = path.parent / META_FILE
+    meta = read_meta(meta_path) if path.name == RESULTS_FILE and meta_path.is_file() else {}
+    return StoredUnit(results_path=path, results=results, meta=meta,
+                      samples_paths=_samples_for(path, results["results"].keys()))
+
+
+def load_results(root: Path) -> list[StoredUnit]:
+    """Every results file under `root` with its metadata and sample logs.
+
+    Raises ResultsError when the folder does not exist, holds no results, or a results /
+    metadata file is corrupt or of a newer format (its path is named; nothing is modified).
+    """
+    root = Path(root)
+    if not root.exists():
+        raise ResultsError(f"results folder {root} does not exist; run `ccq-eval run --output {root}` first")
+    files = [root] if root.is_file() else find_results_files(root)
+    if not files:
+        raise ResultsError(
+            f"{root} holds no results (no results.json below it); run `ccq-eval run --output {root}` first"
+        )
+    units = [_read_unit(path) for path in files]
+    keep = lm_eval_mirror.newest_copies([(unit.results_path, unit.results) for unit in units])
+    units = [unit for unit in units if unit.results_path in keep]
+    _check_one_file_per_unit(root, units)
+    return units
+
+
+def run_folder(results_path: Path) -> Path:
+    """The results folder of one results file: <run>/<model>/<task>/results.json, or lm-eval's
+    <run>/<model>/results_<stamp>.json."""
+    return results_path.parents[2] if results_path.name == RESULTS_FILE else results_path.parents[1]
+
+
+def _check_one_file_per_unit(root: Path, units: list[StoredUnit]) -> None:
+    """One results file per (model, task): a folder that holds several runs of the same unit (the
+    repository's results/ with results/reference and results/gpu-grid) is refused, never read as one
+    of them picked silently."""
+    seen: dict[tuple[str, str], Path] = {}
+    for unit in units:
+        for task in unit.leaf_tasks():
+            first = seen.setdefault((unit.model, task), unit.results_path)
+            if first == unit.results_path:
+                continue
+            folders = sorted({str(run_folder(u.results_path)) for u in units})
+            files = (f"model {unit.model!r} has results for task {task!r} in more than one file ({first}, "
+                     f"{unit.results_path})")
+            if len(folders) == 1:
+                raise ResultsError(f"{files}; move the one that is not wanted out of {folders[0]}")
+            raise ResultsError(f"{root} holds {len(folders)} result folders ({', '.join(folders)}) and "
+                               f"{files}; point the command at one result folder")

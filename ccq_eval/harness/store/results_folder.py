@@ -1,0 +1,92 @@
+"""One results folder (`ccq-eval run --output`) as planning and running use it: one call per phase of a
+unit, so the runner never assembles a unit's files itself.
+
+    store.unit(model, task)                      the unit's folder (UnitDir)
+    store.on_disk(unit)                          what an earlier run left there (planning compares it)
+    store.claim(unit, blocking=...)              the unit's lock; None while another worker holds it
+    store.open(unit, spec)                       unit.json written, the resume cache opened for answers
+    store.commit(unit, results, samples, meta)   the finished unit stored; its failure, if any
+    store.failure(unit, model)                   a stored unit's failure (non-finite values), if any
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ccq_eval.harness.store import response_cache
+from ccq_eval.harness.store.files import read_json
+from ccq_eval.harness.store.formats import read_meta, read_spec, stored_spec
+from ccq_eval.harness.store.response_cache import ResponseCache
+from ccq_eval.harness.store.unit_folder import (
+    UnitDir,
+    non_finite_message,
+    non_finite_values,
+    unit_dir,
+    write_spec,
+    write_unit,
+)
+from ccq_eval.harness.unit_lock import UnitLock
+
+
+@dataclass(frozen=True)
+class UnitOnDisk:
+    """What an earlier run left in a unit folder: whether the unit is finished, the settings it recorded
+    (in the current form; None when it recorded none) and how many answers its resume cache holds."""
+
+    finished: bool
+    spec: dict[str, Any] | None
+    answered: int
+
+
+@dataclass(frozen=True)
+class ResultsStore:
+    """The results folder `output` (its units, their locks, resume caches and files)."""
+
+    output: Path
+
+    def unit(self, model: str, task: str) -> UnitDir:
+        return unit_dir(self.output, model, task)
+
+    def on_disk(self, unit: UnitDir) -> UnitOnDisk:
+        """Read what `unit`'s folder holds, each file by its format's reader; ResultsError names a file that
+        is unreadable, damaged or of a newer format (nothing is changed)."""
+        if not unit.results.is_file():
+            answered = response_cache.answered_count(unit.responses_db)
+            return UnitOnDisk(False, read_spec(unit.spec) if unit.spec.is_file() else None, answered)
+        read_json(unit.results)
+        if unit.meta.is_file():
+            read_meta(unit.meta)
+        return UnitOnDisk(True, stored_spec(unit.spec, unit.meta), 0)  # version 1: maybe only meta.json's copy
+
+    def answered(self, unit: UnitDir) -> int:
+        """How many answers `unit`'s resume cache holds."""
+        return response_cache.answered_count(unit.responses_db)
+
+    def claim(self, unit: UnitDir, *, blocking: bool) -> UnitLock | None:
+        """`unit`'s lock, taken (release it when done); None when another worker holds it and not `blocking`."""
+        lock = UnitLock(unit)
+        return lock if lock.acquire(blocking=blocking) else None
+
+    def open(self, unit: UnitDir, spec: dict[str, Any], *, write_spec_file: bool = True) -> ResponseCache:
+        """Start `unit`: its unit.json (unless `write_spec_file` is False: a data-parallel rank that does not
+        write) and its resume cache, which refuses answers another spec left (close it when done)."""
+        if write_spec_file:
+            write_spec(unit, spec)
+        return ResponseCache(unit.responses_db, identity=response_cache.spec_identity(spec))
+
+    def commit(self, unit: UnitDir, model: str, results: dict[str, Any], samples: dict[str, list[dict[str, Any]]],
+               meta: dict[str, Any]) -> str | None:
+        """Store the evaluated `unit` (unit_folder.write_unit) and drop its resume cache, whose answers its
+        samples now hold. Returns the unit's failure when its results hold non-finite values (it is stored
+        all the same, and shown as failed), else None."""
+        write_unit(unit, results, samples, meta)
+        response_cache.remove_resume_cache(unit.responses_db)
+        found = non_finite_values(results)
+        return non_finite_message(model, found) if found else None
+
+    def failure(self, unit: UnitDir, model: str) -> str | None:
+        """A finished unit's failure: the message for its non-finite values, None when it has none."""
+        found = non_finite_values(read_json(unit.results))
+        return non_finite_message(model, found) if found else None

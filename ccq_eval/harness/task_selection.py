@@ -1,0 +1,148 @@
+"""Which lm-eval tasks a run evaluates: --task names, a suite's or the defaults resolved through the task
+catalog, checked against the options their families take (ccq_eval.task_families), with the tasks whose
+data is absent left out where a larger name asked for them (a suite, the `ruler` alias), each with a note
+that says which and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ccq_eval.harness.fingerprints import hub_offline, longbench_data_present, qa_data_names, qa_data_present
+from ccq_eval.harness.options import ParsedOptions, PlanError
+from ccq_eval.harness.suites import SuitePart
+from ccq_eval.harness.task_registry import TaskCatalog
+from ccq_eval.task_families import PERPLEXITY, family_of
+
+# The default run's tasks, and those of its CCQ sweep (model_resolution.DEFAULT_SWEEP_ATTACH's lambdas).
+DEFAULT_TASKS = ["s-niah", "ppl"]
+DEFAULT_SWEEP_TASKS = ["s-niah-1", "s-niah-2", "ppl-sweep"]
+
+
+@dataclass
+class RunTasks:
+    """The lm-eval tasks of a run, each with the name it was asked by, and what was decided about them."""
+
+    resolved: list[tuple[str, str]]
+    sweep_tasks: list[tuple[str, str]]  # the default sweep models' tasks (DEFAULT_SWEEP_TASKS)
+    part_of: dict[str, SuitePart]  # lm-eval task -> its suite part
+    notes: list[str]
+
+
+def select_tasks(parsed: ParsedOptions, catalog: TaskCatalog, *, with_sweep: bool) -> RunTasks:
+    """The run's tasks (--task, a suite's or the defaults) resolved, and the options checked against their
+    families."""
+    options, grid, suite = parsed.options, parsed.grid, parsed.suite
+    task_names = [a for part in suite.parts for a in part.tasks] if suite else list(options.tasks or DEFAULT_TASKS)
+    resolved = resolve_tasks(task_names, catalog)  # (lm-eval task, as the user wrote it)
+    sweep_tasks = [pair for pair in resolve_tasks(DEFAULT_SWEEP_TASKS, catalog) if pair[0] in dict(resolved)] \
+        if with_sweep else []
+    notes: list[str] = []
+    part_of: dict[str, SuitePart] = {}
+    if suite is not None:
+        for part in suite.parts:
+            for task, alias in resolved:
+                if alias in part.tasks:
+                    part_of[task] = part
+        resolved, notes = _suite_tasks_with_data(resolved, part_of, parsed)
+    resolved, qa_notes = _qa_tasks_with_data(resolved, parsed)
+    notes += qa_notes
+    if grid.depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
+        raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
+    grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
+    if options.limit is not None and grid_tasks:
+        raise PlanError(
+            f"--limit takes the first N documents, which for {grid_tasks[0]} are the shortest lengths only; "
+            "use --samples-per-cell for S-NIAH and perplexity tasks (and --limit in a separate LongBench run)"
+        )
+    longbench_tasks = [task for task, _ in resolved if family_of(task).needs_longbench_data]
+    if options.samples_per_cell is not None and longbench_tasks and suite is None:
+        raise PlanError(
+            "--samples-per-cell does not apply to LongBench (fixed datasets); run LongBench separately "
+            "and use --limit N to evaluate its first N records per dataset"
+        )
+    _check_longbench_data(longbench_tasks, parsed.longbench_dir)
+    ppl_tasks = [task for task, _ in resolved if family_of(task) is PERPLEXITY]
+    if ppl_tasks and grid.samples_per_cell is None and suite is None:
+        notes.append(f"note: {', '.join(ppl_tasks)} without --samples-per-cell scores every document of the "
+                     "eval split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick "
+                     "run")
+    return RunTasks(resolved, sweep_tasks, part_of, notes)
+
+
+def resolve_tasks(names: list[str], catalog: TaskCatalog) -> list[tuple[str, str]]:
+    """Task aliases or lm-eval names -> (lm-eval task, the name it was asked by), each task once."""
+    resolved: list[tuple[str, str]] = []
+    for name in names:
+        try:
+            expanded = catalog.resolve(name)
+        except KeyError as exc:
+            message = str(exc)
+            if type(exc) is KeyError:  # a bare KeyError: list the choices ourselves
+                choices = ", ".join(sorted(catalog.aliases()))
+                message = (f"unknown task {name!r}; valid choices: {choices} (or an lm-eval task name "
+                           "from `lm-eval ls tasks`)")
+            raise PlanError(message) from None
+        for task in expanded:
+            if task not in [t for t, _ in resolved]:
+                resolved.append((task, name))
+    return resolved
+
+
+def _suite_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, SuitePart],
+                           parsed: ParsedOptions) -> tuple[list[tuple[str, str]], list[str]]:
+    """A suite's tasks without the LongBench datasets whose data is absent, and notes saying so."""
+    data_dir, suite = parsed.longbench_dir, parsed.options.suite
+    kept = [(task, alias) for task, alias in resolved
+            if not part_of[task].needs_longbench_data or (data_dir and longbench_data_present(task, data_dir))]
+    dropped = sorted({alias for task, alias in resolved if (task, alias) not in kept})
+    notes = []
+    if dropped and data_dir is None:
+        notes.append(f"--suite {suite}: {', '.join(dropped)} skipped (no --longbench-dir)")
+    elif dropped:
+        missing = len(resolved) - len(kept)
+        notes.append(f"--suite {suite}: {missing} {'/'.join(dropped)} datasets skipped "
+                     f"(no jsonl file in {data_dir})")
+    return kept, notes
+
+
+def _check_longbench_data(tasks: list[str], data_dir: Path | None) -> None:
+    """LongBench reads the official jsonl files: their folder must be given and hold every file asked for."""
+    if not tasks:
+        return
+    if data_dir is None:
+        raise PlanError(f"{tasks[0]} needs the LongBench data: pass --longbench-dir FOLDER holding the official "
+                        "jsonl files (the unzipped data.zip of the hub dataset THUDM/LongBench)")
+    folder = Path(data_dir).expanduser()
+    missing = [task for task in tasks if task.startswith("ccq_longbench_") and not longbench_data_present(task, folder)]
+    if missing:
+        raise PlanError(f"--longbench-dir {data_dir} lacks the jsonl file of {', '.join(missing[:3])}"
+                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (looked in it and its "
+                        "data/ subfolder): unzip THUDM/LongBench's data.zip there, or choose fewer tasks")
+
+
+def _qa_tasks_with_data(resolved: list[tuple[str, str]],
+                        parsed: ParsedOptions) -> tuple[list[tuple[str, str]], list[str]]:
+    """The RULER QA tasks read SQuAD v2 / HotpotQA files from --qa-dir, or fetch them from the hub. One whose
+    data is in neither is left out with a note when a larger name asked for it (a suite, or an alias such as
+    `ruler` that names other tasks too), and is a PlanError when it was asked for itself."""
+    qa_dir = parsed.qa_dir
+    qa_tasks = [(task, alias) for task, alias in resolved if family_of(task).needs_qa_data]
+    if not qa_tasks or (qa_dir is None and not hub_offline()):
+        return resolved, []  # without --qa-dir the tasks fetch their data from the hub
+    absent = [(task, alias) for task, alias in qa_tasks if qa_dir is None or not qa_data_present(task, qa_dir)]
+    if not absent:
+        return resolved, []
+    files = ", ".join(qa_data_names(task) for task, _ in absent)
+    if qa_dir is None:
+        why = (f"no --qa-dir holds their data ({files}) and the hub is off (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
+               "is set); pass --qa-dir FOLDER holding those files, or unset those variables to fetch them from "
+               "the hub")
+    else:
+        why = f"--qa-dir {qa_dir} lacks {files}; add the file there, or choose fewer tasks"
+    names = " and ".join(task for task, _ in absent)
+    wider = {alias for task, alias in resolved if not family_of(task).needs_qa_data}
+    if parsed.suite is None and not all(alias in wider for _, alias in absent):
+        raise PlanError(f"{names} cannot run: {why}")
+    return [pair for pair in resolved if pair not in absent], [f"left out {names}: {why}"]

@@ -9,11 +9,15 @@ from typing import Annotated
 import typer
 
 from ccq_eval.cli.common import (
+    DEFAULT_RULER_THRESHOLD,
     FormatOpt,
     OutputFileOpt,
+    PAdjust,
+    PAdjustOpt,
     ResultsArg,
     TableFormat,
     TableView,
+    ThresholdOpt,
     emit,
     given_path,
     path_option,
@@ -22,23 +26,31 @@ from ccq_eval.cli.errors import fail
 from ccq_eval.errors import UserError
 
 
+def _check_threshold(threshold: float) -> None:
+    if not 0 <= threshold <= 100:
+        fail(f"--threshold {threshold:g}: give an accuracy in percent, from 0 to 100 (RULER's is 85.6)")
+
+
 def table(
     results: ResultsArg,
     format: FormatOpt = TableFormat.markdown,
     view: Annotated[TableView, typer.Option(
-        help="paper: the papers' pivots; tidy: one row per value.")] = TableView.paper,
+        help="paper: the papers' pivots; tidy: one row per value; ruler: RULER's task x length table with the "
+        "average per length and the effective length.")] = TableView.paper,
     digits: Annotated[int, typer.Option(help="Decimals shown (markdown / latex).")] = 2,
+    threshold: ThresholdOpt = DEFAULT_RULER_THRESHOLD,
     output: OutputFileOpt = None,
 ) -> None:
-    """Tables from results on disk: S-NIAH accuracy and perplexity per length, LongBench per dataset."""
+    """Tables from results on disk: RULER / S-NIAH accuracy and perplexity per length, LongBench per dataset."""
     output = given_path(output)
     if not 0 <= digits <= 15:
         fail(f"--digits {digits}: give a number of decimals from 0 to 15")
+    _check_threshold(threshold)
     from ccq_eval.analysis import tables
 
     try:
         tidy = tables.load_tidy(results)
-        text = tables.render_tables(tidy, format.value, view.value, digits)
+        text = tables.render_tables(tidy, format.value, view.value, digits, threshold=threshold)
     except UserError as exc:
         fail(str(exc))
     emit(text, output)
@@ -55,12 +67,14 @@ def compare(
     n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
     seed: Annotated[int, typer.Option(help="Bootstrap seed.")] = 0,
     alpha: Annotated[float, typer.Option(help="Significance level.")] = 0.05,
+    p_adjust: PAdjustOpt = PAdjust.holm,
     summary: Annotated[bool, typer.Option(
         help="One table, a row per comparison and a column per task: delta [CI], p over all of a task's samples "
         "(perplexity: at the longest length).")] = False,
     output: OutputFileOpt = None,
 ) -> None:
-    """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value."""
+    """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value,
+    adjusted (Holm by default) for every comparison printed."""
     output = given_path(output)
     from ccq_eval.analysis import stats
     from ccq_eval.harness import store
@@ -83,14 +97,11 @@ def compare(
         else:
             pairs = [(baseline, variant)]
         compared = [(base, var, stats.compare_models(units, base, var, metric=metric, n_boot=n_boot, seed=seed,
-                                                     alpha=alpha)) for base, var in pairs]
+                                                     alpha=alpha, p_adjust=p_adjust.value)) for base, var in pairs]
     except UserError as exc:
         fail(str(exc))
-    if summary:
-        emit(stats.render_summary(compared, format.value, alpha=alpha), output)
-    else:
-        emit("\n".join(stats.render_comparison(frame, base, var, format.value, alpha=alpha)
-                       for base, var, frame in compared), output)
+    render = stats.render_summary if summary else stats.render_comparisons
+    emit(render(compared, format.value, alpha=alpha, p_adjust=p_adjust.value), output)
 
 
 def figures(
@@ -98,15 +109,17 @@ def figures(
     output: Annotated[Path, typer.Option("--output", "-o", parser=path_option, metavar="PATH",
                                          help="Folder for the PNG and PDF files.")]
     = Path("figures"),
+    threshold: ThresholdOpt = DEFAULT_RULER_THRESHOLD,
 ) -> None:
     """Paper-style figures: S-NIAH heatmaps and curves, perplexity curves, LongBench bars, and score vs
     lambda of each `run --ccq-attach` sweep."""
     output = given_path(output)
+    _check_threshold(threshold)
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
 
     try:
-        paths = figure_module.draw_all(tables.load_tidy(results), output)
+        paths = figure_module.draw_all(tables.load_tidy(results), output, threshold=threshold)
     except UserError as exc:
         fail(str(exc))
     for path in paths:
@@ -118,14 +131,17 @@ def report(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", parser=path_option, metavar="PATH",
         help="HTML file to write (default: RESULTS/report.html).")] = None,
+    p_adjust: PAdjustOpt = PAdjust.holm,
+    threshold: ThresholdOpt = DEFAULT_RULER_THRESHOLD,
 ) -> None:
     """One self-contained HTML page (opens offline in any browser): the run's metadata, tables, CCQ
     comparisons, figures and a filterable browser of failed S-NIAH samples and worst perplexity documents."""
     output = given_path(output)
+    _check_threshold(threshold)
     from ccq_eval.analysis import report as report_module
 
     try:
-        path = report_module.write_report(results, output)
+        path = report_module.write_report(results, output, p_adjust=p_adjust.value, threshold=threshold)
     except UserError as exc:
         fail(str(exc))
     typer.echo(f"wrote {path}", err=True)

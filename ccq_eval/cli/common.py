@@ -22,6 +22,23 @@ class TableFormat(StrEnum):
 class TableView(StrEnum):
     paper = "paper"
     tidy = "tidy"
+    ruler = "ruler"
+
+
+class PAdjust(StrEnum):
+    holm = "holm"
+    bonferroni = "bonferroni"
+    none = "none"
+
+
+# RULER's effective-length threshold: the score of Llama-2-7B at 4K (NVIDIA/RULER README).
+DEFAULT_RULER_THRESHOLD = 85.6
+ThresholdOpt = Annotated[float, typer.Option(
+    help="RULER view: the effective length is the longest length up to which the average over the RULER "
+    "tasks stays at or above this accuracy (%); RULER's is 85.6.")]
+PAdjustOpt = Annotated[PAdjust, typer.Option(
+    "--p-adjust", help="Adjust the p-values for the number of comparisons printed: holm (default), "
+    "bonferroni, or none (raw p-values are shown beside the adjusted ones).")]
 
 
 # Values of --dtype (ccq_eval.harness.plan.DTYPE_CHOICES, listed here so that --help needs no import).

@@ -304,3 +304,24 @@ def test_report_shows_the_ruler_view_adjusted_comparisons_and_ruler_samples(resu
         for depth in ("0", "50", "100"):
             cell = f'data-model="{model}" data-task="{task}" data-length="{length}" data-depth="{depth}">'
             assert "1 of 4 failed" in page.split(cell)[1].split("</summary>")[0], (model, task, depth)
+
+
+# ------------------------------------------------------------------------------------- the command line
+def test_cli_table_ruler_threshold_and_compare_p_adjust(results):
+    """`table --view ruler --threshold` and `compare --p-adjust` reach the analysis functions."""
+    from typer.testing import CliRunner
+
+    from ccq_eval import cli
+
+    runner = CliRunner()
+    default = runner.invoke(cli.app, ["table", str(results), "--view", "ruler"])
+    strict = runner.invoke(cli.app, ["table", str(results), "--view", "ruler", "--threshold", "100"])
+    assert default.exit_code == strict.exit_code == 0, default.output + strict.output
+    assert "(threshold 85.6)" in default.output and "(threshold 100)" in strict.output
+    assert default.output != strict.output  # the twin's effective length changes at 100 (above)
+    bad = runner.invoke(cli.app, ["table", str(results), "--view", "ruler", "--threshold", "101"])
+    assert bad.exit_code == 2 and "--threshold 101" in bad.output
+    holm = runner.invoke(cli.app, ["compare", str(results), "--baseline", BASE, "--variant", TWIN])
+    raw = runner.invoke(cli.app, ["compare", str(results), "--baseline", BASE, "--variant", TWIN, "--p-adjust", "none"])
+    assert holm.exit_code == raw.exit_code == 0, holm.output + raw.output
+    assert "p (Holm)" in holm.output and "p (Holm)" not in raw.output

@@ -1,8 +1,10 @@
 """Archiving: a compact copy of finished units, for committing results to the repository.
 
-Results, metadata and unit specs are copied as they are; per-sample logs are xz-compressed with their
-long strings (haystacks, documents, prompts) replaced by length and sha256; resume caches stay out.
-`ccq-eval table`, `compare` and `figures` read an archive exactly as the run it came from.
+Results, metadata and unit specs are copied with the run's machine paths made relative (portable.py:
+the working folder becomes '.', the run's output folder the archive's); per-sample logs are
+xz-compressed with their long strings (haystacks, documents, prompts) replaced by length and sha256;
+resume caches stay out. `ccq-eval table`, `compare` and `figures` read an archive exactly as the run it
+came from.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ccq_eval.atomic_io import atomic_write_bytes, dumps
-from ccq_eval.harness.store import META_FILE, RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, load_results
+from ccq_eval.harness.portable import PathRewrite
+from ccq_eval.harness.store import META_FILE, RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, load_results, read_json
 
 # Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
 # as their digest: they are regenerated from the task seed or the embedded corpus, and they make up
@@ -48,30 +51,40 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     packed_units = []
     for unit in units:
         target = destination / unit.folder.relative_to(source)
-        _check_archive_target(target, unit.folder)
-        packed_units.append((unit, target, {
-            unit.samples_paths[task].name.removesuffix(".xz") + ".xz": _packed_samples(unit.samples(task))
-            for task in unit.task_results if task in unit.samples_paths}))
+        meta = read_json(unit.folder / META_FILE) if (unit.folder / META_FILE).is_file() else {}
+        rewrite = PathRewrite.for_unit(meta, source, destination)
+        files = {name: _portable_bytes(unit.folder / name, rewrite) for name in (UNIT_SPEC_FILE, META_FILE)
+                 if (unit.folder / name).is_file()}
+        _check_archive_target(target, files.get(META_FILE))
+        files |= {unit.samples_paths[task].name.removesuffix(".xz") + ".xz": _packed_samples(unit.samples(task), rewrite)
+                  for task in unit.task_results if task in unit.samples_paths}
+        files[RESULTS_FILE] = _portable_bytes(unit.results_path, rewrite)  # last: marks it finished
+        packed_units.append((target, files))
     written = []
-    for unit, target, packed in packed_units:
+    for target, files in packed_units:
         target.mkdir(parents=True, exist_ok=True)
-        for name in (UNIT_SPEC_FILE, META_FILE):
-            if (unit.folder / name).is_file():
-                atomic_write_bytes(target / name, (unit.folder / name).read_bytes())
-        for name, data in packed.items():
+        for name, data in files.items():
             atomic_write_bytes(target / name, data)
-        atomic_write_bytes(target / RESULTS_FILE, unit.results_path.read_bytes())  # last: marks it finished
         written.append(target)
     return written
 
 
-def _packed_samples(records: list[dict[str, Any]]) -> bytes:
-    """One unit's per-sample log as archived: long strings as their digest, xz-compressed."""
+def _portable_bytes(path: Path, rewrite: PathRewrite) -> bytes:
+    """A JSON file of a unit with its machine paths rewritten; unchanged bytes where it names none."""
+    data = path.read_bytes()
+    original = read_json(path)
+    portable = rewrite(original)
+    return data if portable == original else (dumps(portable) + "\n").encode("utf-8")
+
+
+def _packed_samples(records: list[dict[str, Any]], rewrite: PathRewrite) -> bytes:
+    """One unit's per-sample log as archived: long strings as their digest, machine paths relative,
+    xz-compressed."""
     lines = []
     for sample in records:
         for key in ("doc", "arguments", "target"):
             if key in sample:
-                sample[key] = _digest_long_strings(sample[key])
+                sample[key] = rewrite(_digest_long_strings(sample[key]))
         lines.append(dumps(sample, indent=None) + "\n")
     return lzma.compress("".join(lines).encode("utf-8"), preset=9)
 
@@ -83,7 +96,7 @@ def _check_destination(destination: Path) -> None:
                                "the archive, e.g. results/<name>")
 
 
-def _check_archive_target(target: Path, unit: Path) -> None:
+def _check_archive_target(target: Path, archived_meta: bytes | None) -> None:
     """An archive may refresh an archive of the same run (the same meta.json per unit), never replace an
     archive of another run or a live run's folder (its uncompressed samples would stay and be read
     instead of the archived ones)."""
@@ -95,10 +108,10 @@ def _check_archive_target(target: Path, unit: Path) -> None:
     if live:
         raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
                            "written: archive into a new folder, or delete that unit folder first")
-    if (target / RESULTS_FILE).is_file() and _meta_bytes(target) != _meta_bytes(unit):
-        raise ResultsError(f"{target} holds an archive of another run ({target / META_FILE} differs from "
-                           f"{unit / META_FILE}); nothing was replaced: archive into a new folder, or move "
-                           "the old archive away first")
+    if (target / RESULTS_FILE).is_file() and _meta_bytes(target) != archived_meta:
+        raise ResultsError(f"{target} holds an archive of another run ({target / META_FILE} differs from the "
+                           "unit's meta.json); nothing was replaced: archive into a new folder, or move the old "
+                           "archive away first")
 
 
 def _meta_bytes(unit: Path) -> bytes | None:

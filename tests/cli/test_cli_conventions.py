@@ -56,6 +56,7 @@ def test_verbosity_sets_the_level_of_ccq_eval_and_lm_eval_loggers(tmp_path):
     assert result.exit_code == 2 and "LOUD" in result.output
 
 
+@pytest.mark.slow  # a fresh Python process runs six read-only commands on the reference results
 def test_read_only_commands_import_neither_torch_nor_fla(tmp_path):
     """`import ccq_eval` and the commands that read results stay off torch and fla (seconds each on a
     2-core machine instead of 10-20)."""
@@ -217,7 +218,7 @@ def test_helper_units_reach_the_command_reporter_once(capsys):
         def join(self):
             pass
 
-    unit = FakeUnit("m", "t", Dir(Path("/results/m/t")))
+    unit = FakeUnit("m", "t", Dir(Path("results") / "m" / "t"))
     messages = queue.Queue()
     messages.put(("unit", str(unit.dir.path), "done", "1.5 s"))
     messages.put(("finished", 0, [str(unit.dir.path)]))

@@ -50,7 +50,8 @@ class TaskFamily:
     begin (the longest matching prefix wins); request_type: the lm-eval request its tasks send;
     metrics: the base metrics its tasks report (per-length and per-bucket variants are suffixed:
     acc_1024, ppl@4096, ppl@0-512, score_0-4k); primary_metric: the one tables and comparisons show
-    where a task reports it (else, and for None, the task's first metric); higher_is_better: that metric's direction (None: as the task says);
+    where a task reports it (else, and for None, the task's first metric); higher_is_better: that metric's
+    direction (None: as the task says);
     metadata_keys: which of FAMILY_METADATA_KEYS its units' spec records (those that can change its
     documents; OTHER keeps lengths and samples_per_cell, which lm-eval hands every task); length_grid:
     its documents form a grid of nominal lengths (--lengths, --samples-per-cell); cell_rows: per-length and

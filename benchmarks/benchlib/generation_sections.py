@@ -117,7 +117,8 @@ def _generator(method: str, bench: Bench, model, prompt: str, ids: list[int],
             task_name="bench_gen",
             arguments=(prompt, {"until": [], "max_gen_toks": new_tokens, "do_sample": False}),
         )
-        generate = lambda: lm.generate_until([request], disable_tqdm=True)[0]
+        def generate():
+            return lm.generate_until([request], disable_tqdm=True)[0]
         generate.decode_steps = lambda: lm.last_decode_steps
         return generate
 

@@ -110,7 +110,7 @@ def chinese(rng: random.Random, characters: int) -> str:
     """`characters` characters: common characters in sentences of 10-30, each ended by "。"."""
     out: list[str] = []
     while len(out) < characters:
-        out += rng.choices(CHINESE_CHARACTERS, k=rng.randint(9, 29)) + ["。"]
+        out += [*rng.choices(CHINESE_CHARACTERS, k=rng.randint(9, 29)), "。"]
     return "".join(out[:characters])
 
 

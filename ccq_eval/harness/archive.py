@@ -56,8 +56,9 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
         files = {name: _portable_bytes(unit.folder / name, rewrite) for name in (UNIT_SPEC_FILE, META_FILE)
                  if (unit.folder / name).is_file()}
         _check_archive_target(target, files.get(META_FILE))
-        files |= {unit.samples_paths[task].name.removesuffix(".xz") + ".xz": _packed_samples(unit.samples(task), rewrite)
-                  for task in unit.task_results if task in unit.samples_paths}
+        files |= {unit.samples_paths[task].name.removesuffix(".xz") + ".xz":
+                  _packed_samples(unit.samples(task), rewrite) for task in unit.task_results
+                  if task in unit.samples_paths}
         files[RESULTS_FILE] = _portable_bytes(unit.results_path, rewrite)  # last: marks it finished
         packed_units.append((target, files))
     written = []

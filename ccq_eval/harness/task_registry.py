@@ -27,13 +27,13 @@ TASKS_PACKAGE = "ccq_eval.tasks"  # tasks/ of the repository, installed as this 
 TASK_FOLDERS = ("s_niah", "ruler_niah", "ruler_vt", "ruler_aggregation", "ruler_qa", "ppl", "longbench")
 
 S_NIAH_TASKS = ("ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3")
-NIAH_TASKS = S_NIAH_TASKS + ("ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_niah_multikey_3",
-                             "ccq_niah_multivalue", "ccq_niah_multiquery")
+NIAH_TASKS = (*S_NIAH_TASKS, "ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_niah_multikey_3",
+              "ccq_niah_multivalue", "ccq_niah_multiquery")
 # RULER's 13 tasks in its own order (fla's README: niah_single_1..3, niah_multikey_1..3, niah_multiquery,
 # niah_multivalue, ruler_vt, ruler_cwe, ruler_fwe, ruler_qa_squad, ruler_qa_hotpot)
-RULER_SYNTHETIC_TASKS = NIAH_TASKS + ("ccq_ruler_vt", "ccq_ruler_cwe", "ccq_ruler_fwe")
+RULER_SYNTHETIC_TASKS = (*NIAH_TASKS, "ccq_ruler_vt", "ccq_ruler_cwe", "ccq_ruler_fwe")
 RULER_QA_TASKS = ("ccq_ruler_qa_squad", "ccq_ruler_qa_hotpot")
-RULER_TASKS = RULER_SYNTHETIC_TASKS + RULER_QA_TASKS
+RULER_TASKS = (*RULER_SYNTHETIC_TASKS, *RULER_QA_TASKS)
 
 # alias -> (targets in our index, description)
 ALIASES: dict[str, tuple[tuple[str, ...], str]] = {

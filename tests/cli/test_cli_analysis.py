@@ -85,9 +85,9 @@ def test_table_markdown_paper_view(results):
     assert "Perplexity per position bucket" in text
     # LongBench: datasets, category averages and the mean of categories
     lb = {d: sum(v) / len(v) for d, v in LONGBENCH_BASE.items()}
-    line = next(l for l in text.splitlines() if l.startswith("| tiny-gla |"))
+    line = next(line for line in text.splitlines() if line.startswith("| tiny-gla |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    header = next(l for l in text.splitlines() if l.startswith("| model | qasper"))
+    header = next(line for line in text.splitlines() if line.startswith("| model | qasper"))
     columns = [c.strip() for c in header.strip("|").split("|")]
     row = dict(zip(columns, cells))
     assert float(row["qasper"]) == pytest.approx(lb["qasper"])
@@ -139,7 +139,7 @@ def test_compare_markdown_marks_significance(tmp_path):
     write_sniah(folder, "var", lambda length, depth, i: True)
     result = invoke("compare", folder, "--baseline", "base", "--variant", "var", "--n-boot", 1000)
     assert result.exit_code == 0, result.output
-    line = next(l for l in result.output.splitlines() if l.startswith("| S-NIAH-1 | 2048 |"))
+    line = next(line for line in result.output.splitlines() if line.startswith("| S-NIAH-1 | 2048 |"))
     # p = 2^-11; Holm over the 3 p-values printed (all, 1K, 2K): 3 * 2^-11, beside the raw one
     assert "| 0.00146 | 0.000488 | ** |" in line and "variant better" in line
     assert "McNemar exact (b=0, c=12)" in line
@@ -181,7 +181,7 @@ def test_model_colours_are_stable_and_distinct():
     assert len(set(four.values())) == 4
     # a variant shares its baseline's hue: the light shade is the dark one mixed with white
     dark, light = four["tiny-gla-ccq"][:3], four["tiny-gla"][:3]
-    assert all(l == pytest.approx(0.6 * d + 0.4) for d, l in zip(dark, light))
+    assert all(line == pytest.approx(0.6 * d + 0.4) for d, line in zip(dark, light))
 
 
 def test_missing_empty_and_corrupt_results(tmp_path):

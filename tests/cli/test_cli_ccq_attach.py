@@ -1,8 +1,8 @@
 """`ccq-eval run --ccq-attach`: training-free CCQ on the embedded plain checkpoints, one model per lambda.
 
 The sweep is run for real (tiny-gla, tiny-gdn, S-NIAH-1 and the perplexity sweep at 1K tokens, a whole
-number of 64-token chunks, where the CPU kernels pad nothing): lambda = 0 must give the plain model's samples bit for bit, lambda = 4 other
-ones, and every setting is its own unit with its own figure point.
+number of 64-token chunks, where the CPU kernels pad nothing): lambda = 0 must give the plain model's
+samples bit for bit, lambda = 4 other ones, and every setting is its own unit with its own figure point.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_each_setting_is_its_own_unit_and_resumes_as_itself(tmp_path):
     first.dir.path.mkdir(parents=True)
     store.atomic_write_json(first.dir.spec, plan.units[2].spec)
     store.atomic_write_json(first.dir.results, {"results": {}})
-    with pytest.raises(PlanError, match="different settings.*ccq_attach"):
+    with pytest.raises(PlanError, match=r"different settings.*ccq_attach"):
         run_plan.plan_run(options)
 
 
@@ -152,7 +152,7 @@ def test_an_attachment_at_lambda_zero_computes_the_plain_logits(base, fields):
 def test_unknown_values_of_a_passed_through_field_are_the_config_s_error(tmp_path):
     options = run_plan.RunOptions(models=["tiny-gdn"], tasks=["ppl-sweep"], lengths="1k", output=tmp_path,
                                   ccq_attach="lambda=1;form=bogus")
-    with pytest.raises(PlanError, match="--ccq-attach: .*ccq_form must be one of"):
+    with pytest.raises(PlanError, match=r"--ccq-attach: .*ccq_form must be one of"):
         run_plan.plan_run(options)
 
 

@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 from test_cli_run import N_DOCS, REGISTRY, RUN_ARGS, TASK_NAME, FakeCatalog, fake_world, invoke  # noqa: F401
 
-from ccq_eval import atomic_io, cli
+from ccq_eval import atomic_io
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import resume, store
 from ccq_eval.model import registry as model_registry
@@ -152,7 +152,7 @@ def test_samples_cut_at_a_line_boundary_are_detected(fake_world, command):
     # an edited sample (same count) is found through the task hash results.json stores
     other = store.unit_dir(Path("out2"), "tiny-strong", TASK_NAME).samples(TASK_NAME)
     first = json.loads(other.read_text().splitlines()[0])
-    edited = [json.dumps(first | {"doc_hash": "0" * 64})] + other.read_text().splitlines()[1:]
+    edited = [json.dumps(first | {"doc_hash": "0" * 64}), *other.read_text().splitlines()[1:]]
     other.write_text("\n".join(edited) + "\n")
     assert_one_line_error(invoke("table", "out2"), "task hash differs")
 
@@ -392,7 +392,7 @@ def grid_world(tmp_path):
 
 @pytest.mark.slow
 def test_three_workers_compute_every_unit_once_and_write_the_same_table(grid_world, tmp_path):
-    _finish(_workers(tmp_path, [GRID + ["-o", "single"]], delay=0.0))
+    _finish(_workers(tmp_path, [[*GRID, "-o", "single"]], delay=0.0))
     units = {(m, t) for m in ("tiny-strong", "tiny-weak", "tiny-other") for t in grid_world.TASKS}
     for output, shard in (("locks", False), ("shards", True)):  # claiming units by lock; a Slurm array
         (tmp_path / "log").unlink()
@@ -433,7 +433,7 @@ def test_perplexity_pieces_end_on_character_boundaries(tmp_path):
     (tmp_path / "doc.txt").write_text(text)
     metadata = {"tokenizer": tokenizer, "data_files": str(tmp_path / "doc.txt"), "lengths": [16]}
     blocks = utils.bucket_documents(**metadata)["test"]
-    stream = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    stream = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
     joined = [i for block in blocks for i in tokenizer.encode(block["text"], add_special_tokens=False)]
     assert all(block["roundtrip_exact"] for block in blocks)
     assert all(13 <= block["n_text_tokens"] <= 16 for block in blocks)
@@ -445,9 +445,9 @@ def test_perplexity_pieces_end_on_character_boundaries(tmp_path):
 def test_middle_truncation_keeps_only_characters_of_the_source():
     import torch
     from adapter_support import byte_tokenizer, tiny_model
+    from ccq_eval.tasks.longbench import utils as longbench
 
     from ccq_eval.harness.adapter import CCQEvalLM
-    from ccq_eval.tasks.longbench import utils as longbench
 
     record = json.loads((HERE.parent / "fixtures" / "longbench" / "multifieldqa_zh.jsonl").read_text().splitlines()[0])
     prompt = longbench.doc_to_text(record | {"ccq_dataset": "multifieldqa_zh"})  # 260 bytes

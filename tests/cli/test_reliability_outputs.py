@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_cli_fakes import (
     SNIAH_TASK,
     baseline_correct,
@@ -65,7 +64,8 @@ def test_non_finite_result_is_a_failure_shown_in_every_table(fake_world):
     compared = invoke("compare", "out", "--baseline", "tiny-strong", "--variant", "tiny-weak")
     assert compared.exit_code == 0, compared.output
     row_2k = next(row for row in markdown_rows(compared.output) if row[1] == "2048")
-    assert row_2k[5:9] == ["NaN (failed)", "NaN (failed)", "-", "-"] and row_2k[11] == "failed"  # after p (Holm) and p (raw)
+    # columns 9 and 10: p (Holm), p (raw); 11: the verdict
+    assert row_2k[5:9] == ["NaN (failed)", "NaN (failed)", "-", "-"] and row_2k[11] == "failed"
     assert "non-finite value" in compared.output
     assert invoke("report", "out").exit_code == 0
     page = Path("out/report.html").read_text()
@@ -224,9 +224,9 @@ def test_archive_of_truncated_samples_writes_nothing(fake_world):
 def test_middle_truncation_of_chinese_at_a_budget_of_a_few_tokens(budget):
     import torch
     from adapter_support import byte_tokenizer, tiny_model
+    from ccq_eval.tasks.longbench import utils as longbench
 
     from ccq_eval.harness.adapter import CCQEvalLM
-    from ccq_eval.tasks.longbench import utils as longbench
 
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "longbench" / "multifieldqa_zh.jsonl"
     record = json.loads(fixture.read_text(encoding="utf-8").splitlines()[0])
@@ -433,7 +433,6 @@ def test_lm_eval_arguments_the_adapter_cannot_honour_are_refused(fake_world, arg
 
 def test_sniah_tokenizer_by_registered_name_never_asks_the_hub(monkeypatch):
     import transformers
-
     from ccq_eval.tasks.s_niah import utils as sniah
 
     asked = []

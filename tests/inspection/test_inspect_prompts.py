@@ -4,6 +4,7 @@ distractor tasks the distractor spans decode to the needles under the other keys
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_distractor_spans_decode_to_the_other_keys_needles(task, tokenizer):
         target = tok.decode(prompt.input_ids[slice(*prompt.needle)]).strip()
         assert f" for {doc['key']} is: {doc['value']}." in target
         spans = sorted([prompt.needle, *prompt.distractors])
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "needle spans overlap"
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "needle spans overlap"
         for span in prompt.distractors:
             text = tok.decode(prompt.input_ids[slice(*span)]).strip()
             assert text.startswith("One of the special magic ") and text.endswith(".")

@@ -53,6 +53,7 @@ def test_fused_gradients_match_reference_in_interpreter():
         assert relative < 1e-5, (name, relative)
 
 
+@pytest.mark.slow  # the triton interpreter runs the fused training path on the CPU
 def test_training_on_raw_keys_matches_reference_in_interpreter():
     """The training path of the layers on CUDA (_FusedOrder1Keys: keys normalised and lambda formed in
     the kernels, their chain rules in the backward): every gradient, the gate's included, against

@@ -200,7 +200,8 @@ def test_default_grid():
 
 
 def test_too_small_length_names_the_minimum():
-    with pytest.raises(sn.SNiahError, match=r"length 256 is too small for ccq_s_niah_2.*minimum length is (\d+)") as err:
+    too_small = r"length 256 is too small for ccq_s_niah_2.*minimum length is (\d+)"
+    with pytest.raises(sn.SNiahError, match=too_small) as err:
         sn.generate_docs("s_niah_2", tokenizer="byt5", lengths=[256], depths=[50])
     minimum = int(re.search(r"minimum length is (\d+)", str(err.value)).group(1))
     # the stated minimum is exact for that sample: one haystack word fits it, and one token less does not
@@ -234,7 +235,7 @@ def test_bad_metadata_is_rejected(metadata, message):
 def test_unloadable_tokenizer_and_haystack_are_explained(tmp_path):
     with pytest.raises(sn.SNiahError, match="could not load tokenizer"):
         sn.load_tokenizer(str(tmp_path / "no_such_tokenizer"))
-    with pytest.raises(sn.SNiahError, match="haystack: .*neither an embedded corpus"):
+    with pytest.raises(sn.SNiahError, match=r"haystack: .*neither an embedded corpus"):
         sn.generate_docs("s_niah_2", tokenizer="byt5", lengths=[1024], depths=[0], haystack="pg_essays")
 
 

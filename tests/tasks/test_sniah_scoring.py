@@ -15,9 +15,8 @@ sn = importlib.import_module("ccq_eval.tasks.s_niah.utils")
 
 def ruler_string_match_all(preds: list[str], refs: list[list[str]]) -> float:
     """RULER scripts/eval/synthetic/constants.py, restated (without its final rounding)."""
-    return sum(sum(1.0 if r.lower() in p.lower() else 0.0 for r in ref) / len(ref) for p, ref in zip(preds, refs)) / len(
-        preds
-    ) * 100
+    per_sample = [sum(1.0 if r.lower() in p.lower() else 0.0 for r in ref) / len(ref) for p, ref in zip(preds, refs)]
+    return sum(per_sample) / len(preds) * 100
 
 
 CASES = [
@@ -27,7 +26,8 @@ CASES = [
     ("481726", ["4817263"], 0.0),  # a prefix of the value is not the value
     ("no idea", ["4817263"], 0.0),
     ("", ["4817263"], 0.0),
-    (" 9B2C4E1A-0000-4000-8000-00000000ABCD is it", ["9b2c4e1a-0000-4000-8000-00000000abcd"], 100.0),  # case-insensitive
+    # case-insensitive
+    (" 9B2C4E1A-0000-4000-8000-00000000ABCD is it", ["9b2c4e1a-0000-4000-8000-00000000abcd"], 100.0),
     ("1111111 and 2222222", ["1111111", "3333333"], 50.0),  # fraction of gold values found
     ("1111111, 2222222, 3333333", ["1111111", "2222222", "3333333", "4444444"], 75.0),
 ]

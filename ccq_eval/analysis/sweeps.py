@@ -71,6 +71,6 @@ def ccq_sweep_points(tidy: pd.DataFrame) -> pd.DataFrame:
     metas = []
     for model, source in tidy[["model", "source"]].drop_duplicates().itertuples(index=False):
         meta_path = Path(source).parent / store.META_FILE
-        if Path(source).name == store.RESULTS_FILE and meta_path.is_file():
+        if store.is_unit_results(Path(source)) and meta_path.is_file():
             metas.append((model, store.read_meta(meta_path)))
     return sweep_points(sweep_attachments(metas), tidy["model"].unique())

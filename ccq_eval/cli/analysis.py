@@ -151,7 +151,8 @@ def archive(
     results: ResultsArg,
     destination: Annotated[Path, typer.Argument(help="Folder for the compact copy (e.g. results/<name>).")],
 ) -> None:
-    """Compact copy of finished units for committing: xz samples without long prompt texts, no resume cache."""
+    """Compact copy of finished units for committing: xz results and samples without long prompt texts or
+    machine paths, no resume cache, and the table of what was archived (table.md)."""
     from ccq_eval.harness import archive as archive_module
 
     if not results.is_dir():
@@ -165,4 +166,11 @@ def archive(
         fail(str(exc))
     if not written:
         fail(f"{results} holds no finished unit (results.json) to archive; give the folder of a finished run")
-    typer.echo(f"archived {len(written)} units into {destination}")
+    from ccq_eval.analysis import tables
+    from ccq_eval.harness.store import atomic_write_text
+
+    try:  # the archive's table, as `run` writes one beside its results
+        atomic_write_text(destination / "table.md", tables.render_tables(tables.load_tidy(destination)))
+    except UserError as exc:
+        fail(f"archived {len(written)} units into {destination}, but its table.md could not be written: {exc}")
+    typer.echo(f"archived {len(written)} units into {destination} (table: {destination / 'table.md'})")

@@ -1,6 +1,6 @@
 """Archiving: a compact copy of finished units, for committing results to the repository.
 
-Results, metadata and unit specs are copied with the run's machine paths made relative (portable.py:
+Results (xz-compressed), metadata and unit specs are copied with the run's machine paths made relative (portable.py:
 the working folder becomes '.', the run's output folder the archive's); per-sample logs are
 xz-compressed with their long strings (haystacks, documents, prompts) replaced by length and sha256;
 resume caches stay out. `ccq-eval table`, `compare` and `figures` read an archive exactly as the run it
@@ -16,7 +16,16 @@ from typing import Any
 
 from ccq_eval.atomic_io import atomic_write_bytes, dumps
 from ccq_eval.harness.portable import PathRewrite
-from ccq_eval.harness.store import META_FILE, RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, load_results, read_json
+from ccq_eval.harness.store import (
+    ARCHIVED_RESULTS_FILE,
+    META_FILE,
+    RESULTS_FILE,
+    UNIT_SPEC_FILE,
+    ResultsError,
+    is_unit_results,
+    load_results,
+    read_json,
+)
 
 # Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
 # as their digest: they are regenerated from the task seed or the embedded corpus, and they make up
@@ -47,7 +56,7 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     a live run or an archive of another run stop the archive with nothing written."""
     source, destination = Path(source), Path(destination)
     _check_destination(destination)
-    units = [unit for unit in load_results(source) if unit.results_path.name == RESULTS_FILE]
+    units = [unit for unit in load_results(source) if is_unit_results(unit.results_path)]
     packed_units = []
     for unit in units:
         target = destination / unit.folder.relative_to(source)
@@ -59,11 +68,13 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
         files |= {unit.samples_paths[task].name.removesuffix(".xz") + ".xz":
                   _packed_samples(unit.samples(task), rewrite) for task in unit.task_results
                   if task in unit.samples_paths}
-        files[RESULTS_FILE] = _portable_bytes(unit.results_path, rewrite)  # last: marks it finished
+        # last: marks it finished
+        files[ARCHIVED_RESULTS_FILE] = lzma.compress(_portable_bytes(unit.results_path, rewrite), preset=9)
         packed_units.append((target, files))
     written = []
     for target, files in packed_units:
         target.mkdir(parents=True, exist_ok=True)
+        (target / RESULTS_FILE).unlink(missing_ok=True)  # an archive this package wrote before it compressed
         for name, data in files.items():
             atomic_write_bytes(target / name, data)
         written.append(target)
@@ -72,7 +83,7 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
 
 def _portable_bytes(path: Path, rewrite: PathRewrite) -> bytes:
     """A JSON file of a unit with its machine paths rewritten; unchanged bytes where it names none."""
-    data = path.read_bytes()
+    data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
     original = read_json(path)
     portable = rewrite(original)
     return data if portable == original else (dumps(portable) + "\n").encode("utf-8")
@@ -103,13 +114,14 @@ def _check_archive_target(target: Path, archived_meta: bytes | None) -> None:
     instead of the archived ones)."""
     if not target.is_dir():
         return
-    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE}
+    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE, ARCHIVED_RESULTS_FILE}
     live = sorted(p.name for p in target.iterdir()
                   if p.name not in archived and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
     if live:
         raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
                            "written: archive into a new folder, or delete that unit folder first")
-    if (target / RESULTS_FILE).is_file() and _meta_bytes(target) != archived_meta:
+    finished = (target / RESULTS_FILE).is_file() or (target / ARCHIVED_RESULTS_FILE).is_file()
+    if finished and _meta_bytes(target) != archived_meta:
         raise ResultsError(f"{target} holds an archive of another run ({target / META_FILE} differs from the "
                            "unit's meta.json); nothing was replaced: archive into a new folder, or move the old "
                            "archive away first")

@@ -298,6 +298,8 @@ def test_archive_keeps_tables_and_comparisons_and_drops_long_texts(results, tmp_
                         ["compare", "{}", "--baseline", BASE, "--variant", VAR, "--n-boot", "200"]):
             outputs = [invoke(*[a.format(folder) for a in command]) for folder in (results, archived)]
             assert outputs[0].exit_code == 0 and outputs[0].output == outputs[1].output, command
+        assert (archived / "table.md").read_text(encoding="utf-8") == invoke("table", archived).output
+        assert (copy / store.ARCHIVED_RESULTS_FILE).is_file() and not (copy / store.RESULTS_FILE).exists()
         assert invoke("archive", results, results / "inside").exit_code == 2
     finally:
         samples.write_text(original, encoding="utf-8")

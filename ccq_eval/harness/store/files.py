@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import re
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,9 @@ from typing import Any
 from ccq_eval.errors import UserError
 
 RESULTS_FILE = "results.json"
+# An archive (`ccq-eval archive`) keeps a unit's results xz-compressed: lm-eval's results of our tasks are
+# mostly their declared metric lists, which compress about twentyfold.
+ARCHIVED_RESULTS_FILE = RESULTS_FILE + ".xz"
 META_FILE = "meta.json"
 UNIT_SPEC_FILE = "unit.json"
 RESPONSES_DB = "responses.sqlite"
@@ -28,14 +32,22 @@ def slugify(name: str) -> str:
     return slug
 
 
+def is_unit_results(path: Path) -> bool:
+    """Whether `path` is a unit folder's results file (a run's results.json, an archive's results.json.xz)
+    rather than lm-eval's results_<stamp>.json."""
+    return Path(path).name in (RESULTS_FILE, ARCHIVED_RESULTS_FILE)
+
+
 def read_json(path: Path) -> Any:
-    """Read a JSON file; a corrupt file raises ResultsError naming it and is left untouched."""
+    """Read a JSON file (xz-compressed when its name ends in .xz); a corrupt file raises ResultsError naming
+    it and is left untouched."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        text = (lzma.decompress(data) if path.suffix == ".xz" else data).decode("utf-8")
     except FileNotFoundError:
         raise ResultsError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, lzma.LZMAError) as exc:
         raise ResultsError(f"cannot read {path}: {exc}") from None
     try:
         return json.loads(text)

@@ -79,7 +79,7 @@ def is_tracker_copy(path: Path, root: Path) -> bool:
         names_its_unit = TRACKER_UNIT_KEY in json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, TypeError):
         names_its_unit = False
-    return names_its_unit or any(output.glob(f"*/*/{UNIT_SPEC_FILE}")) or any(output.glob(f"*/*/{RESULTS_FILE}"))
+    return names_its_unit or any(output.glob(f"*/*/{UNIT_SPEC_FILE}")) or any(output.glob(f"*/*/{RESULTS_FILE}*"))
 
 
 def newest_copies(copies: list[tuple[Path, Any]]) -> set[Path]:

@@ -19,10 +19,12 @@ from typing import Any
 
 from ccq_eval.harness.store import lm_eval_mirror
 from ccq_eval.harness.store.files import (
+    ARCHIVED_RESULTS_FILE,
     META_FILE,
     RESULTS_FILE,
     UNIT_SPEC_FILE,
     ResultsError,
+    is_unit_results,
     read_json,
     slugify,
 )
@@ -54,13 +56,13 @@ class StoredUnit:
                 name = None
         if not name:
             # <output>/<model>/<task>/results.json or lm-eval's <output>/<model>/results_*.json
-            name = self.folder.parent.name if self.results_path.name == RESULTS_FILE else self.folder.name
+            name = self.folder.parent.name if is_unit_results(self.results_path) else self.folder.name
         return str(name)
 
     @property
     def spec(self) -> dict[str, Any]:
         """What the unit was asked to compute (its unit.json, in the current form), {} for lm-eval's layout."""
-        if self.results_path.name != RESULTS_FILE:
+        if not is_unit_results(self.results_path):
             return {}
         return stored_spec(self.folder / UNIT_SPEC_FILE, self.folder / META_FILE) or {}
 
@@ -90,7 +92,7 @@ class StoredUnit:
     def _check_samples(self, task: str, path: Path, records: list[dict[str, Any]]) -> None:
         """The log must be the one the results were computed from: as many samples as lm-eval's
         n-samples records, and (for units this package wrote) the same task hash."""
-        redo = (f"restore it, or delete {self.results_path} to redo the unit" if self.results_path.name == RESULTS_FILE
+        redo = (f"restore it, or delete {self.results_path} to redo the unit" if is_unit_results(self.results_path)
                 else "restore it from the run's output")
         # One logged sample per evaluated document: "original" documents, cut by the run's limit.
         # (lm-eval's "effective" is the smallest per-metric count, which per-length metrics make smaller.)
@@ -104,7 +106,7 @@ class StoredUnit:
             raise ResultsError(f"{path} holds {len(records)} samples but {self.results_path.name} records {expected} "
                                f"(truncated, or from another run): {redo}")
         stored_hash = (self.results.get("task_hashes") or {}).get(task)
-        if (self.results_path.name == RESULTS_FILE and stored_hash and records and "doc_hash" in records[0]
+        if (is_unit_results(self.results_path) and stored_hash and records and "doc_hash" in records[0]
                 and task_hash(records) != stored_hash):
             raise ResultsError(f"{path} does not hold the samples {self.results_path.name} was computed from "
                                f"(task hash differs): {redo}")
@@ -151,6 +153,7 @@ def find_results_files(root: Path) -> list[Path]:
     root = Path(root)
     files = [p for p in root.rglob("*.json") if p.name == RESULTS_FILE
              or (lm_eval_mirror.LMEVAL_RESULTS.match(p.name) and not lm_eval_mirror.is_tracker_copy(p, root))]
+    files += root.rglob(ARCHIVED_RESULTS_FILE)
     return sorted(files)
 
 
@@ -167,7 +170,7 @@ def _read_unit(path: Path) -> StoredUnit:
                            "metric names to values. The file was left as it is: restore it from the run "
                            "that wrote it")
     meta_path = path.parent / META_FILE
-    meta = read_meta(meta_path) if path.name == RESULTS_FILE and meta_path.is_file() else {}
+    meta = read_meta(meta_path) if is_unit_results(path) and meta_path.is_file() else {}
     return StoredUnit(results_path=path, results=results, meta=meta,
                       samples_paths=_samples_for(path, results["results"].keys()))
 
@@ -196,7 +199,7 @@ def load_results(root: Path) -> list[StoredUnit]:
 def run_folder(results_path: Path) -> Path:
     """The results folder of one results file: <run>/<model>/<task>/results.json, or lm-eval's
     <run>/<model>/results_<stamp>.json."""
-    return results_path.parents[2] if results_path.name == RESULTS_FILE else results_path.parents[1]
+    return results_path.parents[2] if is_unit_results(results_path) else results_path.parents[1]
 
 
 def _check_one_file_per_unit(root: Path, units: list[StoredUnit]) -> None:

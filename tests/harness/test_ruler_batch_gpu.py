@@ -1,7 +1,10 @@
 """On CUDA the RULER tasks take S-NIAH's fast generation path: the adapter's auto batch answers every prompt
-of every synthetic RULER task exactly as batch 1 does, on the embedded tiny-gla and tiny-gdn in bf16 with
-CUDA graphs. The prompts, stop strings and budgets are the tasks' own, built through lm-eval's task
-configs, so a task whose generation settings the fast path mishandles fails here."""
+of every synthetic RULER task exactly as batch 1 does, on the embedded tiny-gla and tiny-gdn with CUDA
+graphs. The prompts, stop strings and budgets are the tasks' own, built through lm-eval's task configs,
+so a task whose generation settings the fast path mishandles fails here. float32: in bf16 a batch's
+matrix products take other kernel tiles than one row's, and over the tasks' budgets of up to 128 greedy
+tokens a near-tie between two tokens of these tiny models then flips now and then (seen: 1 to 2 of 40
+answers), which would hide a real batching error behind rounding."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def test_ruler_tasks_batched_answer_as_batch_one(name: str) -> None:
     from ccq_eval.harness.adapter import CCQEvalLM
     from ccq_eval.model.loading import load_model
 
-    model, tokenizer = load_model(name, device="cuda", dtype="bfloat16")
+    model, tokenizer = load_model(name, device="cuda", dtype="float32")
     requests = _requests(name)
     assert {r.task_name for r in requests} == set(RULER_SYNTHETIC_TASKS)
 
@@ -47,4 +50,4 @@ def test_ruler_tasks_batched_answer_as_batch_one(name: str) -> None:
     one_by_one = single.generate_until(requests, disable_tqdm=True)
     mismatched = [(r.task_name, r.doc.get("length"), a, b)
                   for r, a, b in zip(requests, batched, one_by_one, strict=True) if a != b]
-    assert not mismatched, mismatched[:3]
+    assert not mismatched, (len(mismatched), len(requests), mismatched[:3])

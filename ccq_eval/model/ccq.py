@@ -8,19 +8,11 @@ Definition (docs/operator.md, per layer, head h and position t):
     q~_t = sum_{j=0..R} (-lambda_t Sigma_t)^j r_t          form "series" (R = ccq_order)
     q~_t ~= (I + lambda_t Sigma_t)^-1 r_t                   form "resolvent" (S = ccq_solve_steps)
 
-The resolvent is solved by S conjugate-gradient steps from q~ = 0: I + lambda Sigma is symmetric
-positive definite, every position solves its own K x K system with its own step scalars, all positions
-at once, and each step applies Sigma once, as each series order does. `order` below is that count of
-Sigma applications for either form. Why CG: its iterates grow in norm towards the solution (Steihaug),
-so ||q~|| <= ||(I + lambda Sigma)^-1 r|| <= ||r|| after any number of steps (the resolvent never
-expands the query, whatever lambda); it is exact after at most K steps (in exact arithmetic); and
-since 0 <= Sigma <= I the condition number is at most c = 1 + lambda, so the error in the
-(I + lambda Sigma)-norm is at most 2 ((sqrt(c) - 1) / (sqrt(c) + 1))^S times the solution's. The
-series (a truncated Neumann series) diverges as R grows once lambda s_max > 1.
-
-The read form only decides what is done with each Sigma u; the three forms below differ only in how
-they apply Sigma, so they agree for either read. The fused Triton kernels implement the series of
-order 1 only; the resolvent always takes the unfused paths.
+The read form only decides what is done with each Sigma u (`ccq_read_forms`: the series, and the
+resolvent by S conjugate-gradient steps); the three forms below differ only in how they apply Sigma,
+so they agree for either read. `order` below is the count of Sigma applications for either read
+form. The fused Triton kernels implement the series of order 1 only (`ccq_fused` holds their switch
+and autograd glue); the resolvent always takes the unfused paths.
 
 Forms:
 - `ccq_read_reference`: parallel O(T^2) over a T x T decay matrix (the ground truth for tests).
@@ -39,10 +31,23 @@ before the current call, so chunked prefill and decoding continue exactly where 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
+
+from ccq_eval.model.ccq_fused import (  # noqa: F401  (re-exported: the kernel switch, for the harness)
+    KERNEL_ENV_VAR,
+    _fused_applies,
+    _FusedOrder1,
+    _FusedOrder1Keys,
+    _needs_grad,
+    fused_kernel_enabled,
+)
+from ccq_eval.model.ccq_read_forms import (  # noqa: F401  (re-exported: the forms, for models and diagnostics)
+    CCQ_FORMS,
+    apply_read_form,
+    sigma_passes,
+)
 
 
 class CCQState(NamedTuple):
@@ -76,65 +81,6 @@ def _apply_sigma(Pu: torch.Tensor, m: torch.Tensor, n: torch.Tensor, u: torch.Te
         mu = m / n
         out = out - mu * (mu * u).sum(-1, keepdim=True)
     return out
-
-
-def _polynomial(r: torch.Tensor, lam: torch.Tensor, order: int, sigma_times) -> torch.Tensor:
-    """q~ = sum_{j=0..R} (-lam Sigma)^j r, one application of Sigma per order."""
-    term, total = r, r
-    for _ in range(order):
-        term = -lam * sigma_times(term)
-        total = total + term
-    return total
-
-
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a * b).sum(-1, keepdim=True)
-
-
-def _ratio_or_zero(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den where den > 0, else 0 (a position whose residual is exactly zero takes no further
-    step); the masked division keeps 0/0 out of the gradient too."""
-    positive = den > 0
-    quotient = num / torch.where(positive, den, torch.ones_like(den))
-    return torch.where(positive, quotient, torch.zeros_like(num))
-
-
-def _resolvent(r: torch.Tensor, lam: torch.Tensor, steps: int, sigma_times) -> torch.Tensor:
-    """q~ ~= (I + lam Sigma)^-1 r: `steps` conjugate-gradient iterations from q~ = 0, one application of
-    Sigma per iteration, with per-position step scalars (dot products over the last dim). d.Ad is
-    formed as ||d||^2 + lam (d . Sigma d): at lam = 0 the first step is alpha = 1 exactly, so q~ = r
-    bit for bit, and d.Ad >= ||d||^2 > 0 even where rounding leaves Sigma slightly indefinite."""
-    solution = torch.zeros_like(r)
-    residual, direction = r, r
-    residual_sq = _dot(r, r)
-    for step in range(steps):
-        sigma_d = sigma_times(direction)
-        alpha = _ratio_or_zero(residual_sq, _dot(direction, direction) + lam * _dot(direction, sigma_d))
-        solution = solution + alpha * direction
-        if step == steps - 1:
-            break
-        residual = residual - alpha * (direction + lam * sigma_d)
-        next_sq = _dot(residual, residual)
-        direction = residual + _ratio_or_zero(next_sq, residual_sq) * direction
-        residual_sq = next_sq
-    return solution
-
-
-CCQ_FORMS = ("series", "resolvent")
-_READ_FORMS = {"series": _polynomial, "resolvent": _resolvent}
-
-
-def sigma_passes(form: str, order: int, solve_steps: int) -> int:
-    """Sigma applications of one read: the series order, or the resolvent's conjugate-gradient steps
-    (the count apply_read_form takes as `order`)."""
-    return solve_steps if form == "resolvent" else order
-
-
-def apply_read_form(form: str, r: torch.Tensor, lam: torch.Tensor, order: int, sigma_times) -> torch.Tensor:
-    """q~ from r by the read form ("series" of order `order`, or "resolvent" by `order` CG steps), given
-    sigma_times(u) = Sigma u for tensors shaped like r and lam shaped [..., 1]. Public so that code
-    holding an explicit Sigma (diagnostics) computes exactly the q~ a model reads with."""
-    return _READ_FORMS[form](r, lam, order, sigma_times)
 
 
 def _check(r, kappa, log_gamma, lam, order, form="series"):
@@ -348,95 +294,6 @@ def _ccq_chunk_kernel(r, kappa, log_gamma, lam, order, centered, state: CCQState
     return q.to(r.dtype), CCQState(final_P.to(acc), m[:, :, -1], n[:, :, -1])
 
 
-KERNEL_ENV_VAR = "CCQ_EVAL_CCQ_KERNEL"
-
-
-def fused_kernel_enabled() -> bool:
-    """The fused Triton kernels (ccq_eval/model/kernels/ccq_*.py) are the default on CUDA;
-    CCQ_EVAL_CCQ_KERNEL=unfused selects the unfused kernel path instead."""
-    choice = os.environ.get(KERNEL_ENV_VAR, "fused").strip().lower()
-    if choice not in ("fused", "unfused"):
-        raise ValueError(f"{KERNEL_ENV_VAR} must be 'fused' or 'unfused', got {choice!r}")
-    return choice == "fused"
-
-
-def _fused_applies(r: torch.Tensor, order: int, form: str = "series") -> bool:
-    """The fused kernels' domain: CUDA, not fp64, the series form of order 1, a head dim they support,
-    not switched off."""
-    if not (r.is_cuda and r.dtype != torch.float64 and form == "series" and order == 1
-            and fused_kernel_enabled()):
-        return False
-    from ccq_eval.model.kernels.ccq_forward import supports_head_dim
-
-    return supports_head_dim(r.shape[-1])
-
-
-def _needs_grad(*tensors) -> bool:
-    """Whether autograd will want gradients through these (the fused inference paths have none)."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
-
-
-class _FusedOrder1(torch.autograd.Function):
-    """Order-1 read from a zero state with the fused Triton kernels, forward and backward."""
-
-    @staticmethod
-    def forward(ctx, r, kappa, log_gamma, lam, centered):
-        from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
-
-        r, kappa = r.contiguous(), kappa.to(r.dtype).contiguous()
-        log_gamma, lam = log_gamma.float().contiguous(), lam.float().contiguous()
-        q, (P, m, n), chunk_states = ccq_order1_forward(r, kappa, log_gamma, lam, centered,
-                                                        output_final_state=True, return_chunk_states=True)
-        ctx.save_for_backward(r, kappa, log_gamma, lam, *chunk_states)
-        ctx.centered = centered
-        ctx.mark_non_differentiable(P, m, n)
-        return q, P, m, n
-
-    @staticmethod
-    def backward(ctx, dq, *_state_grads):
-        from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
-
-        r, kappa, log_gamma, lam, P_in, m_in, n_in = ctx.saved_tensors
-        dr, dkappa, dlog_gamma, dlam = ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in,
-                                                           centered=ctx.centered)
-        return dr, dkappa, dlog_gamma, dlam, None
-
-
-class _FusedOrder1Keys(torch.autograd.Function):
-    """Training's order-1 read from a zero state on raw keys k and the gate (a, b, lam_max): the fused
-    kernels normalise the keys and form lambda themselves, forward and backward, as for inference, so
-    neither pass records or recomputes unit_keys or the gate's elementwise passes. The backward
-    kernels apply their chain rules (kernels.ccq_backward.ccq_order1_backward):
-      kappa = k / max(||k||, 1e-6):  dk = (dkappa - kappa (kappa . dkappa)) / ||k||  (dkappa / 1e-6 below it)
-      lambda = lam_max sigmoid(a . r + b):  dlogit = dlambda lam_max s (1 - s),
-      dr += dlogit a,  da = sum_t dlogit r,  db = sum_t dlogit."""
-
-    @staticmethod
-    def forward(ctx, r, k, log_gamma, gate_weight, gate_bias, lam_max, centered):
-        from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward
-
-        r, keys, log_gamma = r.contiguous(), k.to(r.dtype).contiguous(), log_gamma.float().contiguous()
-        q, (P, m, n), chunk_states = ccq_order1_forward(
-            r, keys, log_gamma, None, centered, output_final_state=True, return_chunk_states=True,
-            raw_keys=True, gate=(gate_weight, gate_bias, lam_max))
-        ctx.save_for_backward(r, keys, log_gamma, gate_weight, gate_bias, *chunk_states)
-        ctx.centered, ctx.lam_max, ctx.key_dtype = centered, float(lam_max), k.dtype
-        ctx.mark_non_differentiable(P, m, n)
-        return q, P, m, n
-
-    @staticmethod
-    def backward(ctx, dq, *_state_grads):
-        from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
-
-        r, keys, log_gamma, gate_weight, gate_bias, P_in, m_in, n_in = ctx.saved_tensors
-        dr, dk, dlog_gamma, dlogit, d_weight = ccq_order1_backward(
-            r, keys, log_gamma, None, dq, P_in, m_in, n_in, centered=ctx.centered, raw_keys=True,
-            gate=(gate_weight, gate_bias, ctx.lam_max))
-        # Gradients in the parameters' own dtypes (bf16 in a bf16 model). The constant gate (no weight)
-        # adds nothing to dr.
-        d_weight = None if gate_weight is None else d_weight.to(gate_weight.dtype)
-        d_bias = dlogit.sum((0, 1)).to(gate_bias.dtype)
-        return dr, dk.to(ctx.key_dtype), dlog_gamma, d_weight, d_bias, None, None
 
 
 def _ccq_order1_fused(r, kappa, log_gamma, lam, centered, initial_state):

@@ -105,6 +105,30 @@ def _gdn_segment(q, k, v, g, beta, state):
     return torch.stack(outputs, dim=2), state
 
 
+def _gdn_chunks(qs, ks, vs, gs, betas, state):
+    """The chunkwise gated delta rule over a whole sequence of T >= 1 steps, after `_gdn_inputs`: qs, ks
+    [B, T, HV, K]; vs [B, T, HV, V]; gs, betas [B, T, HV]; state [B, HV, K, V] (K-first). Pads to whole
+    chunks and runs them segment by segment (`_gdn_segment`, checkpointed where `maybe_checkpoint`
+    says). Returns o [B, T, HV, V] in the compute dtype and the final state."""
+    B, T, HV, V = vs.shape
+    # heads first, pad to whole chunks (zero key, beta and log decay leave the state untouched)
+    qs, ks, vs, gs, betas = (x.transpose(1, 2) for x in (qs, ks, vs, gs, betas))
+    C = CHUNK_SIZE
+    num_chunks = -(-T // C)
+    pad = num_chunks * C - T
+    qs, ks, vs, gs, betas = (pad_time(x, pad) for x in (qs, ks, vs, gs, betas))
+    qs, ks, vs = (x.reshape(B, HV, num_chunks, C, x.shape[-1]) for x in (qs, ks, vs))
+    gs, betas = (x.reshape(B, HV, num_chunks, C) for x in (gs, betas))
+    outputs = []
+    for a, b in segment_ranges(num_chunks, C):
+        o_seg, state = maybe_checkpoint(
+            _gdn_segment, qs[:, :, a:b], ks[:, :, a:b], vs[:, :, a:b], gs[:, :, a:b], betas[:, :, a:b], state
+        )
+        outputs.append(o_seg)
+    o = torch.cat(outputs, dim=2).reshape(B, HV, num_chunks * C, V)[:, :, :T].transpose(1, 2)
+    return o, state
+
+
 def torch_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,22 +202,30 @@ def torch_chunk_gated_delta_rule(
     if T == 0:
         o = v.new_zeros(B, 0, HV, V, dtype=q.dtype)
         return o, (from_k_first(state, state_v_first) if output_final_state else None)
-    # heads first, pad to whole chunks (zero key, beta and log decay leave the state untouched)
-    qs, ks, vs, gs, betas = (x.transpose(1, 2) for x in (qs, ks, vs, gs, betas))
-    C = CHUNK_SIZE
-    num_chunks = -(-T // C)
-    pad = num_chunks * C - T
-    qs, ks, vs, gs, betas = (pad_time(x, pad) for x in (qs, ks, vs, gs, betas))
-    qs, ks, vs = (x.reshape(B, HV, num_chunks, C, x.shape[-1]) for x in (qs, ks, vs))
-    gs, betas = (x.reshape(B, HV, num_chunks, C) for x in (gs, betas))
-    outputs = []
-    for a, b in segment_ranges(num_chunks, C):
-        o_seg, state = maybe_checkpoint(
-            _gdn_segment, qs[:, :, a:b], ks[:, :, a:b], vs[:, :, a:b], gs[:, :, a:b], betas[:, :, a:b], state
-        )
-        outputs.append(o_seg)
-    o = torch.cat(outputs, dim=2).reshape(B, HV, num_chunks * C, V)[:, :, :T].transpose(1, 2)
+    o, state = _gdn_chunks(qs, ks, vs, gs, betas, state)
     return o.to(q.dtype), (from_k_first(state, state_v_first) if output_final_state else None)
+
+
+def _gdn_steps(qs, ks, vs, gs, gk, gv, betas, state):
+    """The gated delta rule token by token, after `_gdn_inputs`: per step the decays (g head-wise, gk
+    over K, gv over V, each optional), then the delta update with beta [B, T, HV, 1 or V], then the
+    read. qs, ks [B, T, HV, K]; vs [B, T, HV, V]; state [B, HV, K, V] (K-first). Returns o [B, T, HV, V]
+    and the final state."""
+    B, T, HV, V = vs.shape
+    outputs = []
+    for t in range(T):
+        if gs is not None:
+            state = state * gs[:, t].exp()[..., None, None]
+        if gk is not None:
+            state = state * gk[:, t].exp()[..., :, None]
+        if gv is not None:
+            state = state * gv[:, t].exp()[..., None, :]
+        k_t = ks[:, t]
+        delta = betas[:, t] * (vs[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, state))
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", qs[:, t], state))
+    o = torch.stack(outputs, dim=1) if T > 0 else vs.new_zeros(B, 0, HV, V)
+    return o, state
 
 
 def torch_fused_recurrent_gated_delta_rule(
@@ -256,24 +288,13 @@ def torch_fused_recurrent_gated_delta_rule(
         dt_bias,
         dtype,
     )
-    B, T, HV, V = v.shape
+    B, _, HV, V = v.shape
     K = k.shape[-1]
     if betas.dim() == 3:
         betas = betas[..., None]
     state = to_k_first(initial_state, state_v_first, dtype)
     if state is None:
         state = vs.new_zeros(B, HV, K, V)
-    outputs = []
-    for t in range(T):
-        if gs is not None:
-            state = state * gs[:, t].exp()[..., None, None]
-        if gk is not None:
-            state = state * gk[:, t].to(dtype).exp()[..., :, None]
-        if gv is not None:
-            state = state * gv[:, t].to(dtype).exp()[..., None, :]
-        k_t = ks[:, t]
-        delta = betas[:, t] * (vs[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, state))
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", qs[:, t], state))
-    o = torch.stack(outputs, dim=1) if T > 0 else vs.new_zeros(B, 0, HV, V)
+    gk, gv = (None if x is None else x.to(dtype) for x in (gk, gv))
+    o, state = _gdn_steps(qs, ks, vs, gs, gk, gv, betas, state)
     return o.to(v.dtype), (from_k_first(state, state_v_first) if output_final_state else None)

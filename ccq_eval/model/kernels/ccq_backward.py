@@ -10,15 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ccq_eval.model.kernels.ccq_forward import (
-    _LOCAL_CONFIGS,
-    CHUNK,
-    _chunk_rows,
-    _in_chunk_decays,
-    _kernel_gate,
-    _scan_states,
-    _tuned,
-)
+from ccq_eval.model.kernels.ccq_chunk_states import CHUNK, _chunk_rows, _in_chunk_decays, _scan_states, _tuned
+from ccq_eval.model.kernels.ccq_forward import _kernel_gate
 from ccq_eval.model.kernels.triton_device import launches_on_input_device
 
 # ------------------------------------------------------------------------------------------ backward
@@ -39,6 +32,9 @@ from ccq_eval.model.kernels.triton_device import launches_on_input_device
 # (8 warps). 16 and 32 only: with 64 the query kernel spills registers, and tiles of other shapes
 # failed in bf16 on a GPU (benchmarks/README.md).
 _BWD_CONFIGS = [triton.Config({"BK": bk}, num_warps=8, num_stages=2) for bk in (16, 32)]
+# The local sums' tiles: few candidates on purpose, each compiles on the first call of a shape.
+_LOCAL_CONFIGS = [triton.Config({"BK": bk, "BV": bk}, num_warps=warps, num_stages=2)
+                  for bk in (32, 64) for warps in (4, 8)]
 
 
 @triton.jit
@@ -96,6 +92,54 @@ def _query_pass_sums(r, kappa, m_in, P_in, dq, base, row_ok, state, inv_norm, fr
         ds_dot_m += tl.sum(ds * m, 1)
         ds_dot_Pu += tl.sum(ds * Pu, 1)
     return dlam, ds_dot_m, ds_dot_Pu
+
+
+@triton.jit
+def _query_pass_dPu(r, kappa, dq, dPu_out, dm_out, base, row_ok, inv_norm, n, alpha, dalpha, lam_t,
+                    C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, CENTERED: tl.constexpr,
+                    NORMALIZE: tl.constexpr, IEEE: tl.constexpr):
+    """Pass 2 of _ccq_bwd_query_kernel: dPu_t = ds_t / n_t and (CENTERED) dm_t = (-alpha_t ds_t + dalpha_t
+    r_t) / n_t written to memory for the key gradients, BK columns at a time; returns E = dPu kappa^T,
+    [C, C] fp32."""
+    E = tl.zeros([C, C], dtype=tl.float32)
+    for j0 in range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
+        dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        dPu = -lam_t[:, None] * dq_j / n[:, None]
+        E += _mm(dPu, tl.trans(kap_j), IEEE)
+        tl.store(dPu_out + base[:, None] + js[None, :], dPu.to(dPu_out.dtype.element_ty), mask=row_ok)
+        if CENTERED:
+            r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            dm = -alpha[:, None] * dPu + dalpha[:, None] * r_j / n[:, None]
+            tl.store(dm_out + base[:, None] + js[None, :], dm.to(dm_out.dtype.element_ty), mask=row_ok)
+    return E
+
+
+@triton.jit
+def _query_pass_dr(r, kappa, m_in, P_in, dq, dr, dPu, gate_weight, dweight_out, base, row_ok, state, inv_norm,
+                   from_start, ED, D, n, dalpha, dlam, c, i_bh, i_h, C: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, CENTERED: tl.constexpr, NORMALIZE: tl.constexpr, GATE: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Pass 3 of _ccq_bwd_query_kernel: dr_t = dq_t + dalpha_t mu_t + P_t dPu_t, P_t dPu_t being the
+    carried part exp(b_t) P_in[c] dPu_t plus the in-chunk part (ED = E * D) @ kappa, BK columns at a
+    time. GATE: dr_t also gets d logit_t a_h (dlam holds d logit), and dweight_out this chunk's
+    sum_t d logit_t r_t."""
+    for j0 in range(0, K, BK):
+        js = j0 + tl.arange(0, BK)
+        carried = _rows_times_state(dPu, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
+        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
+        grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
+        if CENTERED:
+            m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
+            grad += dalpha[:, None] * m / n[:, None]
+        if GATE:
+            grad += dlam[:, None] * tl.load(gate_weight + i_h * K + js)[None, :]
+            r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            part = (c * tl.num_programs(1) + i_bh).to(tl.int64)  # [NT, B * H, K]
+            tl.store(dweight_out + part * K + js, tl.sum(dlam[:, None] * r_j, 0))
+        tl.store(dr + base[:, None] + js[None, :], grad.to(dr.dtype.element_ty), mask=row_ok)
 
 
 @_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
@@ -161,40 +205,16 @@ def _ccq_bwd_query_kernel(
         dlam = dlam * lam_max * gate * (1.0 - gate)  # now d logit
 
     # Pass 2: dPu and dm (to memory, for the key gradients) and E = dPu kappa^T.
-    E = tl.zeros([C, C], dtype=tl.float32)
-    for j0 in range(0, K, BK):
-        js = j0 + tl.arange(0, BK)
-        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
-        dq_j = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
-        dPu = -lam_t[:, None] * dq_j / n[:, None]
-        E += _mm(dPu, tl.trans(kap_j), IEEE)
-        tl.store(dPu_out + base[:, None] + js[None, :], dPu.to(dPu_out.dtype.element_ty), mask=row_ok)
-        if CENTERED:
-            r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
-            dm = -alpha[:, None] * dPu + dalpha[:, None] * r_j / n[:, None]
-            tl.store(dm_out + base[:, None] + js[None, :], dm.to(dm_out.dtype.element_ty), mask=row_ok)
+    E = _query_pass_dPu(r, kappa, dq, dPu_out, dm_out, base, row_ok, inv_norm, n, alpha, dalpha, lam_t,
+                        C, K, BK, CENTERED, NORMALIZE, IEEE)
     out = (i_b * T + t) * H + i_h
     tl.store(dn_out + out, dn, mask=t_ok)
     tl.store(dlam_out + out, dlam, mask=t_ok)
     tl.debug_barrier()  # dPu of this chunk, just written by other threads of this program, is read below
 
     # Pass 3: dr = dq + dalpha mu + P_t dPu_t (+ d logit a with GATE).
-    ED = E * D
-    for j0 in range(0, K, BK):
-        js = j0 + tl.arange(0, BK)
-        carried = _rows_times_state(dPu_out, base, row_ok, P_in + state * K * K, js, C, K, BK, IEEE)
-        kap_j = _unit_rows(kappa, base, row_ok, js, inv_norm, NORMALIZE)
-        grad = tl.load(dq + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
-        grad += from_start[:, None] * carried + _mm(ED, kap_j, IEEE)
-        if CENTERED:
-            m = from_start[:, None] * tl.load(m_in + state * K + js)[None, :] + _mm(D, kap_j, IEEE)
-            grad += dalpha[:, None] * m / n[:, None]
-        if GATE:
-            grad += dlam[:, None] * tl.load(gate_weight + i_h * K + js)[None, :]
-            r_j = tl.load(r + base[:, None] + js[None, :], mask=row_ok, other=0.0).to(tl.float32)
-            part = (c * tl.num_programs(1) + i_bh).to(tl.int64)  # [NT, B * H, K]
-            tl.store(dweight_out + part * K + js, tl.sum(dlam[:, None] * r_j, 0))
-        tl.store(dr + base[:, None] + js[None, :], grad.to(dr.dtype.element_ty), mask=row_ok)
+    _query_pass_dr(r, kappa, m_in, P_in, dq, dr, dPu_out, gate_weight, dweight_out, base, row_ok, state, inv_norm,
+                   from_start, E * D, D, n, dalpha, dlam, c, i_bh, i_h, C, K, BK, CENTERED, NORMALIZE, GATE, IEEE)
 
 
 @_tuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "IEEE"])

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import lzma
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from ccq_eval.atomic_io import atomic_write_bytes, dumps
-from ccq_eval.harness.store import META_FILE, RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, load_results
+from ccq_eval.harness.store import META_FILE, RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, load_results, vouch
+from ccq_eval.harness.store.formats import stored_spec
+
+# The folder an archive is written into before its units are moved into place (one per process).
+TEMP_PREFIX = ".ccq-archive-"
 
 # Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
 # as their digest: they are regenerated from the task seed or the embedded corpus, and they make up
@@ -44,6 +50,7 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     a live run or an archive of another run stop the archive with nothing written."""
     source, destination = Path(source), Path(destination)
     _check_destination(destination)
+    _check_no_overlap(source, destination)
     units = [unit for unit in load_results(source) if unit.results_path.name == RESULTS_FILE]
     packed_units = []
     for unit in units:
@@ -52,17 +59,72 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
         packed_units.append((unit, target, {
             unit.samples_paths[task].name.removesuffix(".xz") + ".xz": _packed_samples(unit.samples(task))
             for task in unit.task_results if task in unit.samples_paths}))
-    written = []
-    for unit, target, packed in packed_units:
-        target.mkdir(parents=True, exist_ok=True)
-        for name in (UNIT_SPEC_FILE, META_FILE):
-            if (unit.folder / name).is_file():
-                atomic_write_bytes(target / name, (unit.folder / name).read_bytes())
-        for name, data in packed.items():
-            atomic_write_bytes(target / name, data)
-        atomic_write_bytes(target / RESULTS_FILE, unit.results_path.read_bytes())  # last: marks it finished
-        written.append(target)
+    destination.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp(destination)
+    temp = destination / f"{TEMP_PREFIX}{os.getpid()}"
+    try:
+        for unit, target, packed in packed_units:  # written whole into the temporary folder first
+            _write_unit(unit, temp / target.relative_to(destination), packed)
+        written = []
+        for _unit, target, _packed in packed_units:  # then each moved into place
+            _move_into_place(temp / target.relative_to(destination), target)
+            written.append(target)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     return written
+
+
+def _write_unit(unit: Any, folder: Path, packed: dict[str, bytes]) -> None:
+    """One archived unit: unit.json and meta.json as they are, the packed samples, results.json, and its
+    record (checksums.json over the archived files) last."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (UNIT_SPEC_FILE, META_FILE):
+        if (unit.folder / name).is_file():
+            atomic_write_bytes(folder / name, (unit.folder / name).read_bytes())
+    for name, data in packed.items():
+        atomic_write_bytes(folder / name, data)
+    atomic_write_bytes(folder / RESULTS_FILE, unit.results_path.read_bytes())
+    vouch.write_record(folder, stored_spec(folder / UNIT_SPEC_FILE, folder / META_FILE) or {})
+
+
+def _move_into_place(built: Path, target: Path) -> None:
+    """Replace `target` (an earlier archive of the same run, or nothing) by the unit folder `built`."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        old = target.with_name(f"{TEMP_PREFIX}old-{os.getpid()}-{target.name}")
+        os.replace(target, old)
+        os.replace(built, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(built, target)
+
+
+def _remove_stale_temp(destination: Path) -> None:
+    """Temporary folders an archive that was killed left (its process is gone)."""
+    for folder in destination.glob(f"{TEMP_PREFIX}*"):
+        pid = folder.name.removeprefix(TEMP_PREFIX).removeprefix("old-").split("-")[0]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_no_overlap(source: Path, destination: Path) -> None:
+    """An archive is written beside its source, never into it nor around it."""
+    src, dst = source.resolve(), destination.resolve()
+    if src == dst or dst.is_relative_to(src) or src.is_relative_to(dst):
+        raise ResultsError(f"the archive {destination} overlaps its source {source} (one lies inside the other); "
+                           "nothing was written: archive into a folder outside the run, e.g. results/<name>")
 
 
 def _packed_samples(records: list[dict[str, Any]]) -> bytes:
@@ -89,9 +151,9 @@ def _check_archive_target(target: Path, unit: Path) -> None:
     instead of the archived ones)."""
     if not target.is_dir():
         return
-    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE}
-    live = sorted(p.name for p in target.iterdir()
-                  if p.name not in archived and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
+    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE, vouch.CHECKSUMS_FILE}
+    live = sorted(p.name for p in target.iterdir() if p.name not in archived and not p.name.startswith(".")
+                  and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
     if live:
         raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
                            "written: archive into a new folder, or delete that unit folder first")

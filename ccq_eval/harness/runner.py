@@ -224,6 +224,9 @@ class RunSession:
             except run_plan.PlanError as exc:
                 return self.fail(unit, exc)
             if unit.finished:
+                failure = self.store.failure(unit.dir, unit.model)  # a helper's stored failure is this run's
+                if failure is not None:
+                    return self.fail(unit, ResultsError(failure))
                 self.summary.elsewhere.append(unit)
                 self.report.unit_end(unit, "done by another worker")
                 return True

@@ -19,9 +19,11 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from ccq_eval.analysis.formatting import csv_safe
 from ccq_eval.inspection import InspectError
 from ccq_eval.inspection.prompts import needle_prompts, resolve_task
 
@@ -110,6 +112,18 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
     return rows, spectra, samples
 
 
+def check_finite(name: str, folder: Path, table: str, rows: list[dict[str, Any]]) -> None:
+    """InspectError when a model's measurements hold NaN or infinite values (a NaN weight): they would be
+    written as blank cells and empty figures, as if measured."""
+    import math
+
+    for row in rows:
+        bad = sorted(key for key, value in row.items() if isinstance(value, float) and not math.isfinite(value))
+        if bad:
+            raise InspectError(f"model {name} ({folder}) gives NaN or infinite values ({table}: {', '.join(bad[:3])}); "
+                               "nothing was written: look for NaN / inf weights in its checkpoint")
+
+
 def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambda message: None) -> list[Path]:
     """Read every model on every prompt, then write the tables, inspect.json and the figures."""
     from ccq_eval.atomic_io import atomic_write_text
@@ -139,12 +153,13 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
     tables = {name: [] for name in TABLES}
     for name, folder in folders.items():
         for table, part in zip(TABLES, inspect_model(name, folder, options, device, progress)):
+            check_finite(name, folder, table, part)
             tables[table] += part
     options.output.mkdir(parents=True, exist_ok=True)
     frames = {table: pd.DataFrame(rows) for table, rows in tables.items()}
     written = []
     for table, frame in frames.items():
-        atomic_write_text(options.output / table, frame.to_csv(index=False))
+        atomic_write_text(options.output / table, csv_safe(frame).to_csv(index=False))
         written.append(options.output / table)
     settings = {"models": options.models, "task": options.task, "lengths": options.lengths, "depths": options.depths,
                 "seed": options.seed, "samples_per_cell": options.samples_per_cell, "positions": options.positions,

@@ -69,5 +69,5 @@ def test_inspect_on_a_nan_checkpoint_says_so_and_writes_nothing(tmp_path):
     out = tmp_path / "inspect"
     result = CliRunner().invoke(cli.app, ["inspect", "-m", str(broken), "-t", "s-niah-1", "--lengths", "1024",
                                           "--depths", "0", "--positions", "2", "-o", str(out)])
-    assert result.exit_code != 0 and "gives NaN or infinite values" in result.output, result.output
+    assert result.exit_code != 0 and "gives NaN or infinite logits" in result.output, result.output
     assert not out.exists()

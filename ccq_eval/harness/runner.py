@@ -142,7 +142,8 @@ def execute_plan(
                                                reporter=session.report)
     completed = False
     try:
-        session.run(plan.pending)
+        with workers_module.terminated_as_exit():  # SIGTERM (`timeout`, kill) ends the helpers below too
+            session.run(plan.pending)
         completed = True
     finally:
         session.report.run_end()

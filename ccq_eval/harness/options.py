@@ -105,6 +105,13 @@ def parse_depths(text: str) -> list[float]:
         depths.append(value)
     if len(set(depths)) != len(depths):
         raise PlanError(f"--depths: {text!r} repeats a depth")
+    labels: dict[str, float] = {}
+    for value in depths:  # the tables show a depth to two decimals: two depths must not read the same
+        label = f"{value:.2f}"
+        if label in labels:
+            raise PlanError(f"--depths: {labels[label]!r} and {value!r} both read {label} in the tables; give depths "
+                            "that differ within two decimals")
+        labels[label] = value
     return sorted(depths)
 
 

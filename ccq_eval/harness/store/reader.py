@@ -83,6 +83,11 @@ class StoredUnit:
         """The per-sample log of `task` (empty when the run did not log samples)."""
         path = self.samples_paths.get(task)
         if path is None:
+            counts = (self.results.get("n-samples") or {}).get(task)
+            if self.results_path.name == RESULTS_FILE and isinstance(counts, dict) and counts.get("original"):
+                raise ResultsError(f"{self.folder} has no samples_{slugify(task)}.jsonl, though "
+                                   f"{self.results_path.name} records {counts['original']} samples of {task}: restore "
+                                   f"it, or delete {self.results_path} to redo the unit")
             return []
         records = list(iter_jsonl(path))
         self._check_samples(task, path, records)

@@ -83,16 +83,23 @@ class StoredUnit:
         """The per-sample log of `task` (empty when the run did not log samples)."""
         path = self.samples_paths.get(task)
         if path is None:
-            counts = (self.results.get("n-samples") or {}).get(task)
-            if self.results_path.name == RESULTS_FILE and isinstance(counts, dict) and counts.get("original"):
-                raise ResultsError(f"{self.folder} has no samples_{slugify(task)}.jsonl, though "
-                                   f"{self.results_path.name} records {counts['original']} samples of {task}: restore "
-                                   f"it, or delete {self.results_path} to redo the unit")
             return []
         records = list(iter_jsonl(path))
         self._check_samples(task, path, records)
         vouch.check_aggregates(self.results_path, self.results, task, records, recomputable)
         return records
+
+    def missing_samples(self) -> str | None:
+        """The one line for a unit folder whose results.json counts samples of a task that has no samples
+        file beside it (None when every such task has its file)."""
+        for task in self.leaf_tasks():
+            counts = (self.results.get("n-samples") or {}).get(task)
+            if (task not in self.samples_paths and self.results_path.name == RESULTS_FILE
+                    and isinstance(counts, dict) and counts.get("original")):
+                return (f"{self.folder} has no samples_{slugify(task)}.jsonl, though {self.results_path.name} "
+                        f"records {counts['original']} samples of {task}: restore it, or delete "
+                        f"{self.results_path} to redo the unit")
+        return None
 
     def explain_changed_file(self, name: str) -> None:
         """For a file its record does not vouch for: the more telling error of a samples file that does not

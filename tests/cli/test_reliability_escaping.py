@@ -51,3 +51,10 @@ def test_latex_escapes_names(tmp_path):
     result = invoke("table", str(tmp_path / "out"), "--format", "latex")
     assert result.exit_code == 0, result.output
     assert "a\\&b\\$c\\#d" in result.output and "a&b$c#d" not in result.output
+
+
+def test_figures_show_a_name_with_tex_markup_as_written(tmp_path):
+    write_sniah(tmp_path / "out", "$\\notacommand{x}$", baseline_correct)
+    result = invoke("figures", str(tmp_path / "out"), "-o", str(tmp_path / "figures"))
+    assert result.exit_code == 0, result.output
+    assert list((tmp_path / "figures").glob("*.png"))

@@ -137,3 +137,37 @@ def test_archive_after_a_killed_archive_removes_its_temporary_folder(tmp_path):
     result = invoke("archive", str(output), str(archive))
     assert result.exit_code == 0, result.output
     assert not list(archive.glob(".ccq-archive-*")) and len(store.load_results(archive)) == 1
+
+
+def test_a_rerun_refuses_a_finished_unit_whose_results_were_edited(fake_world):
+    from test_cli_run import RUN_ARGS
+    from test_reliability import finished_run
+
+    finished_run("out")
+    unit = store.unit_dir(Path("out"), "tiny-strong", "ccq_s_niah_fake")
+    results = json.loads(unit.results.read_text())
+    results["n-samples"] = {}
+    unit.results.write_text(json.dumps(results))
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert_one_line_error(result, str(unit.results), "is not the file its unit wrote")
+
+
+def test_an_archive_that_fails_midway_leaves_no_partial_unit(tmp_path, monkeypatch):
+    from ccq_eval.harness import archive
+
+    output, destination = tmp_path / "r", tmp_path / "archive"
+    write_sniah(output, "a", baseline_correct)
+    write_sniah(output, "b", variant_correct)
+    written = []
+
+    def disk_full_after_three_files(path, data):
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        Path(path).write_bytes(data)
+
+    monkeypatch.setattr(archive, "atomic_write_bytes", disk_full_after_three_files)
+    with pytest.raises(OSError, match="No space left"):
+        archive.archive_results(output, destination)
+    assert not list(destination.rglob("results.json"))  # nothing a reader would take for a run
+    assert not list(destination.glob(".ccq-archive-*"))

@@ -124,7 +124,9 @@ def markdown_escape(text: str) -> str:
     for pattern, escapes in _MARKUP:
         if pattern.search(text):
             special |= escapes
-    return "".join(special.get(ch, ch) for ch in text)
+    escaped = "".join(special.get(ch, ch) for ch in text)
+    # GitHub links bare addresses too (https://..., www....): an escaped character breaks the address
+    return re.sub(r"(?i)(?<=[a-z])://", r"\\://", escaped).replace("www.", "www\\.")
 
 
 def to_markdown(frame: pd.DataFrame, digits: int = 2) -> str:

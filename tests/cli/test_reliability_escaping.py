@@ -42,8 +42,14 @@ def test_markdown_never_makes_a_link_or_code_of_a_name(tmp_path):
                  ["compare", "--baseline", LINK, "--variant", "`code` *bold*", "--n-boot", "100"]):
         result = invoke(args[0], str(tmp_path / "out"), *args[1:])
         assert result.exit_code == 0, result.output
-        assert "[click](" not in result.output and "\\[click\\](http://example.invalid)" in result.output
+        assert "[click](" not in result.output and "\\[click\\](http\\://example.invalid)" in result.output
         assert "`code`" not in result.output and "\\`code\\` \\*bold\\*" in result.output
+
+
+def test_markdown_never_links_a_bare_address(tmp_path):
+    write_sniah(tmp_path / "out", "www.example.invalid", baseline_correct)
+    result = invoke("table", str(tmp_path / "out"))
+    assert result.exit_code == 0 and "www\\.example.invalid" in result.output, result.output
 
 
 def test_latex_escapes_names(tmp_path):

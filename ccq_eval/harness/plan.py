@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 # Task metadata that names a folder on this machine: a unit's identity records the content of the file the
 # task reads there (its spec's data_files), not the folder, so that a copy of the data elsewhere is the same.
-FOLDER_METADATA_KEYS = ("qa_dir",)
+FOLDER_METADATA_KEYS = ("qa_dir", "data_dir")
 
 # --------------------------------------------------------------------------------------------
 # Defaults that fit the machine
@@ -269,7 +269,11 @@ IDENTITY_SINCE_FORMAT_3 = ("task_definition", "versions")
 
 def _with_identity_of_old_units(unit: Unit, stored: dict[str, Any] | None) -> dict[str, Any] | None:
     """A spec stored before the task definition and versions were recorded is taken as asking this run's
-    (nothing shows otherwise), with a note that it may come from another task definition."""
+    (nothing shows otherwise), with a note that it may come from another task definition; the data folder
+    it may name is left out (its files' content is what the spec compares)."""
+    if isinstance(stored, dict) and isinstance(stored.get("task_metadata"), dict):
+        metadata = {key: value for key, value in stored["task_metadata"].items() if key not in FOLDER_METADATA_KEYS}
+        stored = dict(stored, task_metadata=metadata)
     if stored is None or any(key in stored for key in IDENTITY_SINCE_FORMAT_3):
         return stored
     logger.warning("%s was stored by an older ccq-eval that did not record the task definition and version; "

@@ -78,3 +78,20 @@ def test_a_unit_stored_before_the_definition_was_recorded_is_taken_with_a_note(t
     (unit.path / vouch.CHECKSUMS_FILE).unlink()
     assert run_plan.plan_run(options).units[0].finished
     assert "did not record the task definition" in caplog.text
+
+
+def test_a_unit_moved_with_its_data_stays_valid_and_changed_data_does_not(tmp_path):
+    data, out = tmp_path / "a" / "longbench", tmp_path / "a" / "out"
+    data.mkdir(parents=True)
+    (data / "qasper.jsonl").write_text('{"input": "q", "context": "c", "answers": ["x"], "length": 10}\n')
+    task = "ccq_longbench_qasper"
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=[task], longbench_dir=data, output=out)
+    _finish(run_plan.plan_run(options))
+    moved = tmp_path / "b"
+    (tmp_path / "a").rename(moved)  # the results and the data, moved together
+    again = run_plan.RunOptions(models=["tiny-gdn"], tasks=[task], longbench_dir=moved / "longbench",
+                                output=moved / "out")
+    assert run_plan.plan_run(again).units[0].finished
+    (moved / "longbench" / "qasper.jsonl").write_text('{"input": "other"}\n')
+    with pytest.raises(run_plan.PlanError, match="data_files"):
+        run_plan.plan_run(again)

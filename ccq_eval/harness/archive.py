@@ -54,7 +54,7 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     units = [unit for unit in load_results(source) if unit.results_path.name == RESULTS_FILE]
     packed_units = []
     for unit in units:
-        target = destination / unit.folder.relative_to(source)
+        target = destination / _archived_path(unit.folder, source)
         _check_archive_target(target, unit.folder)
         packed_units.append((unit, target, {
             unit.samples_paths[task].name.removesuffix(".xz") + ".xz": _packed_samples(unit.samples(task))
@@ -72,6 +72,13 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return written
+
+
+def _archived_path(folder: Path, source: Path) -> Path:
+    """Where a unit folder goes below the archive: its place below `source`, and at least <model>/<task>
+    (archiving one model's or one unit's folder keeps the names a unit's record is checked against)."""
+    relative = folder.relative_to(source)
+    return relative if len(relative.parts) >= 2 else Path(folder.parent.name, folder.name)
 
 
 def _write_unit(unit: Any, folder: Path, packed: dict[str, bytes]) -> None:

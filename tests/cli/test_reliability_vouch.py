@@ -171,3 +171,12 @@ def test_an_archive_that_fails_midway_leaves_no_partial_unit(tmp_path, monkeypat
         archive.archive_results(output, destination)
     assert not list(destination.rglob("results.json"))  # nothing a reader would take for a run
     assert not list(destination.glob(".ccq-archive-*"))
+
+
+@pytest.mark.parametrize("part", ["model", "unit"])
+def test_archiving_one_model_or_unit_keeps_its_names(tmp_path, part):
+    unit = write_sniah(tmp_path / "r", "a", baseline_correct)
+    source = unit.parent if part == "model" else unit
+    assert invoke("archive", str(source), str(tmp_path / "archive")).exit_code == 0
+    (archived,) = store.load_results(tmp_path / "archive")
+    assert archived.folder == tmp_path / "archive" / "a" / SNIAH_TASK and archived.vouched

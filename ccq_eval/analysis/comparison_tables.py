@@ -18,6 +18,7 @@ from ccq_eval.analysis.formatting import (
     FORMATS,
     NON_FINITE_NOTE,
     AnalysisOptionError,
+    csv_safe,
     display_task,
     failed_label,
     markdown_escape,
@@ -130,7 +131,7 @@ def render_comparison(frame: pd.DataFrame, baseline: str, variant: str, fmt: str
                       confidence: float = 0.95, alpha: float = DEFAULT_ALPHA) -> str:
     """One pair's frame (from compare_models or adjust_comparisons) as `compare` prints it."""
     if fmt == "csv":
-        return frame.to_csv(index=False)
+        return csv_safe(frame).to_csv(index=False)
     table = comparison_display(frame, baseline, variant, confidence)
     note = comparison_note(alpha, *_method_of(frame))
     if (frame["verdict"] == "failed").any():
@@ -205,7 +206,7 @@ def render_summary(comparisons: Comparisons, fmt: str = "markdown", alpha: float
     comparisons = list(comparisons)
     table = comparison_summary(comparisons, p_adjust, alpha)
     if fmt == "csv":
-        return table.to_csv()
+        return csv_safe(table).to_csv()
     if fmt == "latex":
         return to_latex(table, 3, "CCQ against its baseline") + "\n"
     if fmt != "markdown":

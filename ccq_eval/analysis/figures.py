@@ -55,6 +55,7 @@ STYLE = {
     "axes.grid": True,
     "grid.alpha": 0.3,
     "pdf.fonttype": 42,  # embed TrueType: editable text in the PDF
+    "text.parse_math": False,  # a model or task name with $...$ is shown as written, never as TeX markup
 }
 # Okabe & Ito's colour-blind-safe palette (without its black): blue, orange, bluish green,
 # vermillion, reddish purple, sky blue, yellow.

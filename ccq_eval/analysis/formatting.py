@@ -8,6 +8,7 @@ which would change every committed table.md; LaTeX goes through pandas' Styler.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pandas as pd
@@ -106,13 +107,26 @@ def flat(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
     return headers, flattened.astype(object).values.tolist()
 
 
-_MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;", "\n": " ", "\r": " "}
+_MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;", "\n": " ", "\r": " ",
+                     "`": "\\`"}
+# Markup that only some text can make: a link ([text](url), [text][ref]) and emphasis (an asterisk or an
+# underscore that can open it: followed by a character that is no space). Escaped only where the text
+# could make it, so that the cells this package writes ("[-1.0, +2.0]", "p = 0.001**") read as they are.
+_MARKUP = ((re.compile(r"\]\s*[(\[]"), {"[": "\\[", "]": "\\]"}),
+           (re.compile(r"\*[^\s*]"), {"*": "\\*"}),
+           (re.compile(r"(?:^|[^\w])_[^\s_]"), {"_": "\\_"}))
 
 
 def markdown_escape(text: str) -> str:
     """`text` as literal markdown table text: a `|` in a model folder named `gla|100.00` must not start
-    a cell, and raw HTML in a name must not become markup."""
-    return "".join(_MARKDOWN_SPECIAL.get(ch, ch) for ch in text)
+    a cell, and raw HTML, a link, code or emphasis in a name must not become markup."""
+    special = dict(_MARKDOWN_SPECIAL)
+    for pattern, escapes in _MARKUP:
+        if pattern.search(text):
+            special |= escapes
+    escaped = "".join(special.get(ch, ch) for ch in text)
+    # GitHub links bare addresses too (https://..., www....): an escaped character breaks the address
+    return re.sub(r"(?i)(?<=[a-z])://", r"\\://", escaped).replace("www.", "www\\.")
 
 
 def to_markdown(frame: pd.DataFrame, digits: int = 2) -> str:
@@ -144,9 +158,38 @@ def to_latex(frame: pd.DataFrame, digits: int = 2, caption: str = "") -> str:
     ).rstrip("\n")
 
 
+# A csv cell that begins with one of these is a formula to a spreadsheet (OWASP, "CSV Injection").
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A text cell made inert for spreadsheets: one that begins like a formula (a checkpoint folder named
+    `=1+2`) gets a leading `'`, as OWASP recommends; numbers, and text that reads as a number (`-0.5`),
+    stay as they are."""
+    if not isinstance(value, str) or not value.startswith(_FORMULA_START):
+        return value
+    try:
+        float(value)
+    except ValueError:
+        return "'" + value
+    return value
+
+
+def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with every text cell, column name and index label passed through csv_cell."""
+    safe = frame.map(csv_cell)
+    safe.columns = safe.columns.map(lambda name: csv_cell(name) if isinstance(name, str) else name)
+    if isinstance(safe.index, pd.MultiIndex):
+        safe.index = safe.index.set_levels([level.map(csv_cell) if level.dtype == object else level
+                                            for level in safe.index.levels])
+    elif safe.index.dtype == object:
+        safe.index = safe.index.map(csv_cell)
+    return safe
+
+
 def to_csv(frame: pd.DataFrame) -> str:
     flattened = frame.reset_index() if _has_named_index(frame) else frame
-    return flattened.to_csv(index=False)
+    return csv_safe(flattened).to_csv(index=False)
 
 
 def check_format(fmt: str) -> None:

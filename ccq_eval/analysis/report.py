@@ -45,7 +45,7 @@ from ccq_eval.analysis import ruler, stats, tables
 from ccq_eval.analysis.formatting import NON_FINITE_NOTE, display_task, flat, format_cell, length_text
 from ccq_eval.analysis.report_samples import sample_cells, sample_selects
 from ccq_eval.harness import store
-from ccq_eval.harness.store import UNIT_SPEC_FILE, ResultsError, StoredUnit
+from ccq_eval.harness.store import RESULTS_FILE, UNIT_SPEC_FILE, ResultsError, StoredUnit
 
 REPORT_FILE = "report.html"
 PAGE_TEMPLATE = "report.html.j2"
@@ -107,9 +107,10 @@ def missing_parts(root: Path, units: Sequence[StoredUnit]) -> list[str]:
 
 
 def _unfinished_error(root: Path) -> ResultsError | None:
-    """The error for a folder whose units all started but none finished (None when that is not so)."""
+    """The error for a folder whose units all started but none finished (None when that is not so: a
+    folder with a results.json has its own error, a corrupt file named)."""
     started = sorted(Path(root).rglob(UNIT_SPEC_FILE)) if Path(root).is_dir() else []
-    if not started:
+    if not started or any(Path(root).rglob(RESULTS_FILE)):
         return None
     names = ", ".join(str(spec.parent.relative_to(root)) for spec in started[:4])
     more = f" and {len(started) - 4} more" if len(started) > 4 else ""

@@ -325,8 +325,8 @@ def _compare_group(task: str, group: Any, info: MetricInfo, pairs: list[tuple[di
         "baseline": float(statistic(base[None])[0]),
         "variant": float(statistic(var[None])[0]),
         "delta": boot.delta,
-        "ci_low": boot.low,
-        "ci_high": boot.high,
+        "ci_low": boot.low if boot.n > 1 else math.nan,  # resampling one pair gives no interval ("-")
+        "ci_high": boot.high if boot.n > 1 else math.nan,
         "p_value": p_value,
         "test": test,
         "sig": "",

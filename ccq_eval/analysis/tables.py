@@ -197,7 +197,7 @@ def _render_tidy(tidy: pd.DataFrame, fmt: str, digits: int) -> str:
     if fmt != "csv":
         frame = frame.drop(columns=["family", "primary", "higher_is_better"])
     if fmt == "csv":
-        return frame.to_csv(index=False)
+        return to_csv(frame)
     if fmt == "latex":
         return to_latex(frame, digits, "All results") + "\n"
     return to_markdown(frame, digits) + (f"\n\n_{NON_FINITE_NOTE}_" if has_failures(frame) else "") + "\n"

@@ -96,6 +96,10 @@ def compare(
                      f"(models: {names}); name the two models with --baseline and --variant")
         else:
             pairs = [(baseline, variant)]
+        compared_models = {name for pair in pairs for name in pair}
+        missing = [unit.missing_samples() for unit in units if unit.model in compared_models]
+        if any(missing):  # its rows would be left out without a word
+            fail(next(line for line in missing if line))
         compared = [(base, var, stats.compare_models(units, base, var, metric=metric, n_boot=n_boot, seed=seed,
                                                      alpha=alpha, p_adjust=p_adjust.value)) for base, var in pairs]
     except UserError as exc:

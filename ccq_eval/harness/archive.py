@@ -1,16 +1,18 @@
 """Archiving: a compact copy of finished units, for committing results to the repository.
 
-Results (xz-compressed), metadata and unit specs are copied with the run's machine paths made relative (portable.py:
-the working folder becomes '.', the run's output folder the archive's); per-sample logs are
+Results (xz-compressed), metadata and unit specs are copied with the run's machine paths made relative
+(portable.py: the working folder becomes '.', the run's output folder the archive's); per-sample logs are
 xz-compressed with their long strings (haystacks, documents, prompts) replaced by length and sha256;
-resume caches stay out. `ccq-eval table`, `compare` and `figures` read an archive exactly as the run it
-came from.
+resume caches stay out; each unit's record (checksums.json) covers the archived files. `ccq-eval table`,
+`compare` and `figures` read an archive exactly as the run it came from.
 """
 
 from __future__ import annotations
 
 import hashlib
 import lzma
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,12 @@ from ccq_eval.harness.store import (
     is_unit_results,
     load_results,
     read_json,
+    vouch,
 )
+from ccq_eval.harness.store.formats import stored_spec
+
+# The folder an archive is written into before its units are moved into place (one per process).
+TEMP_PREFIX = ".ccq-archive-"
 
 # Strings longer than this in a sample's doc / arguments (haystacks, documents, prompts) are stored
 # as their digest: they are regenerated from the task seed or the embedded corpus, and they make up
@@ -56,29 +63,50 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     a live run or an archive of another run stop the archive with nothing written."""
     source, destination = Path(source), Path(destination)
     _check_destination(destination)
+    _check_no_overlap(source, destination)
     units = [unit for unit in load_results(source) if is_unit_results(unit.results_path)]
     packed_units = []
     for unit in units:
-        target = destination / unit.folder.relative_to(source)
+        target = destination / _archived_path(unit.folder, source)
         meta = read_json(unit.folder / META_FILE) if (unit.folder / META_FILE).is_file() else {}
         rewrite = PathRewrite.for_unit(meta, source, destination)
-        files = {name: _portable_bytes(unit.folder / name, rewrite) for name in (UNIT_SPEC_FILE, META_FILE)
-                 if (unit.folder / name).is_file()}
-        _check_archive_target(target, files.get(META_FILE))
-        files |= {unit.samples_paths[task].name.removesuffix(".xz") + ".xz":
-                  _packed_samples(unit.samples(task), rewrite) for task in unit.task_results
-                  if task in unit.samples_paths}
-        # last: marks it finished
-        files[ARCHIVED_RESULTS_FILE] = lzma.compress(_portable_bytes(unit.results_path, rewrite), preset=9)
-        packed_units.append((target, files))
-    written = []
-    for target, files in packed_units:
-        target.mkdir(parents=True, exist_ok=True)
-        (target / RESULTS_FILE).unlink(missing_ok=True)  # an archive this package wrote before it compressed
-        for name, data in files.items():
-            atomic_write_bytes(target / name, data)
-        written.append(target)
+        packed = {name: _portable_bytes(unit.folder / name, rewrite) for name in (UNIT_SPEC_FILE, META_FILE)
+                  if (unit.folder / name).is_file()}
+        _check_archive_target(target, packed.get(META_FILE))
+        packed |= {unit.samples_paths[task].name.removesuffix(".xz") + ".xz":
+                   _packed_samples(unit.samples(task), rewrite) for task in unit.task_results
+                   if task in unit.samples_paths}
+        packed[ARCHIVED_RESULTS_FILE] = lzma.compress(_portable_bytes(unit.results_path, rewrite), preset=9)
+        packed_units.append((unit, target, packed))
+    destination.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp(destination)
+    temp = destination / f"{TEMP_PREFIX}{os.getpid()}"
+    try:
+        for unit, target, packed in packed_units:  # written whole into the temporary folder first
+            _write_unit(unit, temp / target.relative_to(destination), packed)
+        written = []
+        for _unit, target, _packed in packed_units:  # then each moved into place
+            _move_into_place(temp / target.relative_to(destination), target)
+            written.append(target)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     return written
+
+
+def _archived_path(folder: Path, source: Path) -> Path:
+    """Where a unit folder goes below the archive: its place below `source`, and at least <model>/<task>
+    (archiving one model's or one unit's folder keeps the names a unit's record is checked against)."""
+    relative = folder.relative_to(source)
+    return relative if len(relative.parts) >= 2 else Path(folder.parent.name, folder.name)
+
+
+def _write_unit(unit: Any, folder: Path, packed: dict[str, bytes]) -> None:
+    """One archived unit: unit.json and meta.json, the packed samples, results.json.xz (in that order), and
+    its record (checksums.json over the archived files) last."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in packed.items():
+        atomic_write_bytes(folder / name, data)
+    vouch.write_record(folder, stored_spec(folder / UNIT_SPEC_FILE, folder / META_FILE) or {})
 
 
 def _portable_bytes(path: Path, rewrite: PathRewrite) -> bytes:
@@ -87,6 +115,46 @@ def _portable_bytes(path: Path, rewrite: PathRewrite) -> bytes:
     original = read_json(path)
     portable = rewrite(original)
     return data if portable == original else (dumps(portable) + "\n").encode("utf-8")
+
+
+def _move_into_place(built: Path, target: Path) -> None:
+    """Replace `target` (an earlier archive of the same run, or nothing) by the unit folder `built`."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        old = target.with_name(f"{TEMP_PREFIX}old-{os.getpid()}-{target.name}")
+        os.replace(target, old)
+        os.replace(built, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(built, target)
+
+
+def _remove_stale_temp(destination: Path) -> None:
+    """Temporary folders an archive that was killed left (its process is gone)."""
+    for folder in destination.glob(f"{TEMP_PREFIX}*"):
+        pid = folder.name.removeprefix(TEMP_PREFIX).removeprefix("old-").split("-")[0]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_no_overlap(source: Path, destination: Path) -> None:
+    """An archive is written beside its source, never into it nor around it."""
+    src, dst = source.resolve(), destination.resolve()
+    if src == dst or dst.is_relative_to(src) or src.is_relative_to(dst):
+        raise ResultsError(f"the archive {destination} overlaps its source {source} (one lies inside the other); "
+                           "nothing was written: archive into a folder outside the run, e.g. results/<name>")
 
 
 def _packed_samples(records: list[dict[str, Any]], rewrite: PathRewrite) -> bytes:
@@ -114,9 +182,9 @@ def _check_archive_target(target: Path, archived_meta: bytes | None) -> None:
     instead of the archived ones)."""
     if not target.is_dir():
         return
-    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE, ARCHIVED_RESULTS_FILE}
-    live = sorted(p.name for p in target.iterdir()
-                  if p.name not in archived and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
+    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE, ARCHIVED_RESULTS_FILE, vouch.CHECKSUMS_FILE}
+    live = sorted(p.name for p in target.iterdir() if p.name not in archived and not p.name.startswith(".")
+                  and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
     if live:
         raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
                            "written: archive into a new folder, or delete that unit folder first")

@@ -16,6 +16,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.errors import UserError
 from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.resume import request_keys
@@ -138,6 +139,16 @@ class PrefillAhead:
             self._pending[1].exception()  # waits; an error there matters only to a caller that takes it
             self._pending = None
         self._pool.shutdown(wait=True)
+
+
+class NonFiniteGenerationError(UserError, RuntimeError):
+    """The model gave NaN or infinite logits while generating: its answers would be arbitrary tokens, so
+    the unit fails (as a NaN log-likelihood fails a scored unit) instead of being stored as wrong answers."""
+
+
+NON_FINITE_GENERATION = ("the model gave NaN or infinite logits while generating, so its answers mean "
+                         "nothing and the unit failed: look for NaN / inf weights in the checkpoint, or use "
+                         "a smaller --ccq-attach lambda")
 
 
 def as_bool(value: Any) -> bool:
@@ -409,7 +420,11 @@ class Generator:
         generated: list[list[int]] = [[] for _ in prompts]
         done = [max_new < 1] * len(prompts)
         self.last_decode_steps = 0  # one-token model calls of this batch (graph replays included)
+        finite = torch.ones((), dtype=torch.bool, device=logits.device)  # checked once, after the batch
         while not all(done):
+            finite &= torch.isfinite(logits).all()
+            if settings.get("do_sample") and not bool(finite):  # a draw from NaN probabilities would fail obscurely
+                raise NonFiniteGenerationError(NON_FINITE_GENERATION)
             tokens, chose = self._step_tokens(logits, settings, generators, tails)
             budget_ends = all(d or (c and len(g) + 1 >= max_new) for d, c, g in zip(done, chose, generated))
             if graphed is not None and not budget_ends:
@@ -440,6 +455,8 @@ class Generator:
             step_logits, cache = self.runtime.forward(tokens.view(-1, 1), cache, 1)
             logits = step_logits[:, -1]
             self.last_decode_steps += 1
+        if not bool(finite):
+            raise NonFiniteGenerationError(NON_FINITE_GENERATION)
         texts = []
         for ids in generated:
             text = self.codec.decode(ids)

@@ -105,6 +105,13 @@ def parse_depths(text: str) -> list[float]:
         depths.append(value)
     if len(set(depths)) != len(depths):
         raise PlanError(f"--depths: {text!r} repeats a depth")
+    labels: dict[str, float] = {}
+    for value in depths:  # the tables show a depth to two decimals: two depths must not read the same
+        label = f"{value:.2f}"
+        if label in labels:
+            raise PlanError(f"--depths: {labels[label]!r} and {value!r} both read {label} in the tables; give depths "
+                            "that differ within two decimals")
+        labels[label] = value
     return sorted(depths)
 
 
@@ -292,7 +299,19 @@ def data_parallel_ranks() -> tuple[int, int]:
         raise PlanError(f"environment variables RANK={rank} and WORLD_SIZE={world_size}: the rank must lie "
                         "below the world size; a RANK or WORLD_SIZE left from another launch? unset both "
                         "(`unset RANK WORLD_SIZE`) or start the run with torchrun / accelerate launch")
+    missing = [name for name in _LAUNCHER_VARIABLES if not os.environ.get(name, "").strip()]
+    if world_size > 1 and missing:  # the process would wait for ranks that never come
+        raise PlanError(f"environment variable WORLD_SIZE={world_size} asks for a data-parallel run, but "
+                        f"{', '.join(missing)} (which torchrun and accelerate launch set) is not set: a WORLD_SIZE "
+                        "left from another launch? unset it (`unset RANK WORLD_SIZE`) or start the run with "
+                        "torchrun / accelerate launch")
     return rank, world_size
+
+
+# What torchrun (and accelerate launch, which runs it) sets beside RANK and WORLD_SIZE, per process; a
+# shell that kept RANK / WORLD_SIZE from an earlier launch rarely keeps it too (MASTER_ADDR / MASTER_PORT,
+# when missing, are refused by torch itself at once).
+_LAUNCHER_VARIABLES = ("LOCAL_RANK",)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ folder already holds, so a bad command fails in a second; it imports neither tor
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,16 +21,18 @@ from ccq_eval.harness.options import Grid, ParsedOptions, PlanError, environment
 from ccq_eval.harness.run_options import RunOptions
 from ccq_eval.harness.store import ResultsError, ResultsStore, UnitDir
 from ccq_eval.harness.suites import suite_lengths
+from ccq_eval.harness.task_identity import package_versions, task_definition
 from ccq_eval.harness.task_registry import RegistryTaskCatalog, TaskCatalog
 from ccq_eval.harness.task_selection import RunTasks, select_tasks
 from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, RegistryError
 from ccq_eval.task_families import FAMILY_METADATA_KEYS, family_of
 
+logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 # Task metadata that names a folder on this machine: a unit's identity records the content of the file the
 # task reads there (its spec's data_files), not the folder, so that a copy of the data elsewhere is the same.
-FOLDER_METADATA_KEYS = ("qa_dir",)
+FOLDER_METADATA_KEYS = ("qa_dir", "data_dir")
 
 # --------------------------------------------------------------------------------------------
 # Defaults that fit the machine
@@ -188,7 +191,7 @@ def _task_metadata(parsed: ParsedOptions) -> dict[str, Any]:
 def _build_units(parsed: ParsedOptions, store: ResultsStore, models: ResolvedModels, tasks: RunTasks,
                  task_metadata: dict[str, Any], dtype: str) -> list[Unit]:
     """One unit per (model, task), its spec in the form it has once stored, checked against its folder."""
-    options, units = parsed.options, []
+    options, units, versions = parsed.options, [], package_versions()
     for model in models.models:
         fingerprint = checkpoint_fingerprint(model.source)
         tokenizer = tokenizer_metadata(model, fingerprint)
@@ -211,6 +214,8 @@ def _build_units(parsed: ParsedOptions, store: ResultsStore, models: ResolvedMod
                 "dtype": dtype,
                 "max_length": unit_max_length,
                 "lm_eval_args": parsed.lm_eval_args,
+                "task_definition": task_definition(task),  # its YAML, hooks and data files as loaded
+                "versions": versions,
             }
             if model.name in models.attachments:
                 spec["ccq_attach"] = models.attachments[model.name]
@@ -237,6 +242,8 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
     except ResultsError as exc:
         raise PlanError(str(exc)) from None
     stored = on_disk.spec
+    if on_disk.finished or on_disk.answered:
+        stored = _with_identity_of_old_units(unit, stored)
     if on_disk.finished and stored is None:
         raise PlanError(
             f"{unit.dir.path} holds a finished unit but neither {unit.dir.spec.name} nor {unit.dir.meta.name} "
@@ -254,6 +261,24 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
                 "use another --output, or delete that folder to redo it"
             )
     unit.finished = on_disk.finished
+
+
+# What a unit's spec records since results format 3; units stored before lack it.
+IDENTITY_SINCE_FORMAT_3 = ("task_definition", "versions")
+
+
+def _with_identity_of_old_units(unit: Unit, stored: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A spec stored before the task definition and versions were recorded is taken as asking this run's
+    (nothing shows otherwise), with a note that it may come from another task definition; the data folder
+    it may name is left out (its files' content is what the spec compares)."""
+    if isinstance(stored, dict) and isinstance(stored.get("task_metadata"), dict):
+        metadata = {key: value for key, value in stored["task_metadata"].items() if key not in FOLDER_METADATA_KEYS}
+        stored = dict(stored, task_metadata=metadata)
+    if stored is None or any(key in stored for key in IDENTITY_SINCE_FORMAT_3):
+        return stored
+    logger.warning("%s was stored by an older ccq-eval that did not record the task definition and version; "
+                   "it is taken as it is (delete that folder to redo it with this version)", unit.dir.path)
+    return stored | {key: unit.spec.get(key) for key in IDENTITY_SINCE_FORMAT_3 if key in unit.spec}
 
 
 def _differing(stored: Any, asked: Any) -> tuple[Any, Any]:

@@ -142,7 +142,8 @@ def execute_plan(
                                                reporter=session.report)
     completed = False
     try:
-        session.run(plan.pending)
+        with workers_module.terminated_as_exit():  # SIGTERM (`timeout`, kill) ends the helpers below too
+            session.run(plan.pending)
         completed = True
     finally:
         session.report.run_end()
@@ -224,6 +225,9 @@ class RunSession:
             except run_plan.PlanError as exc:
                 return self.fail(unit, exc)
             if unit.finished:
+                failure = self.store.failure(unit.dir, unit.model)  # a helper's stored failure is this run's
+                if failure is not None:
+                    return self.fail(unit, ResultsError(failure))
                 self.summary.elsewhere.append(unit)
                 self.report.unit_end(unit, "done by another worker")
                 return True

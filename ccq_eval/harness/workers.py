@@ -10,13 +10,16 @@ command's summary counts them as evaluated here, not as done by another worker).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +107,33 @@ class _QueueReporter(SilentReporter):
             self.messages.put(("unit", str(unit.dir.path), status, detail))
 
 
+@contextlib.contextmanager
+def terminated_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM (what `timeout` and `kill` send) raises SystemExit in the main thread, so
+    that the run ends as on Ctrl-C: its helper processes are stopped, what was answered stays in the units'
+    resume caches. Elsewhere than the main thread the signal is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A helper's watch: when the command's process is gone (killed by a signal no handler sees), the
+    helper ends too instead of computing units for nobody."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def start_helpers(execute: Callable[..., Any], plan: run_plan.RunPlan, count: int,
                   command_line: list[str], reporter: Reporter | None = None) -> Helpers:
     """Start `count` helper processes that run `execute` (runner.execute_plan, a module-level function:
@@ -112,7 +142,7 @@ def start_helpers(execute: Callable[..., Any], plan: run_plan.RunPlan, count: in
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     target = (execute.__module__, execute.__qualname__)
-    processes = [context.Process(target=_helper_main, args=(target, plan, command_line, index, messages),
+    processes = [context.Process(target=_helper_main, args=(target, plan, command_line, index, messages, os.getpid()),
                                  name=f"ccq-eval-worker-{index}") for index in range(count)]
     for process in processes:
         process.start()
@@ -123,7 +153,7 @@ def start_helpers(execute: Callable[..., Any], plan: run_plan.RunPlan, count: in
 
 
 def _helper_main(target: tuple[str, str], plan: run_plan.RunPlan, command_line: list[str], index: int,
-                 messages: Any) -> None:
+                 messages: Any, parent: int) -> None:
     """A helper: run the plan without progress bars or warnings, send each unit it finished as it finishes
     it, then the list of them. A unit that fails here is left to the command's own process, which takes it
     up again and reports the failure with its full message."""
@@ -132,6 +162,7 @@ def _helper_main(target: tuple[str, str], plan: run_plan.RunPlan, command_line: 
     logs.hide_progress_bars()  # before `execute`'s module imports tqdm and the rest
     logs.ignore_unactionable_warnings()
     logging.disable(logging.WARNING)
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="ccq-eval-parent-watch", daemon=True).start()
     module_name, function_name = target
     execute = getattr(importlib.import_module(module_name), function_name)
     plan = replace(plan, options=replace(plan.options, keep_going=True))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ccq_eval.analysis.formatting import csv_safe
 from ccq_eval.inspection import InspectError
 from ccq_eval.inspection.prompts import needle_prompts, resolve_task
 
@@ -104,7 +105,10 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
                              "length": prompt.length, "depth": prompt.depth, "sample": prompt.sample})
         ids = torch.tensor([prompt.input_ids], device=device)
         with torch.no_grad(), recorder.capture(), capped_autotuning():
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+        if not bool(torch.isfinite(logits).all()):  # its reads would be written as blank cells, as if measured
+            raise InspectError(f"model {name} ({folder}) gives NaN or infinite logits; nothing was written: look "
+                               "for NaN / inf weights in its checkpoint")
         recorder.check_complete()
     del model
     return rows, spectra, samples
@@ -144,7 +148,7 @@ def run_inspect(options: InspectOptions, progress: Callable[[str], None] = lambd
     frames = {table: pd.DataFrame(rows) for table, rows in tables.items()}
     written = []
     for table, frame in frames.items():
-        atomic_write_text(options.output / table, frame.to_csv(index=False))
+        atomic_write_text(options.output / table, csv_safe(frame).to_csv(index=False))
         written.append(options.output / table)
     settings = {"models": options.models, "task": options.task, "lengths": options.lengths, "depths": options.depths,
                 "seed": options.seed, "samples_per_cell": options.samples_per_cell, "positions": options.positions,

@@ -137,9 +137,35 @@ def read_config(folder: Path, ccq: bool | None = None, **overrides):
             fields["ccq"] = ccq
     fields.update(overrides)
     try:
-        return config_cls(**fields)
+        config = config_cls(**fields)
     except (ValueError, TypeError) as error:
         raise ModelLoadError(f"{config_file}: {error}") from error
+    _check_field_types(config_file, config_cls, fields)
+    return config
+
+
+def _check_field_types(config_file: Path, config_cls: Any, fields: dict[str, Any]) -> None:
+    """A number or flag written as text ("hidden_size": "256") would fail deep inside the model's
+    construction without naming the file: refused here, naming file, field and value."""
+    defaults = config_cls().to_dict()
+    for key, value in fields.items():
+        default = defaults.get(key)
+        if isinstance(value, str) and isinstance(default, (bool, int, float)):
+            kind = "true or false" if isinstance(default, bool) else "a number"
+            raise ModelLoadError(f"{config_file}: \"{key}\": {value!r} is text; write {kind} without quotes "
+                                 f"(e.g. {json.dumps(default)})")
+
+
+def check_tokenizer_fits(folder: Path, model: Any, tokenizer: Any) -> None:
+    """A tokenizer whose ids run past the model's embedding table (the tokenizer files of another model)
+    would fail on the first prompt with torch's "index out of range in self"."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if isinstance(rows, int) and isinstance(vocab, int) and vocab > rows:
+        raise ModelLoadError(f"{folder}: its tokenizer has {vocab} tokens but the model's embedding table only {rows} "
+                             "rows: the tokenizer files belong to another model; save this checkpoint's own "
+                             "tokenizer beside its weights (tokenizer.save_pretrained(folder))")
 
 
 # The config fields a training-free attachment sets itself: CCQ on, with the constant gate
@@ -296,4 +322,5 @@ def load_model(
         raise ModelLoadError(
             f"{folder} has no usable tokenizer files ({error}); save the tokenizer with the checkpoint "
             "(tokenizer.save_pretrained(folder))") from error
+    check_tokenizer_fits(folder, model, tokenizer)
     return model.to(device).eval(), tokenizer

@@ -15,6 +15,7 @@ from test_cli_fakes import (
     SNIAH_TASK,
     SWEEP_BASE,
     baseline_correct,
+    revouch,
     write_all,
     write_longbench_e,
     write_sniah,
@@ -251,6 +252,7 @@ def test_per_length_values_are_recomputed_from_samples_when_results_lack_them(tm
     stored["results"][SNIAH_TASK] = {k: v for k, v in stored["results"][SNIAH_TASK].items()
                                      if not k.startswith("acc_")}
     (unit / "results.json").write_text(json.dumps(stored))
+    revouch(unit)
     tidy = tables.load_tidy(tmp_path / "r")
     assert _value(tidy, metric="acc", length=1024, depth=None) == 100.0
     assert _value(tidy, metric="acc", length=2048, depth=None) == pytest.approx(100 / 3)
@@ -285,6 +287,7 @@ def test_archive_keeps_tables_and_comparisons_and_drops_long_texts(results, tmp_
     records = [json.loads(line) for line in original.split("\n") if line]
     records[0]["doc"]["haystack"] = long_text
     samples.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    revouch(unit)
     try:
         archived = tmp_path / "archive"
         result = invoke("archive", results, archived)
@@ -303,4 +306,5 @@ def test_archive_keeps_tables_and_comparisons_and_drops_long_texts(results, tmp_
         assert invoke("archive", results, results / "inside").exit_code == 2
     finally:
         samples.write_text(original, encoding="utf-8")
+        revouch(unit)
         (unit / store.RESPONSES_DB).unlink()

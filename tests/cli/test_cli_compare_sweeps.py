@@ -12,6 +12,7 @@ from test_cli_fakes import (
     SWEEP_BASE,
     SWEEP_VAR,
     baseline_correct,
+    revouch,
     variant_correct,
     write_ppl_buckets,
     write_ppl_sweep,
@@ -29,6 +30,7 @@ def _attach(folder, sweep: str, lam: float, baseline: str | None) -> None:
     meta = store.read_json(folder / store.META_FILE)
     entry = {"sweep": sweep, "lambda": lam, "fields": {}} | ({"baseline": baseline} if baseline else {})
     store.atomic_write_json(folder / store.META_FILE, meta | {"spec": {"ccq_attach": entry}})
+    revouch(folder)
 
 
 def _never_right(length: int, depth: int, index: int) -> bool:

@@ -64,6 +64,23 @@ def results_dict(task: str, values: dict[str, Any], metric_list: list[tuple[str,
     }
 
 
+def revouch(unit: Path) -> None:
+    """Record a unit's files again after a test changed them on purpose (as the run that wrote them would)."""
+    from ccq_eval.harness.store import formats, vouch
+
+    vouch.write_record(unit, formats.stored_spec(unit / store.UNIT_SPEC_FILE, unit / store.META_FILE) or {})
+
+
+def as_older_unit(unit: Path) -> None:
+    """Make a unit folder look as results format 2 wrote it: no checksums.json, meta.json in format 2."""
+    from ccq_eval.harness.store import vouch
+
+    (unit / vouch.CHECKSUMS_FILE).unlink()
+    meta = unit / store.META_FILE
+    if meta.is_file():
+        meta.write_text(json.dumps(json.loads(meta.read_text()) | {"format": 2}))
+
+
 def write(output: Path, model: str, task: str, results: dict, samples: list[dict]) -> Path:
     unit = store.unit_dir(output, model, task)
     store.write_unit(unit, results, {task: samples}, {"model": model, "task": task})

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli_fakes import as_older_unit
 from test_cli_run import RUN_ARGS, TASK_NAME, fake_world, invoke  # noqa: F401
 from test_reliability import assert_one_line_error, finished_run, snapshot
 
@@ -67,6 +68,7 @@ def test_finished_unit_without_unit_json_is_matched_by_its_meta(fake_world):
     finished_run("out")
     unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     unit.spec.unlink()
+    as_older_unit(unit.path)  # a unit of format 2 or older: no record of its files
     before = snapshot(Path("out"))
     fake_world.loads.clear()
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--seed", "3", "--output", "out")
@@ -82,6 +84,7 @@ def test_finished_unit_with_no_record_of_its_settings_is_refused(fake_world):
     finished_run("out")
     unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
     unit.spec.unlink()
+    as_older_unit(unit.path)
     meta = json.loads(unit.meta.read_text())
     del meta["spec"]
     unit.meta.write_text(json.dumps(meta))

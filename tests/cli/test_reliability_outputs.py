@@ -17,6 +17,7 @@ import pytest
 from test_cli_fakes import (
     SNIAH_TASK,
     baseline_correct,
+    revouch,
     variant_correct,
     write_sniah,
 )
@@ -298,6 +299,7 @@ def test_fractional_limit_is_rounded_up_as_lm_eval_does(tmp_path):
         results["n-samples"]["ccq_longbench_qasper"]["original"] = 4
         results["config"]["limit"] = 0.3
         (unit / "results.json").write_text(json.dumps(results))
+        revouch(unit)
     before = snapshot(tmp_path)
     for command in ("table", "compare"):
         result = invoke(command, str(tmp_path / "out"))

@@ -1,7 +1,7 @@
 """The results store's files: format versions of unit.json and meta.json, one reader per version.
 
 Version 1 is what the store wrote before the files named their format (results/reference holds such
-units); version 2 is what it writes now; a later version is refused with one line naming the file.
+units); version 2 named it; version 3, what it writes now, adds each finished unit's checksums.json; a later version is refused with one line naming the file.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def test_version_one_dtypes_read_as_their_torch_names(tmp_path, stored, read):
 def test_version_one_unit_without_unit_json_takes_its_settings_from_meta(tmp_path):
     unit = _write(tmp_path)
     unit.spec.unlink()
+    (unit.path / "checksums.json").unlink()  # version 1 units have no record
     unit.meta.write_text(json.dumps({"model": "m", "spec": dict(SPEC, dtype=None)}))  # version 1: no format key
     assert store.ResultsStore(tmp_path / "out").on_disk(unit).spec == SPEC
 

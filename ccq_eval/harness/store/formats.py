@@ -6,7 +6,9 @@ version has its reader, which returns the file's content in the current form:
     version 1   the files written before the key existed (no "format" key): a unit's settings may record
                 its dtype as given on the command line (null for float32, or an alias such as "bf16"),
                 and a finished unit may lack unit.json, its settings being the copy in meta.json ("spec")
-    version 2   the current form
+    version 2   unit.json and meta.json in the current form
+    version 3   the same files; a finished unit also holds checksums.json (vouch.py), written last, so a
+                version-3 unit with results.json but no checksums.json is one whose write did not finish
 
 A file of a version later than this package knows is refused with one line: its fields may mean
 something this version would misread.
@@ -21,7 +23,8 @@ from typing import Any
 from ccq_eval.harness.store.files import ResultsError, read_json
 
 FORMAT_KEY = "format"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+RECORD_SINCE = 3  # the first version whose finished units hold checksums.json
 
 
 def stamped(content: dict[str, Any]) -> dict[str, Any]:
@@ -72,8 +75,8 @@ def _meta_v2(content: dict[str, Any]) -> dict[str, Any]:
     return dict(content)
 
 
-_SPEC_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _spec_v1, 2: _spec_v2}
-_META_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_v1, 2: _meta_v2}
+_SPEC_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _spec_v1, 2: _spec_v2, 3: _spec_v2}
+_META_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_v1, 2: _meta_v2, 3: _meta_v2}
 
 
 def read_spec(path: Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.harness.store import lm_eval_mirror
+from ccq_eval.harness.store import lm_eval_mirror, vouch
 from ccq_eval.harness.store.files import (
     ARCHIVED_RESULTS_FILE,
     META_FILE,
@@ -28,7 +28,7 @@ from ccq_eval.harness.store.files import (
     read_json,
     slugify,
 )
-from ccq_eval.harness.store.formats import read_meta, stored_spec
+from ccq_eval.harness.store.formats import FORMAT_KEY, RECORD_SINCE, read_meta, stored_spec
 from ccq_eval.harness.store.unit_folder import task_hash
 
 
@@ -40,6 +40,7 @@ class StoredUnit:
     results: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
     samples_paths: dict[str, Path] = field(default_factory=dict)
+    vouched: bool = False  # its files were checked against its record (checksums.json)
 
     @property
     def folder(self) -> Path:
@@ -87,7 +88,33 @@ class StoredUnit:
             return []
         records = list(iter_jsonl(path))
         self._check_samples(task, path, records)
+        vouch.check_aggregates(self.results_path, self.results, task, records, recomputable)
         return records
+
+    def missing_samples(self) -> str | None:
+        """The one line for a unit folder whose results.json counts samples of a task that has no samples
+        file beside it (None when every such task has its file)."""
+        for task in self.leaf_tasks():
+            counts = (self.results.get("n-samples") or {}).get(task)
+            if (task not in self.samples_paths and is_unit_results(self.results_path)
+                    and isinstance(counts, dict) and counts.get("original")):
+                return (f"{self.folder} has no samples_{slugify(task)}.jsonl, though {self.results_path.name} "
+                        f"records {counts['original']} samples of {task}: restore it, or delete "
+                        f"{self.results_path} to redo the unit")
+        return None
+
+    def explain_changed_file(self, name: str) -> None:
+        """For a file its record does not vouch for: the more telling error of a samples file that does not
+        hold what results.json counts (cut short, or from another run), if that is what happened."""
+        for task, path in self.samples_paths.items():
+            if path.name == name:
+                self._check_samples(task, path, list(iter_jsonl(path)))
+
+    def check_aggregates(self) -> None:
+        """Recompute every aggregate its samples decide (vouch.check_aggregates): ResultsError when one differs."""
+        for task in self.leaf_tasks():
+            if task in self.samples_paths and recomputable(task):
+                self.samples(task)
 
     def _check_samples(self, task: str, path: Path, records: list[dict[str, Any]]) -> None:
         """The log must be the one the results were computed from: as many samples as lm-eval's
@@ -110,6 +137,18 @@ class StoredUnit:
                 and task_hash(records) != stored_hash):
             raise ResultsError(f"{path} does not hold the samples {self.results_path.name} was computed from "
                                f"(task hash differs): {redo}")
+
+
+def recomputable(task: str) -> bool:
+    """Whether a task's acc / acc_<length> aggregates are means of its samples' values (the generate_until
+    families scored per sample with per-cell rows: S-NIAH, RULER)."""
+    from ccq_eval.task_families import family_of
+
+    try:
+        family = family_of(task)
+    except ValueError:
+        return False
+    return family.request_type == "generate_until" and family.cell_rows and family.metrics == ("acc",)
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -151,9 +190,9 @@ def find_results_files(root: Path) -> list[Path]:
     """Every unit's results.json and every lm-eval results_<stamp>.json, except the copies of the
     units read here that the store lays out for lm-eval's readers (each result is read once)."""
     root = Path(root)
-    files = [p for p in root.rglob("*.json") if p.name == RESULTS_FILE
-             or (lm_eval_mirror.LMEVAL_RESULTS.match(p.name) and not lm_eval_mirror.is_tracker_copy(p, root))]
-    files += root.rglob(ARCHIVED_RESULTS_FILE)
+    files = [p for p in root.rglob("*.json") if not _in_archive_temp(p, root) and (p.name == RESULTS_FILE
+             or (lm_eval_mirror.LMEVAL_RESULTS.match(p.name) and not lm_eval_mirror.is_tracker_copy(p, root)))]
+    files += [p for p in root.rglob(ARCHIVED_RESULTS_FILE) if not _in_archive_temp(p, root)]
     return sorted(files)
 
 
@@ -171,8 +210,21 @@ def _read_unit(path: Path) -> StoredUnit:
                            "that wrote it")
     meta_path = path.parent / META_FILE
     meta = read_meta(meta_path) if is_unit_results(path) and meta_path.is_file() else {}
-    return StoredUnit(results_path=path, results=results, meta=meta,
+    unit = StoredUnit(results_path=path, results=results, meta=meta,
                       samples_paths=_samples_for(path, results["results"].keys()))
+    if is_unit_results(path):
+        unit.vouched = vouch.verify_record(path.parent, stored_spec(path.parent / UNIT_SPEC_FILE, meta_path),
+                                           explain=unit.explain_changed_file)
+        if not unit.vouched and meta.get(FORMAT_KEY, 1) >= RECORD_SINCE:
+            raise ResultsError(f"{path.parent} has no {vouch.CHECKSUMS_FILE}: the run that wrote it stopped before "
+                               "the unit was stored whole; rerun the same `ccq-eval run` command to redo it")
+    unit.check_aggregates()
+    return unit
+
+
+def _in_archive_temp(path: Path, root: Path) -> bool:
+    """Whether a file lies in the temporary folder of an archive being written (archive.py), not yet a result."""
+    return any(part.startswith(".ccq-archive-") for part in path.relative_to(root).parts)
 
 
 def load_results(root: Path) -> list[StoredUnit]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.harness.store import response_cache
+from ccq_eval.harness.store import response_cache, vouch
 from ccq_eval.harness.store.files import read_json
-from ccq_eval.harness.store.formats import read_meta, read_spec, stored_spec
+from ccq_eval.harness.store.formats import FORMAT_KEY, RECORD_SINCE, read_meta, read_spec, stored_spec
 from ccq_eval.harness.store.response_cache import ResponseCache
 from ccq_eval.harness.store.unit_folder import (
     UnitDir,
@@ -51,14 +51,23 @@ class ResultsStore:
 
     def on_disk(self, unit: UnitDir) -> UnitOnDisk:
         """Read what `unit`'s folder holds, each file by its format's reader; ResultsError names a file that
-        is unreadable, damaged or of a newer format (nothing is changed)."""
-        if not unit.results.is_file():
+        is unreadable, damaged, of a newer format or not the files its record vouches for (nothing is
+        changed). A unit whose write stopped before its record (checksums.json) is not finished."""
+        if not unit.results.is_file() or not self._write_finished(unit):
             answered = response_cache.answered_count(unit.responses_db)
             return UnitOnDisk(False, read_spec(unit.spec) if unit.spec.is_file() else None, answered)
         read_json(unit.results)
-        if unit.meta.is_file():
-            read_meta(unit.meta)
-        return UnitOnDisk(True, stored_spec(unit.spec, unit.meta), 0)  # version 1: maybe only meta.json's copy
+        spec = stored_spec(unit.spec, unit.meta)  # version 1: maybe only meta.json's copy
+        vouch.verify_record(unit.path, spec, samples=False)  # the samples are the readers' to check
+        return UnitOnDisk(True, spec, 0)
+
+    @staticmethod
+    def _write_finished(unit: UnitDir) -> bool:
+        """Whether a unit with results.json finished its write: units of format 3 on end with their record."""
+        if not unit.meta.is_file():
+            return True
+        version = read_meta(unit.meta).get(FORMAT_KEY, 1)  # a newer format is refused here, before any check
+        return version < RECORD_SINCE or (unit.path / vouch.CHECKSUMS_FILE).is_file()
 
     def answered(self, unit: UnitDir) -> int:
         """How many answers `unit`'s resume cache holds."""

@@ -5,7 +5,8 @@
         responses.sqlite       model responses so far (response_cache.py)
         samples_<task>.jsonl   lm-eval per-sample log, one file per evaluated lm-eval task
         meta.json              run metadata (versions, seed, device, wall time, ...)
-        results.json           lm-eval results dict; written last, so it marks the unit finished
+        results.json           lm-eval results dict; marks the unit finished
+        checksums.json         sha256 of every file above and who the unit is (vouch.py), written last
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ccq_eval import atomic_io
-from ccq_eval.harness.store import lm_eval_mirror
+from ccq_eval.harness.store import lm_eval_mirror, vouch
 from ccq_eval.harness.store.files import META_FILE, RESPONSES_DB, RESULTS_FILE, UNIT_SPEC_FILE, slugify
-from ccq_eval.harness.store.formats import stamped
+from ccq_eval.harness.store.formats import stamped, stored_spec
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,13 @@ def write_unit(
     meta: dict[str, Any],
 ) -> None:
     """Store a finished unit: samples, then metadata, then the results under lm-eval's tracker
-    names (lm_eval_mirror.py), then results.json (the 'finished' mark).
+    names (lm_eval_mirror.py), then results.json (the 'finished' mark), then checksums.json (its record).
 
     `results` is the dict lm_eval's evaluator returns (its "samples" entry is ignored;
     pass the samples separately).
     """
     unit.path.mkdir(parents=True, exist_ok=True)
+    (unit.path / vouch.CHECKSUMS_FILE).unlink(missing_ok=True)  # an earlier record must not vouch for these
     for task_name, task_samples in samples.items():
         lines = [atomic_io.dumps(sample_to_jsonable(s), indent=None) for s in task_samples]
         atomic_io.atomic_write_text(unit.samples(task_name), "".join(line + "\n" for line in lines))
@@ -138,3 +140,4 @@ def write_unit(
     stored.setdefault("model_name", meta.get("model"))
     lm_eval_mirror.write_copies(unit.path, stored, {name: unit.samples(name) for name in samples})
     atomic_io.atomic_write_json(unit.results, stored)
+    vouch.write_record(unit.path, stored_spec(unit.spec, unit.meta) or {})

@@ -1,0 +1,154 @@
+"""A finished unit's record of itself, and the checks every reader makes against it.
+
+checksums.json, written last (after results.json) and atomically, holds the sha256 of every other file
+of the unit folder and who the unit is (model, digest of its checkpoint fingerprint, task, digest of its
+unit.json). A reader that finds it checks each file against it; an edited, truncated or swapped file, or
+a unit folder moved under another model or task, is refused in one line naming the file.
+
+Aggregates that are means of per-sample values (acc and acc_<length> of the generate_until families with
+per-cell rows: S-NIAH, RULER) are recomputed from the samples and compared, with or without a record:
+results written before the record existed are checked this way, and a swap that changes a number is
+caught even there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ccq_eval import atomic_io
+from ccq_eval.harness.store.files import (
+    RESPONSES_DB,
+    RESULTS_FILE,
+    UNIT_SPEC_FILE,
+    ResultsError,
+    read_json,
+    slugify,
+)
+
+CHECKSUMS_FILE = "checksums.json"
+# Files of a unit folder that are not part of its results: the resume cache and its journal, the lock.
+_NOT_RECORDED = re.compile(rf"^({re.escape(RESPONSES_DB)}.*|\..*)$")
+# Per-sample metrics whose aggregate is the samples' mean: acc and acc_<length>.
+_MEAN_METRIC = re.compile(r"^acc(_\d+)?$")
+_TOLERANCE = 1e-6  # relative: the aggregate is the mean of the same floats, summed in another order
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def json_sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def recorded_files(folder: Path) -> list[Path]:
+    """The files of a unit folder its record covers: all but the record, the resume cache and locks."""
+    return sorted(path for path in folder.iterdir() if path.is_file() and path.name != CHECKSUMS_FILE
+                  and not _NOT_RECORDED.match(path.name))
+
+
+def identity(spec: dict[str, Any]) -> dict[str, Any]:
+    """Who a unit is: its model, a digest of its checkpoint's fingerprint, its task and a digest of its spec."""
+    return {"model": spec.get("model"), "checkpoint_sha256": json_sha256(spec.get("checkpoint")),
+            "task": spec.get("task"), "spec_sha256": json_sha256(spec)}
+
+
+def write_record(folder: Path, spec: dict[str, Any]) -> None:
+    """checksums.json of a finished unit folder: written last, once every other file is in place."""
+    record = {"identity": identity(spec),
+              "files": {path.name: sha256_file(path) for path in recorded_files(folder)}}
+    atomic_io.atomic_write_json(folder / CHECKSUMS_FILE, record)
+
+
+def _redo(folder: Path) -> str:
+    return f"restore the unit's files as they were written, or delete {folder / RESULTS_FILE} to redo the unit"
+
+
+def verify_record(folder: Path, spec: dict[str, Any] | None,
+                  explain: Callable[[str], None] | None = None, *, samples: bool = True) -> bool:
+    """Check a unit folder against its checksums.json; False when it has none (results written before
+    the record existed), ResultsError naming the first file that does not agree (`explain`, given the
+    name of such a file, may raise a more telling one first: a samples file cut short). samples=False
+    leaves the per-sample logs to the readers (resuming checks what decides whether a unit is reused)."""
+    path = folder / CHECKSUMS_FILE
+    if not path.is_file():
+        return False
+    record = read_json(path)
+    files = record.get("files") if isinstance(record, dict) else None
+    who = record.get("identity") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not isinstance(who, dict):
+        raise ResultsError(f"{path} is not a unit's record (no \"files\" / \"identity\"): {_redo(folder)}")
+    changed = []
+    for name, expected in sorted(files.items()):
+        if not samples and name.startswith("samples_"):
+            continue
+        file = folder / name
+        if not file.is_file():
+            raise ResultsError(f"{file} is missing (its unit's {CHECKSUMS_FILE} records it): {_redo(folder)}")
+        if sha256_file(file) != expected:
+            changed.append(file)
+    for file in changed if explain is not None else ():
+        explain(file.name)
+    if changed:
+        raise ResultsError(f"{changed[0]} is not the file its unit wrote (sha256 differs from {path}: edited, "
+                           f"or swapped from another unit): {_redo(folder)}")
+    extra = [p.name for p in recorded_files(folder)
+             if samples and p.name not in files and p.name.startswith("samples_")]
+    if extra:
+        raise ResultsError(f"{folder / extra[0]} is not one of its unit's files ({path} does not record it): "
+                           "move it out of the folder")
+    if spec is not None and who != identity(spec):
+        raise ResultsError(f"{path} records another unit ({who.get('model')} / {who.get('task')}) than "
+                           f"{folder / UNIT_SPEC_FILE} holds: {_redo(folder)}")
+    _check_location(folder, who, path)
+    return True
+
+
+def _check_location(folder: Path, who: dict[str, Any], path: Path) -> None:
+    """A unit folder is <model>/<task>: one moved or copied under another model's or task's name is refused."""
+    model, task = who.get("model"), who.get("task")
+    if not isinstance(model, str) or not isinstance(task, str):
+        return
+    if folder.name != slugify(task) or folder.parent.name != slugify(model):
+        raise ResultsError(f"{path} records {model} / {task}, but the unit lies in "
+                           f"{folder.parent.name}/{folder.name}: move it back to "
+                           f"{slugify(model)}/{slugify(task)}, or delete the folder")
+
+
+def check_aggregates(results_path: Path, results: dict[str, Any], task: str,
+                     records: list[dict[str, Any]], recomputable: Callable[[str], bool]) -> None:
+    """Every acc / acc_<length> of `task` in `results` must be the mean of its samples' values (for the
+    tasks `recomputable` names); ResultsError naming the file and both numbers otherwise."""
+    if not records or not recomputable(task):
+        return
+    values = results.get("results", {}).get(task) or {}
+    for key, stored in values.items():
+        metric, _, filter_name = key.partition(",")
+        if not _MEAN_METRIC.match(metric) or isinstance(stored, bool) or not isinstance(stored, (int, float)):
+            continue
+        per_sample = [r[metric] for r in records if isinstance(r.get(metric), (int, float))
+                      and (filter_name in ("", r.get("filter", filter_name)))]
+        if not per_sample:
+            raise ResultsError(f"{results_path} records {task} {metric} = {stored}, but no sample of the unit "
+                               f"has a {metric} value (samples from another run?): {_redo(results_path.parent)}")
+        mean = math.fsum(per_sample) / len(per_sample)
+        if not (math.isfinite(stored) and math.isfinite(mean)):
+            if math.isnan(stored) != math.isnan(mean):
+                raise ResultsError(f"{results_path}: {task} {metric} = {stored}, its samples' mean is {mean}: "
+                                   f"{_redo(results_path.parent)}")
+            continue
+        if abs(stored - mean) > _TOLERANCE * max(1.0, abs(mean)):
+            raise ResultsError(f"{results_path}: {task} {metric} = {stored:g}, but the mean of its "
+                               f"{len(per_sample)} samples is {mean:g} (edited, or samples swapped from another "
+                               f"unit): {_redo(results_path.parent)}")
+

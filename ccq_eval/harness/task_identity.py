@@ -1,0 +1,66 @@
+"""What of a task's definition decides its numbers, as a digest a unit's spec records.
+
+A task of ours is defined by the files of its family folder as lm-eval loads them (the YAML configs and
+templates, the hook modules they name with !function, the word lists and corpora beside them) and by the
+Python modules at the top of the tasks folder they import. The folder is the one the run loads
+(CCQ_EVAL_TASKS_DIR, else the installed ccq_eval.tasks); when CCQ_EVAL_TASKS_DIR is set, the installed
+family folder is hashed too, since hook modules may import it by package name. lm-eval's own tasks are
+defined by the lm-eval version, which the spec records with the package versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+from pathlib import Path
+
+# Files of a task folder that do not decide what it computes.
+_NOT_DEFINITION = (".md", ".pyc")
+
+
+def package_versions() -> dict[str, str | None]:
+    """The versions of the packages whose code decides a unit's numbers besides the model's."""
+    versions: dict[str, str | None] = {}
+    for package in ("ccq-eval", "lm_eval"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def _folder_digest(folder: Path, recursive: bool) -> str:
+    digest = hashlib.sha256()
+    files = folder.rglob("*") if recursive else folder.glob("*.py")
+    for path in sorted(p for p in files if p.is_file() and "__pycache__" not in p.parts
+                       and not p.name.endswith(_NOT_DEFINITION)):
+        digest.update(str(path.relative_to(folder)).encode("utf-8") + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def task_definition(task: str) -> str | None:
+    """sha256 of the definition of one of our tasks as the run loads it; None for lm-eval's own tasks."""
+    from ccq_eval.harness import task_registry
+
+    entry = task_registry._our_index().get(task)
+    yaml_path = getattr(entry, "yaml_path", None)
+    if yaml_path is None:
+        return None
+    family = Path(yaml_path).parent
+    tasks_root = family.parent
+    parts = [_folder_digest(family, True), _folder_digest(tasks_root, False)]
+    installed = _installed_tasks_dir()
+    if installed is not None and installed.resolve() != tasks_root.resolve() and (installed / family.name).is_dir():
+        imported = [_folder_digest(installed / family.name, True), _folder_digest(installed, False)]
+        parts += imported if imported != parts else []  # a copy equal to the installed tasks is the same
+    return hashlib.sha256("".join(parts).encode("ascii")).hexdigest()
+
+
+def _installed_tasks_dir() -> Path | None:
+    import importlib.resources
+
+    from ccq_eval.harness.task_registry import TASKS_PACKAGE
+
+    folder = importlib.resources.files(TASKS_PACKAGE)
+    return folder if isinstance(folder, Path) else None

@@ -1,0 +1,41 @@
+"""Processes: SIGTERM ends a run as Ctrl-C does (its helpers are stopped), a helper whose command's process
+is gone ends too, and a stale data-parallel launch environment is refused instead of waiting forever."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+from test_cli_run import RUN_ARGS, fake_world, invoke  # noqa: F401  (a fixture)
+from test_reliability import assert_one_line_error
+
+from ccq_eval.harness import workers
+
+
+def test_sigterm_ends_the_run_block_as_an_exit_and_the_handler_is_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended, workers.terminated_as_exit():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_helper_whose_parent_is_gone_exits():
+    process = multiprocessing.get_context("spawn").Process(target=workers._exit_with_parent, args=(-1,))
+    process.start()  # its parent is not -1: as if the command's process had died
+    process.join(timeout=60)
+    assert process.exitcode == 1
+
+
+@pytest.mark.parametrize("environment", [{"WORLD_SIZE": "2"}, {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "x"}])
+def test_a_stale_launch_environment_is_refused(fake_world, monkeypatch, environment):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert_one_line_error(result, "WORLD_SIZE=2", "LOCAL_RANK", "is not set", "unset RANK WORLD_SIZE")

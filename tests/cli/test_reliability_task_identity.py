@@ -1,0 +1,97 @@
+"""A unit's identity covers the task's definition as loaded (its YAML, hooks and files beside them) and
+the package versions: a rerun with a changed task definition never takes the finished unit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ccq_eval.harness import plan as run_plan
+from ccq_eval.harness import task_registry
+from ccq_eval.harness.task_identity import task_definition
+
+TASK = "ccq_s_niah_1"
+
+
+@pytest.fixture
+def tasks_copy(tmp_path, monkeypatch):
+    """A copy of the installed task folders, loaded instead of them (CCQ_EVAL_TASKS_DIR)."""
+    copy = tmp_path / "tasks"
+    shutil.copytree(task_registry.tasks_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    task_registry._our_index.cache_clear()
+    monkeypatch.setenv("CCQ_EVAL_TASKS_DIR", str(copy))
+    yield copy
+    task_registry._our_index.cache_clear()
+
+
+def _shorten_answers(tasks: Path) -> None:
+    template = tasks / "s_niah" / "_s_niah_template_yaml"
+    template.write_text(template.read_text().replace("max_gen_toks: 128", "max_gen_toks: 2"))
+
+
+def test_task_definition_follows_the_content_of_the_task_folder(tasks_copy, monkeypatch):
+    copied = task_definition(TASK)
+    monkeypatch.delenv("CCQ_EVAL_TASKS_DIR")
+    task_registry._our_index.cache_clear()
+    installed = task_definition(TASK)
+    assert copied == installed is not None  # an unchanged copy defines the same task
+    _shorten_answers(tasks_copy)
+    monkeypatch.setenv("CCQ_EVAL_TASKS_DIR", str(tasks_copy))
+    task_registry._our_index.cache_clear()
+    assert task_definition(TASK) != installed
+    assert task_definition("hellaswag") is None  # lm-eval's own: its version is in the spec
+
+
+def _finish(plan: run_plan.RunPlan) -> None:
+    """Store each planned unit as finished, as a run would (unit.json, samples, meta, results, record)."""
+    for unit in plan.units:
+        plan.store.open(unit.dir, unit.spec).close()
+        plan.store.commit(unit.dir, unit.model, {"results": {unit.task: {"acc,none": 50.0}}}, {unit.task: []},
+                          {"model": unit.model, "spec": unit.spec})
+
+
+def test_a_changed_task_definition_does_not_reuse_the_finished_unit(tasks_copy, tmp_path):
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=[TASK], lengths="1k", output=tmp_path / "out")
+    first = run_plan.plan_run(options)
+    assert set(first.units[0].spec["versions"]) == {"ccq-eval", "lm_eval"}
+    _finish(first)
+    assert run_plan.plan_run(options).units[0].finished  # the same definition: taken
+    _shorten_answers(tasks_copy)
+    with pytest.raises(run_plan.PlanError, match=r"different settings \(task_definition: stored '"):
+        run_plan.plan_run(options)
+
+
+def test_a_unit_stored_before_the_definition_was_recorded_is_taken_with_a_note(tmp_path, caplog):
+    import json
+
+    from ccq_eval.harness.store import vouch
+
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=[TASK], lengths="1k", output=tmp_path / "out")
+    plan = run_plan.plan_run(options)
+    _finish(plan)
+    unit = plan.units[0].dir
+    older = {key: value for key, value in plan.units[0].spec.items() if key not in ("task_definition", "versions")}
+    unit.spec.write_text(json.dumps(dict(older, format=2)))  # as format 2 wrote it: no record either
+    unit.meta.write_text(json.dumps({"format": 2, "model": "tiny-gdn", "spec": older}))
+    (unit.path / vouch.CHECKSUMS_FILE).unlink()
+    assert run_plan.plan_run(options).units[0].finished
+    assert "did not record the task definition" in caplog.text
+
+
+def test_a_unit_moved_with_its_data_stays_valid_and_changed_data_does_not(tmp_path):
+    data, out = tmp_path / "a" / "longbench", tmp_path / "a" / "out"
+    data.mkdir(parents=True)
+    (data / "qasper.jsonl").write_text('{"input": "q", "context": "c", "answers": ["x"], "length": 10}\n')
+    task = "ccq_longbench_qasper"
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=[task], longbench_dir=data, output=out)
+    _finish(run_plan.plan_run(options))
+    moved = tmp_path / "b"
+    (tmp_path / "a").rename(moved)  # the results and the data, moved together
+    again = run_plan.RunOptions(models=["tiny-gdn"], tasks=[task], longbench_dir=moved / "longbench",
+                                output=moved / "out")
+    assert run_plan.plan_run(again).units[0].finished
+    (moved / "longbench" / "qasper.jsonl").write_text('{"input": "other"}\n')
+    with pytest.raises(run_plan.PlanError, match="data_files"):
+        run_plan.plan_run(again)

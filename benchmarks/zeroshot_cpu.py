@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def suite_requests(copies: int) -> dict[str, list]:
-    """Request type -> the suite's lm-eval Instances (built by lm-eval from its own configs), `copies` times."""
+    """Request type -> the suite's lm-eval Instances (built by lm-eval from its own configs), `copies` times:
+    copy k's texts begin with "k. ", so that every copy's documents are distinct, as a real dataset's are
+    (a copy of a document would share its context with the original)."""
     from ccq_eval.harness import zeroshot
     from ccq_eval.harness.task_registry import make_task_manager
 
@@ -64,7 +66,19 @@ def suite_requests(copies: int) -> dict[str, list]:
         task.build_all_requests(rank=0, world_size=1)
         for instance in task.instances:
             by_type[instance.request_type].append(instance)
-    return {kind: requests * copies for kind, requests in by_type.items()}
+    return {kind: [_copy(request, k) for k in range(copies) for request in requests]
+            for kind, requests in by_type.items()}
+
+
+def _copy(request: Any, k: int) -> Any:
+    """The request with its text (its context, or the whole text of a rolling request) prefixed by "k. "."""
+    from lm_eval.api.instance import Instance
+
+    if k == 0:
+        return request
+    args = (f"{k}. {request.args[0]}", *request.args[1:])
+    return Instance(request.request_type, request.doc, args, request.idx,
+                    (request.task_name, request.doc_id, request.repeats))
 
 
 def load(model_name: str, device: str, dtype: str):
@@ -86,8 +100,8 @@ def load(model_name: str, device: str, dtype: str):
 
 
 def scorers(model: Any, tokenizer: Any, hflm_batches: list[int]) -> dict[str, Any]:
-    """Name -> an lm-eval LM: stock HFLM at each batch size, the adapter as `ccq-eval run` builds it, and
-    the adapter without shared contexts."""
+    """Name -> an lm-eval LM: stock HFLM at each batch size, the adapter as `ccq-eval run` builds it, and the
+    adapter with the other share_contexts setting (by default on on the CPU, off on CUDA)."""
     from lm_eval.models.huggingface import HFLM
 
     from ccq_eval.harness.adapter import CCQEvalLM
@@ -96,37 +110,42 @@ def scorers(model: Any, tokenizer: Any, hflm_batches: list[int]) -> dict[str, An
     built: dict[str, Any] = {f"hflm batch {b}": HFLM(pretrained=model, tokenizer=tokenizer, backend="causal",
                                                      batch_size=b, **hflm_args) for b in hflm_batches}
     window = built[f"hflm batch {hflm_batches[0]}"].max_length  # the windows of wikitext, for both
-    built["ccq (default)"] = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=window)
-    built["ccq, contexts not shared"] = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=window,
-                                                  share_contexts=False)
+    default = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=window)
+    shared = default.scorer.share_contexts
+    built[f"ccq (default: contexts {'' if shared else 'not '}shared)"] = default
+    built[f"ccq, contexts {'not ' if shared else ''}shared"] = CCQEvalLM(model=model, tokenizer=tokenizer,
+                                                                         max_length=window, share_contexts=not shared)
     return built
 
 
-def score_all(lm: Any, requests: dict[str, list]) -> tuple[list[float], list[float]]:
-    """(loglikelihoods, rolling log-likelihoods) of every request, each from one call."""
-    likelihoods = [float(x[0]) for x in lm.loglikelihood(requests["loglikelihood"], disable_tqdm=True)]
-    rolling = [float(x) for x in lm.loglikelihood_rolling(requests["loglikelihood_rolling"], disable_tqdm=True)]
-    return likelihoods, rolling
+def score_all(lm: Any, requests: dict[str, list], device: str) -> tuple[list[float], list[float], list[float]]:
+    """(loglikelihoods, rolling log-likelihoods, seconds of each of the two calls)."""
+    import torch
+
+    seconds = []
+    scores = []
+    for kind in ("loglikelihood", "loglikelihood_rolling"):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        answers = getattr(lm, kind)(requests[kind], disable_tqdm=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        scores.append([float(a[0]) if kind == "loglikelihood" else float(a) for a in answers])
+    return scores[0], scores[1], seconds
 
 
 def measure(built: dict[str, Any], requests: dict[str, list], repeats: int, device: str) -> dict[str, Any]:
-    """Seconds of each scorer per repeat (after one untimed call each), and its scores."""
-    import torch
-
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    seconds: dict[str, list[float]] = {name: [] for name in built}
-    scores = {name: score_all(lm, requests) for name, lm in built.items()}  # warm-up, and the scores
+    """Seconds of each scorer per repeat, of both calls and each, after a first pass whose seconds (kernels'
+    compilation and autotuning, CUDA graph captures) are kept apart; and each scorer's scores."""
+    seconds: dict[str, list[list[float]]] = {name: [] for name in built}
+    first = {name: score_all(lm, requests, device) for name, lm in built.items()}
     for _ in range(repeats):
         for name, lm in built.items():
-            sync()
-            start = time.perf_counter()
-            score_all(lm, requests)
-            sync()
-            seconds[name].append(time.perf_counter() - start)
-    return {"seconds": seconds, "scores": scores}
+            seconds[name].append(score_all(lm, requests, device)[2])
+    return {"seconds": seconds, "scores": {name: f[:2] for name, f in first.items()},
+            "first_pass_s": {name: sum(f[2]) for name, f in first.items()}}
 
 
 def report(args: argparse.Namespace, requests: dict[str, list], measured: dict[str, Any]) -> dict[str, Any]:
@@ -136,18 +155,26 @@ def report(args: argparse.Namespace, requests: dict[str, list], measured: dict[s
     names = list(measured["seconds"])
     base = names[0]
     base_scores = measured["scores"][base]
+    base_median = statistics.median(sum(times) for times in measured["seconds"][base])
     rows = []
     for name in names:
-        median = statistics.median(measured["seconds"][name])
+        times = measured["seconds"][name]
+        median = statistics.median(sum(pair) for pair in times)
         likelihoods, rolling = measured["scores"][name]
         rows.append({
-            "scorer": name, "median_s": median, "seconds": measured["seconds"][name],
-            "speedup_vs_base": statistics.median(measured["seconds"][base]) / median,
+            "scorer": name, "median_s": median, "seconds": times,
+            "median_loglikelihood_s": statistics.median(pair[0] for pair in times),
+            "median_rolling_s": statistics.median(pair[1] for pair in times),
+            "first_pass_s": measured["first_pass_s"][name],
+            "speedup_vs_base": base_median / median,
             "max_abs_diff_loglikelihood_vs_base": max(abs(a - b) for a, b in zip(likelihoods, base_scores[0],
                                                                                  strict=True)),
             "max_abs_diff_rolling_vs_base": max(abs(a - b) for a, b in zip(rolling, base_scores[1], strict=True)),
         })
-    return {"schema": SCHEMA, "settings": vars(args), "base": base,
+    settings = dict(vars(args))
+    out = Path(args.out).resolve()
+    settings["out"] = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else "OUT"  # no machine's paths
+    return {"schema": SCHEMA, "settings": settings, "base": base,
             "requests": {kind: len(items) for kind, items in requests.items()},
             "environment": environment(torch.device(args.device), getattr(torch, args.dtype)) | {
                 "load_average": os.getloadavg()},
@@ -157,17 +184,20 @@ def report(args: argparse.Namespace, requests: dict[str, list], measured: dict[s
 def markdown(result: dict[str, Any]) -> str:
     env, settings = result["environment"], result["settings"]
     lines = [f"# Zero-shot suite scoring: {settings['model']} on {env['device_name']} ({settings['dtype']})", "",
-             f"Command: `python benchmarks/zeroshot_cpu.py {' '.join(sys.argv[1:])}`".rstrip(), "",
+             f"Command: `{' '.join(['python', 'benchmarks/zeroshot_cpu.py', *sys.argv[1:]])}`", "",
              f"Requests: {result['requests']['loglikelihood']} loglikelihood (multiple choice, lambada), "
              f"{result['requests']['loglikelihood_rolling']} wikitext texts; lm-eval's configs on "
-             f"tests/fixtures/zeroshot, x{settings['copies']}. Median of {settings['repeats']} timed calls "
-             f"each, scorers in turn; torch threads {env['torch_threads']}, load average at the end "
+             f"tests/fixtures/zeroshot (x{settings['copies']}, every copy's texts distinct). Median of "
+             f"{settings['repeats']} timed passes (a loglikelihood and a loglikelihood_rolling call) each, "
+             "scorers in turn; "
+             f"torch threads {env['torch_threads']}, load average at the end "
              f"{', '.join(f'{x:.1f}' for x in env['load_average'])}; commit {env['git']['commit']}"
              f"{' (dirty)' if env['git']['dirty'] else ''}.", "",
-             f"| scorer | median s | speed-up vs {result['base']} | max abs diff, loglikelihood | "
-             "max abs diff, wikitext |", "|---|---|---|---|---|"]
+             f"| scorer | median s | loglikelihood s | wikitext s | speed-up vs {result['base']} | first pass s | "
+             "max abs diff, loglikelihood | max abs diff, wikitext |", "|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        lines.append(f"| {row['scorer']} | {row['median_s']:.3f} | {row['speedup_vs_base']:.2f} | "
+        lines.append(f"| {row['scorer']} | {row['median_s']:.3f} | {row['median_loglikelihood_s']:.3f} | "
+                     f"{row['median_rolling_s']:.3f} | {row['speedup_vs_base']:.2f} | {row['first_pass_s']:.2f} | "
                      f"{row['max_abs_diff_loglikelihood_vs_base']:.2e} | {row['max_abs_diff_rolling_vs_base']:.2e} |")
     return "\n".join(lines) + "\n"
 

@@ -6,18 +6,21 @@ it returns one summed number per document. This adapter instead
 
 * scores a whole text in one pass: the model is called on successive slices of
   `chunk_size` tokens with the same cache object, so the recurrent state is carried across
-  slices (never disjoint windows). For fla models the backbone's hidden states come back and
+  slices (no disjoint windows, except where a task's published numbers come from HFLM's windows:
+  `rolling_windows`, zeroshot.py). For fla models the backbone's hidden states come back and
   the LM head plus fp32 log-softmax run `logits_chunk` positions at a time, so neither the
   logits nor their fp32 copy exist for a whole slice at once (other models: per slice);
 * returns per-token NLLs from loglikelihood_rolling (`TokenNLL`);
+* scores many short loglikelihood requests in right-padded batches, reading a context that several
+  requests share once (multiple choice; short_requests.py);
 * decodes with the recurrent cache (chunked prefill, then one token per step);
 * truncates prompts only by the policy a task names (`ccq_truncation` in its YAML metadata, or in
   its generation_kwargs: "middle" | "left" | "error", default "error") and counts what it cut.
 
 BOS convention (all request types): when the tokenizer defines a BOS token it is prepended
 as unscored context, so every token of the text is scored. When it has none, the first
-token of the text is unscored context (rolling) — except for `loglikelihood` with an
-empty context, where EOS serves as the context token, as lm-eval does.
+token of the text is unscored context (rolling in one pass) — except for `loglikelihood` with an
+empty context and HFLM's windows, where EOS serves as the context token, as lm-eval does.
 
 Use from Python with an already-loaded model:
     CCQEvalLM(model=model, tokenizer=tokenizer, max_length=20480, batch_size=1)
@@ -192,6 +195,9 @@ class CCQEvalLM(LM):
             model's config and tokenizer (lm_eval.models.utils.resolve_max_length), not `max_length`.
         share_contexts: loglikelihood requests with one context (multiple choice) read it once and score
             each continuation from a copy of its state (short_requests.py); False scores each row whole.
+            "auto" (the default): on the CPU, where scoring is bound by the positions computed; off on
+            CUDA, where a batch of short rows is bound by the host's calls, and whole rows take one
+            (graph-replayed) forward per batch against the shared path's two eager ones.
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
         seed: for sampling when a task asks for do_sample: each request draws from its own generator,
             seeded by `seed` and the request's identity, so resuming or batching never changes an answer.
@@ -216,7 +222,7 @@ class CCQEvalLM(LM):
         seed: int | str = 1234,
         rolling_windows: str | None = None,
         window_tokens: int | str | None = None,
-        share_contexts: bool | str = True,
+        share_contexts: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -247,7 +253,8 @@ class CCQEvalLM(LM):
                              logits_chunk=logits_chunk, sizer=self.sizer, cuda_graphs=self.cuda_graphs,
                              rolling_windows=rolling_windows or None,
                              window_tokens=_window_tokens(window_tokens, model, tokenizer),
-                             share_contexts=as_bool(share_contexts))
+                             share_contexts=self._device.type == "cpu" if share_contexts == "auto"
+                             else as_bool(share_contexts))
         self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
                                    sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed))
 

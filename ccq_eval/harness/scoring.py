@@ -1,5 +1,7 @@
 """Scoring for the lm-eval adapter (`Scorer`): loglikelihood and loglikelihood_rolling over a carried
-recurrent state, one pass per text (successive slices share one cache), with per-token NLLs (`TokenNLL`).
+recurrent state, one pass per text (successive slices share one cache), with per-token NLLs (`TokenNLL`);
+or, for the tasks whose published numbers come from lm-eval's HFLM (the zero-shot suite's wikitext),
+HFLM's rolling windows, each read afresh.
 """
 
 from __future__ import annotations
@@ -102,10 +104,14 @@ class Scorer:
     """loglikelihood / loglikelihood_rolling of the adapter: token rows through `runtime` in slices of
     `chunk_size` tokens with one carried cache, logits formed `logits_chunk` positions at a time.
 
-    Scoring batches rows of equal token length, as many as `sizer` allows for that length (no padding:
-    a recurrent state has no attention mask to hide pad tokens). With `cuda_graphs`, a forward that fits
-    one slice is replayed from a CUDA graph (ccq_eval.model.cuda_graphs.score). Contexts of `loglikelihood`
-    are fitted by `truncator` under its default policy.
+    A batch takes as many rows as `sizer` allows for its longest row. Whole texts (loglikelihood_rolling's
+    one-pass protocol) batch only with texts of equal token length: the state after a text must not have
+    read padding. Rows that are scored up to their end (loglikelihood requests, HFLM's windows) are
+    right-padded to batch rows of similar length, and requests with one context read it once
+    (short_requests.py). With `cuda_graphs`, a forward that fits one slice and starts from no cache is
+    replayed from a CUDA graph (ccq_eval.model.cuda_graphs.score). Contexts of `loglikelihood` are fitted
+    by `truncator` under its default policy. rolling_windows, window_tokens: the rolling protocol
+    (zeroshot.rolling_protocol) and HFLM's window; share_contexts: whether contexts are read once.
     """
 
     def __init__(self, runtime: ModelRuntime, codec: TokenCodec, truncator: Truncator, *, chunk_size: int,

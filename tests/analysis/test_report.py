@@ -177,7 +177,7 @@ def test_empty_folder_is_a_one_line_error(tmp_path):
 def test_folder_of_unfinished_units_is_a_one_line_error(tmp_path):
     run = _copy_reference(tmp_path)
     started = 0
-    for results_file in run.rglob("results.json"):
+    for results_file in run.rglob("results.json.xz"):  # the reference is an archive
         results_file.unlink()
         started += 1
     result = invoke("report", run)
@@ -187,7 +187,7 @@ def test_folder_of_unfinished_units_is_a_one_line_error(tmp_path):
 
 def test_partial_folder_report_says_what_is_missing(tmp_path):
     run = _copy_reference(tmp_path)
-    (run / "tiny-gdn" / "ccq_s_niah_2" / "results.json").unlink()  # a unit that did not finish
+    (run / "tiny-gdn" / "ccq_s_niah_2" / "results.json.xz").unlink()  # a unit that did not finish
     (run / "tiny-gla" / "ccq_ppl_sweep" / "samples_ccq_ppl_sweep.jsonl.xz").unlink()  # a lost sample log
     shutil.rmtree(run / "tiny-transformer" / "ccq_s_niah_3")  # a unit that never started
     result = invoke("report", run)

@@ -279,7 +279,7 @@ def tensor_names(model: str, keep) -> list[str]:
     from safetensors import safe_open
 
     with safe_open(MODELS / model / "model.safetensors", "np") as weights:
-        return sorted(name for name in weights if keep(name))
+        return sorted(name for name in weights.keys() if keep(name))  # noqa: SIM118  (safe_open is not iterable)
 
 
 def in_layers_2_and_3(name: str) -> bool:

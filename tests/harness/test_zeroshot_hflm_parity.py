@@ -117,3 +117,13 @@ def test_unknown_rolling_protocol_is_refused(transformer, value):
     model, tokenizer = transformer
     with pytest.raises(ValueError, match="rolling_windows must be one of hflm, carry"):
         CCQEvalLM(model=model, tokenizer=tokenizer, rolling_windows=value)
+
+
+def test_model_info_names_the_wikitext_protocol_before_any_request(transformer):
+    """The results say which protocol scores wikitext from the settings alone, also where a resumed run
+    scored none of its requests in this process."""
+    model, tokenizer = transformer
+    for asked, protocol in ((None, "hflm"), ("carry", "carry"), ("hflm", "hflm")):
+        info = CCQEvalLM(model=model, tokenizer=tokenizer, rolling_windows=asked).get_model_info()["ccq_scoring"]
+        assert info["rolling_protocol_by_task"] == {"wikitext": protocol}
+        assert info["rolling_windows"] == (asked or "per task") and info["window_tokens"] == 2048

@@ -1,7 +1,8 @@
 """The results store's files: format versions of unit.json and meta.json, one reader per version.
 
 Version 1 is what the store wrote before the files named their format (results/reference holds such
-units); version 2 named it; version 3, what it writes now, adds each finished unit's checksums.json; a later version is refused with one line naming the file.
+units); version 2 named it; version 3, what it writes now, adds each finished unit's checksums.json; a
+later version is refused with one line naming the file.
 """
 
 from __future__ import annotations

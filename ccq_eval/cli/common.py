@@ -41,7 +41,7 @@ PAdjustOpt = Annotated[PAdjust, typer.Option(
     "bonferroni, or none (raw p-values are shown beside the adjusted ones).")]
 
 
-# Values of --dtype (ccq_eval.harness.plan.DTYPE_CHOICES, listed here so that --help needs no import).
+# Values of --dtype (ccq_eval.harness.options.DTYPE_CHOICES, listed here so that --help needs no import).
 Dtype = Enum("Dtype", {name: name for name in (
     "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")}, type=str)
 Verbosity = Enum("Verbosity", {name: name for name in logs.VERBOSITY_LEVELS}, type=str)

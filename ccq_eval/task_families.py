@@ -117,71 +117,32 @@ S_NIAH = TaskFamily(
         ),
     ),
 )
-RULER_NIAH = TaskFamily(
-    name="niah",
-    title="NIAH with competitors",
-    task_prefixes=("ccq_niah_", "ccq_ruler_niah"),
-    request_type="generate_until",
-    metrics=("acc",),
-    primary_metric="acc",
-    higher_is_better=True,
-    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell"}),
-    length_grid=True,
-    cell_rows=True,
-    display_label="NIAH ",
-    tables=(
-        FamilyTable(
-            "per_length",
-            "RULER multi-key / multi-value / multi-query NIAH accuracy per length",
-            "accuracy (RULER string match, %) per nominal length; depth = the target needle's",
-        ),
-    ),
-)
-RULER_VT = TaskFamily(
-    name="ruler-vt",
-    title="variable tracking",
-    task_prefixes=("ccq_ruler_vt",),
-    request_type="generate_until",
-    metrics=("acc",),
-    primary_metric="acc",
-    higher_is_better=True,
-    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell"}),
-    length_grid=True,
-    cell_rows=True,
-    display_label="RULER ",
-    tables=(FamilyTable("per_length", "RULER variable tracking accuracy per length",
-                        "accuracy (RULER string match, %); depth = the first variable's"),),
-)
-RULER_AGGREGATION = TaskFamily(
-    name="ruler-aggregation",
-    title="common / frequent words",
-    task_prefixes=("ccq_ruler_cwe", "ccq_ruler_fwe", "ccq_ruler_aggregation"),
-    request_type="generate_until",
-    metrics=("acc",),
-    primary_metric="acc",
-    higher_is_better=True,
-    metadata_keys=frozenset({"lengths", "samples_per_cell"}),
-    length_grid=True,
-    cell_rows=True,
-    display_label="RULER ",
-    tables=(FamilyTable("per_length", "RULER word extraction accuracy per length",
-                        "accuracy (RULER string match, %); no target position, so no depth"),),
-)
-RULER_QA = TaskFamily(
-    name="ruler-qa",
-    title="RULER QA",
-    task_prefixes=("ccq_ruler_qa",),
-    request_type="generate_until",
-    metrics=("acc",),
-    primary_metric="acc",
-    higher_is_better=True,
-    metadata_keys=frozenset({"lengths", "depths", "samples_per_cell", "qa_dir"}),
-    length_grid=True,
-    cell_rows=True,
-    display_label="RULER QA ",
-    tables=(FamilyTable("per_length", "RULER QA accuracy per length",
-                        "RULER string_match_part, %; depth = the gold document's"),),
-)
+def _ruler_family(name: str, title: str, task_prefixes: tuple[str, ...], display_label: str,
+                  metadata_keys: frozenset[str], table_title: str, note: str) -> TaskFamily:
+    """A RULER family beyond S-NIAH: generate_until tasks scored by RULER's string match (acc, acc_<L>) on a
+    grid of nominal lengths, whose per-length cells are recomputed from the documents."""
+    return TaskFamily(
+        name=name, title=title, task_prefixes=task_prefixes, request_type="generate_until", metrics=("acc",),
+        primary_metric="acc", higher_is_better=True, metadata_keys=metadata_keys, length_grid=True,
+        cell_rows=True, display_label=display_label, tables=(FamilyTable("per_length", table_title, note),),
+    )
+
+
+_GRID_KEYS = frozenset({"lengths", "depths", "samples_per_cell"})
+RULER_NIAH = _ruler_family(
+    "niah", "NIAH with competitors", ("ccq_niah_", "ccq_ruler_niah"), "NIAH ", _GRID_KEYS,
+    "RULER multi-key / multi-value / multi-query NIAH accuracy per length",
+    "accuracy (RULER string match, %) per nominal length; depth = the target needle's")
+RULER_VT = _ruler_family(
+    "ruler-vt", "variable tracking", ("ccq_ruler_vt",), "RULER ", _GRID_KEYS,
+    "RULER variable tracking accuracy per length", "accuracy (RULER string match, %); depth = the first variable's")
+RULER_AGGREGATION = _ruler_family(
+    "ruler-aggregation", "common / frequent words", ("ccq_ruler_cwe", "ccq_ruler_fwe", "ccq_ruler_aggregation"),
+    "RULER ", _GRID_KEYS - {"depths"}, "RULER word extraction accuracy per length",
+    "accuracy (RULER string match, %); no target position, so no depth")
+RULER_QA = _ruler_family(
+    "ruler-qa", "RULER QA", ("ccq_ruler_qa",), "RULER QA ", _GRID_KEYS | {"qa_dir"},
+    "RULER QA accuracy per length", "RULER string_match_part, %; depth = the gold document's")
 PERPLEXITY = TaskFamily(
     name="ppl",
     title="perplexity",

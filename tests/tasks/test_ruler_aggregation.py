@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import transformers
 from lm_eval import simple_evaluate
-from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
+from scripted_lm import ScriptedLM
 
 ROOT = Path(__file__).resolve().parents[2]
 MISTRAL_DIR = ROOT / "tests" / "fixtures" / "tokenizers" / "mistral_v1"
@@ -282,23 +282,6 @@ def test_scoring_is_rulers_string_match_all():
 
 # ------------------------------------------------------------------ (e) through lm-eval
 METADATA = {"tokenizer": "byt5", "lengths": [1024, 2048], "samples_per_cell": 2}
-
-
-class ScriptedLM(LM):
-    def __init__(self, answer):
-        super().__init__()
-        self.answer = answer
-        self.requests = []
-
-    def generate_until(self, requests, disable_tqdm: bool = False):
-        self.requests.extend(requests)
-        return [self.answer(req.args[0]) for req in requests]
-
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("the tasks only generate")
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("the tasks only generate")
 
 
 def solve(prompt: str, how_many: int | None = None) -> str:

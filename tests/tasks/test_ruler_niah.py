@@ -14,9 +14,9 @@ import nltk
 import numpy as np
 import pytest
 from lm_eval import simple_evaluate
-from lm_eval.api.model import LM
 from lm_eval.api.utils import requires_delimiter
 from lm_eval.tasks import TaskManager
+from scripted_lm import ScriptedLM
 
 from ccq_eval.errors import UserError
 
@@ -403,23 +403,6 @@ def asked_keys(prompt: str) -> list[str]:
 def values_of(prompt: str, keys: list[str], asked: bool) -> list[str]:
     context = prompt[: prompt.rindex("\nWhat ")]
     return [value for key, value in NEEDLE_AT.findall(context) if (key in keys) == asked]
-
-
-class ScriptedLM(LM):
-    def __init__(self, answer):
-        super().__init__()
-        self.answer = answer
-        self.requests = []
-
-    def generate_until(self, requests, disable_tqdm: bool = False):
-        self.requests.extend(requests)
-        return [self.answer(req.args[0]) for req in requests]
-
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("RULER NIAH only generates")
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("RULER NIAH only generates")
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from lm_eval import simple_evaluate
-from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
+from scripted_lm import ScriptedLM
 
 from ccq_eval.errors import UserError
 
@@ -307,25 +307,6 @@ def test_too_short_length_names_the_minimum():
 
 
 # ------------------------------------------------------------------ (e) through lm-eval
-class ScriptedLM(LM):
-    """An lm-eval model answering each prompt with answer(prompt)."""
-
-    def __init__(self, answer):
-        super().__init__()
-        self.answer = answer
-        self.requests = []
-
-    def generate_until(self, requests, disable_tqdm: bool = False):
-        self.requests.extend(requests)
-        return [self.answer(req.args[0]) for req in requests]
-
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("RULER QA only generates")
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("RULER QA only generates")
-
-
 @pytest.fixture(scope="module")
 def task_manager():
     metadata = {"tokenizer": "byt5", "lengths": [1024, 2048], "depths": [0, 100], "qa_dir": str(FIXTURES)}

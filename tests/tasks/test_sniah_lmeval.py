@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from lm_eval import simple_evaluate
-from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
+from scripted_lm import ScriptedLM
 
 ROOT = Path(__file__).resolve().parents[2]
 METADATA = {"tokenizer": "byt5", "lengths": [1024, 2048], "depths": [0, 50, 100], "samples_per_cell": 1}
@@ -24,23 +24,6 @@ def read_needle(prompt: str) -> str:
     """What a perfect retriever answers: the value of the needle whose key the question asks about."""
     key = QUESTION.search(prompt).group(1)
     return re.search(rf"One of the special magic (?:numbers|uuids) for {re.escape(key)} is: (\S+)\.", prompt).group(1)
-
-
-class ScriptedLM(LM):
-    def __init__(self, answer):
-        super().__init__()
-        self.answer = answer
-        self.requests = []
-
-    def generate_until(self, requests, disable_tqdm: bool = False):
-        self.requests.extend(requests)
-        return [self.answer(req.args[0]) for req in requests]
-
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("S-NIAH only generates")
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("S-NIAH only generates")
 
 
 @pytest.fixture(scope="module")

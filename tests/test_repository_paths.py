@@ -13,7 +13,7 @@ A path outside the repository is:
 - a `file://` URL with a path in it;
 - a Windows user folder (C:\\Users\\...);
 - a relative path starting with `../` that, followed from the folder of the file naming it, leaves the
-  repository (`../shared/...` in README.md).
+  repository (`../notes/...` in README.md).
 .gitignore is skipped (its patterns are relative to the repository by definition), and so are token
 lists (tokenizer.json, vocab.*, merges.txt), where `../` is a token, not a path, and this file, whose
 examples name such paths on purpose.
@@ -90,8 +90,8 @@ def test_no_file_names_a_path_outside_the_repository():
 
 
 @pytest.mark.parametrize(("text", "where", "expected"), [
-    ("see ../shared/design/ccq.md", "README.md", ["../shared/design/ccq.md"]),
-    ("[card](../../shared/x.md)", "docs/usage.md", ["../../shared/x.md"]),
+    ("see ../notes/design.md", "README.md", ["../notes/design.md"]),
+    ("[card](../../notes/x.md)", "docs/usage.md", ["../../notes/x.md"]),
     ('"init_from": "/work/main/models"', "models/tiny/train_log.json", ["/work/main/models"]),
     ("cache in /home/someone/.cache/x", "docs/usage.md", ["/home/someone/.cache/x"]),
     ("open file:///root/report.html", "docs/usage.md", ["file:///root/report.html"]),

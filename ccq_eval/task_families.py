@@ -26,7 +26,7 @@ LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_l
 DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
 # The run's task metadata keys that only some families record in their units' spec (TaskFamily.metadata_keys);
 # every other key (the seed) is recorded for every task.
-FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir", "qa_dir")
+FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir", "qa_dir", "zeroshot_dir")
 
 
 class UnknownTaskFamilyError(UserError, ValueError):
@@ -200,6 +200,7 @@ ZEROSHOT = TaskFamily(
     metrics=("acc", "acc_norm", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"),
     primary_metric="acc",
     higher_is_better=None,
+    metadata_keys=frozenset({"zeroshot_dir"}),
     tables=(FamilyTable("overall", "Zero-shot downstream (lm-eval's task configs)",
                         "accuracy, or perplexity for wikitext (word) and LAMBADA"),),
     task_names=ZEROSHOT_TASKS,

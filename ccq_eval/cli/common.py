@@ -46,7 +46,9 @@ Dtype = Enum("Dtype", {name: name for name in (
     "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64", "fp64", "auto")}, type=str)
 Verbosity = Enum("Verbosity", {name: name for name in logs.VERBOSITY_LEVELS}, type=str)
 # Values of --suite (ccq_eval.harness.suites.SUITES, listed here so that --help needs no import).
-SuiteName = Enum("SuiteName", {name: name for name in ("paper", "ruler")}, type=str)
+SuiteName = Enum("SuiteName", {name: name for name in ("paper", "ruler", "zeroshot")}, type=str)
+# Values of --rolling-windows (ccq_eval.harness.zeroshot.ROLLING_PROTOCOLS).
+RollingWindows = Enum("RollingWindows", {name: name for name in ("hflm", "carry")}, type=str)
 
 
 def path_option(text: str | Path) -> Path | str:

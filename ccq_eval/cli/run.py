@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ccq_eval import logs
-from ccq_eval.cli.common import Dtype, SuiteName, given_path, path_option
+from ccq_eval.cli.common import Dtype, RollingWindows, SuiteName, given_path, path_option
 from ccq_eval.cli.errors import debugging, fail, one_line
 
 if TYPE_CHECKING:  # the harness is imported lazily (argument errors appear at once)
@@ -21,12 +21,14 @@ ModelOpt = Annotated[list[str], typer.Option(
     "--model", "-m", help="Registered model name or checkpoint folder; repeat for several. "
     "Default: the registry's default models.")]
 TaskOpt = Annotated[list[str], typer.Option(
-    "--task", "-t", help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e) or lm-eval task "
-    "name; repeat for several. Default: s-niah and ppl.")]
+    "--task", "-t", help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot; "
+    "`ccq-eval tasks` lists them) or lm-eval task name; repeat for several. Default: s-niah and ppl.")]
 SuiteOpt = Annotated[SuiteName | None, typer.Option(
     help="A fixed grid instead of --task / --lengths (`ccq-eval tasks` lists them): paper = "
     "S-NIAH-1/2/3 at 1K-8K (and past the training context), perplexity (both protocols) at 4K-20K, "
-    "LongBench / LongBench-E where --longbench-dir holds their data; ruler = RULER's 13 tasks at 4K-32K.")]
+    "LongBench / LongBench-E where --longbench-dir holds their data, and the zero-shot table where its data "
+    "is found; ruler = RULER's 13 tasks at 4K-32K; zeroshot = the GLA / Gated DeltaNet papers' zero-shot "
+    "table (lm-eval's wikitext ... social_iqa).")]
 LengthsOpt = Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")]
 DepthsOpt = Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")]
 SamplesOpt = Annotated[int | None, typer.Option(
@@ -55,6 +57,12 @@ LongBenchDirOpt = Annotated[Path | None, typer.Option(
 QaDirOpt = Annotated[Path | None, typer.Option(
     help="Folder with the data of the RULER QA tasks (SQuAD v2 dev-v2.0.json, HotpotQA "
     "hotpot_dev_distractor_v1.json); default: the Hugging Face hub.")]
+ZeroshotDirOpt = Annotated[Path | None, typer.Option(
+    help="Folder with the zero-shot suite's data as <task>/<split>.jsonl in each dataset's schema; "
+    "default: the Hugging Face hub, else the datasets cache.")]
+RollingWindowsOpt = Annotated[RollingWindows | None, typer.Option(
+    help="How the zero-shot suite scores wikitext: hflm (default, lm-eval HFLM's disjoint windows, as the "
+    "papers report it) or carry (one recurrent pass over each text).")]
 KeepGoingOpt = Annotated[bool, typer.Option(help="Continue with the next unit when one fails (default: stop).")]
 CudaGraphsOpt = Annotated[bool | None, typer.Option(
     "--cuda-graphs/--no-cuda-graphs",
@@ -97,6 +105,8 @@ def run(
     lm_eval_arg: LmEvalArgOpt = [],  # noqa: B006
     longbench_dir: LongBenchDirOpt = None,
     qa_dir: QaDirOpt = None,
+    zeroshot_dir: ZeroshotDirOpt = None,
+    rolling_windows: RollingWindowsOpt = None,
     keep_going: KeepGoingOpt = False,
     cuda_graphs: CudaGraphsOpt = None,
     shard: ShardOpt = None,
@@ -123,6 +133,7 @@ def run(
         samples_per_cell=samples_per_cell, limit=limit, device=device, dtype=dtype.value,
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, qa_dir=qa_dir, keep_going=keep_going,
+        zeroshot_dir=zeroshot_dir, rolling_windows=rolling_windows.value if rolling_windows else None,
         cuda_graphs=cuda_graphs, shard=shard, ccq_attach=ccq_attach,
     )
     try:

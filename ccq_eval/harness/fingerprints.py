@@ -1,5 +1,6 @@
 """What a unit's answers depend on besides its settings: the sha256 of its checkpoint files and of the
-data file it reads (a LongBench dataset of --longbench-dir, a QA file of --qa-dir), recorded in its spec
+data files it reads (a LongBench dataset of --longbench-dir, a QA file of --qa-dir, a zero-shot task's split
+files in --zeroshot-dir), recorded in its spec
 when it is planned and checked again before it runs.
 """
 
@@ -65,11 +66,22 @@ def hub_offline() -> bool:
     return not hub_allowed()
 
 
+def zeroshot_data_files(task: str, zeroshot_dir: Path) -> list[Path]:
+    """The split files <zeroshot_dir>/<task>/*.jsonl a zero-shot task may read (zeroshot.local_overrides
+    picks the config's splits among them)."""
+    return sorted((zeroshot_dir / task).glob("*.jsonl"))
+
+
 def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | None:
-    """{file name: sha256} of the data file a task's documents are read from (a LongBench dataset in
-    --longbench-dir, metadata's data_dir; a QA file in --qa-dir, metadata's qa_dir); None for tasks built
-    from the embedded corpora or fetched from the hub."""
-    data_dir, qa_dir = metadata.get("data_dir"), metadata.get("qa_dir")
+    """{file name: sha256} of the data files a task's documents are read from (a LongBench dataset in
+    --longbench-dir, metadata's data_dir; a QA file in --qa-dir, metadata's qa_dir; the split files of a
+    zero-shot task in --zeroshot-dir, metadata's zeroshot_dir, named <task>/<split>.jsonl); None for tasks
+    built from the embedded corpora or read from the hub or the datasets cache."""
+    data_dir, qa_dir, zeroshot_dir = metadata.get("data_dir"), metadata.get("qa_dir"), metadata.get("zeroshot_dir")
+    if zeroshot_dir:
+        files = zeroshot_data_files(task, Path(zeroshot_dir))
+        if files:
+            return {f"{task}/{path.name}": checkpoint.file_sha256(path) for path in files}
     path = longbench_data_file(task, Path(data_dir)) if data_dir else None
     if path is None and qa_dir:
         path = qa_data_file(task, Path(qa_dir))

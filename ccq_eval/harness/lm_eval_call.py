@@ -11,12 +11,16 @@ keyword of evaluate_tasks, so lm-eval is called through its public functions onl
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import random
 import subprocess
 import time
 from typing import Any
+
+from ccq_eval.harness.zeroshot import ZEROSHOT_TASKS, load_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,14 @@ def git_commit_hash() -> str | None:
         from lm_eval.loggers.utils import get_commit_from_path
 
         return get_commit_from_path(os.getcwd())
+
+
+def _load(task_manager: Any, tasks: list[str], zeroshot_dir: str | None) -> dict[str, Any]:
+    """TaskManager.load(tasks); the zero-shot suite's tasks through zeroshot.load_tasks (data from
+    `zeroshot_dir` where it holds them, a dataset no source holds as one line)."""
+    if any(task in ZEROSHOT_TASKS for task in tasks):
+        return load_tasks(task_manager, tasks, zeroshot_dir)
+    return task_manager.load(tasks)
 
 
 def _apply_overrides(loaded: dict[str, Any], gen_kwargs: dict[str, Any] | None, num_fewshot: int | None,
@@ -73,10 +85,12 @@ def evaluate_tasks(
     fewshot_as_multiturn: bool = True,
     check_integrity: bool = False,
     confirm_run_unsafe_code: bool = False,
+    zeroshot_dir: str | None = None,
 ) -> dict[str, Any] | None:
     """lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, log_samples=True, every seed
     = seed, ...) for an LM object: the results dict (None on a data-parallel rank other than 0), its config
-    naming the model `model_name`."""
+    naming the model `model_name`. The zero-shot suite's tasks are loaded through zeroshot.load_tasks (their
+    data from `zeroshot_dir` where it holds them, a missing dataset as one line)."""
     import numpy as np
     from lm_eval.evaluator import evaluate
     from lm_eval.loggers.utils import add_env_info, add_tokenizer_info
@@ -98,13 +112,19 @@ def evaluate_tasks(
         logger.warning("generation_kwargs: %s specified through cli, these settings will update set parameters "
                        "in yaml tasks. Ensure 'do_sample=True' for non-greedy decoding!", gen_kwargs)
         gen_kwargs = gen_kwargs or None
-    loaded = task_manager.load(tasks)
+    loaded = _load(task_manager, tasks, zeroshot_dir)
     _apply_overrides(loaded, gen_kwargs if isinstance(gen_kwargs, dict) else None, num_fewshot, seed)
-    results = evaluate(lm=lm, task_dict=loaded, limit=limit, cache_requests=cache_requests,
-                       rewrite_requests_cache=rewrite_requests_cache, bootstrap_iters=bootstrap_iters,
-                       write_out=write_out, log_samples=True, system_instruction=system_instruction,
-                       apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
-                       confirm_run_unsafe_code=confirm_run_unsafe_code)
+    # lm-eval prints "bootstrapping for stddev: <metric>" (lm_eval/api/metrics.py): to the debug log, except
+    # where write_out asks for lm-eval's printed prompts.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed) if not write_out else contextlib.nullcontext():
+        results = evaluate(lm=lm, task_dict=loaded, limit=limit, cache_requests=cache_requests,
+                           rewrite_requests_cache=rewrite_requests_cache, bootstrap_iters=bootstrap_iters,
+                           write_out=write_out, log_samples=True, system_instruction=system_instruction,
+                           apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+                           confirm_run_unsafe_code=confirm_run_unsafe_code)
+    for line in printed.getvalue().splitlines():
+        logger.debug("lm-eval: %s", line)
     if lm.rank != 0 or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
     config: dict[str, Any] = {"model": model_name, "model_args": None}

@@ -20,6 +20,7 @@ from typing import Any
 from ccq_eval.errors import UserError
 from ccq_eval.harness.run_options import RunOptions
 from ccq_eval.harness.suites import SUITES, Suite
+from ccq_eval.harness.zeroshot import ROLLING_PROTOCOLS
 
 # simple_evaluate arguments the runner sets itself; --lm-eval-arg may not override them.
 MANAGED_LMEVAL_ARGS = {
@@ -342,6 +343,7 @@ class ParsedOptions:
     suite: Suite | None  # --suite
     longbench_dir: Path | None  # --longbench-dir, an existing folder
     qa_dir: Path | None  # --qa-dir, an existing folder (absolute)
+    zeroshot_dir: Path | None  # --zeroshot-dir, an existing folder (absolute)
 
 
 def parse_options(options: RunOptions) -> ParsedOptions:
@@ -368,6 +370,7 @@ def parse_options(options: RunOptions) -> ParsedOptions:
         shard=shard, attach=attach, suite=SUITES[options.suite] if options.suite is not None else None,
         longbench_dir=Path(options.longbench_dir) if options.longbench_dir is not None else None,
         qa_dir=Path(options.qa_dir).resolve() if options.qa_dir is not None else None,
+        zeroshot_dir=Path(options.zeroshot_dir).resolve() if options.zeroshot_dir is not None else None,
     )
 
 
@@ -400,9 +403,14 @@ def _check_values(options: RunOptions) -> None:
         if given:
             raise PlanError(f"--suite {options.suite} sets the tasks and lengths itself; drop {', '.join(given)} "
                             "(or run without --suite)")
-    for flag, folder in (("--longbench-dir", options.longbench_dir), ("--qa-dir", options.qa_dir)):
+    for flag, folder in (("--longbench-dir", options.longbench_dir), ("--qa-dir", options.qa_dir),
+                         ("--zeroshot-dir", options.zeroshot_dir)):
         if folder is not None and not Path(folder).is_dir():
             raise PlanError(f"{flag} {folder}: no such folder")
+    if options.rolling_windows is not None and options.rolling_windows not in ROLLING_PROTOCOLS:
+        raise PlanError(f"--rolling-windows {options.rolling_windows!r}: valid choices are "
+                        f"{', '.join(ROLLING_PROTOCOLS)} (hflm: lm-eval HFLM's windows, the papers' protocol; "
+                        "carry: one recurrent pass over each text)")
 
 
 def _grid(options: RunOptions) -> Grid:

@@ -24,6 +24,7 @@ from ccq_eval.harness.suites import suite_lengths
 from ccq_eval.harness.task_identity import package_versions, task_definition
 from ccq_eval.harness.task_registry import RegistryTaskCatalog, TaskCatalog
 from ccq_eval.harness.task_selection import RunTasks, select_tasks
+from ccq_eval.harness.zeroshot import HFLM_ROLLING_TASKS, rolling_protocol
 from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, RegistryError
 from ccq_eval.task_families import FAMILY_METADATA_KEYS, family_of
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 # Task metadata that names a folder on this machine: a unit's identity records the content of the file the
 # task reads there (its spec's data_files), not the folder, so that a copy of the data elsewhere is the same.
-FOLDER_METADATA_KEYS = ("qa_dir", "data_dir")
+FOLDER_METADATA_KEYS = ("qa_dir", "data_dir", "zeroshot_dir")
 
 # --------------------------------------------------------------------------------------------
 # Defaults that fit the machine
@@ -185,6 +186,8 @@ def _task_metadata(parsed: ParsedOptions) -> dict[str, Any]:
         task_metadata["data_dir"] = str(parsed.longbench_dir.resolve())  # tasks/longbench's key
     if parsed.qa_dir is not None:
         task_metadata["qa_dir"] = str(parsed.qa_dir)  # tasks/ruler_qa's key
+    if parsed.zeroshot_dir is not None:
+        task_metadata["zeroshot_dir"] = str(parsed.zeroshot_dir)  # read by the evaluator (zeroshot.load_tasks)
     return task_metadata
 
 
@@ -217,6 +220,8 @@ def _build_units(parsed: ParsedOptions, store: ResultsStore, models: ResolvedMod
                 "task_definition": task_definition(task),  # its YAML, hooks and data files as loaded
                 "versions": versions,
             }
+            if task in HFLM_ROLLING_TASKS:  # the protocol that scores its texts decides its perplexity
+                spec["rolling_windows"] = rolling_protocol(task, options.rolling_windows)
             if model.name in models.attachments:
                 spec["ccq_attach"] = models.attachments[model.name]
             data_files = data_fingerprint(task, given)

@@ -25,6 +25,8 @@ class RunOptions:
     lm_eval_args: list[str] = field(default_factory=list)
     longbench_dir: Path | None = None
     qa_dir: Path | None = None  # SQuAD v2 / HotpotQA files of the RULER QA tasks (else the hub)
+    zeroshot_dir: Path | None = None  # <task>/<split>.jsonl files of the zero-shot suite (else hub / cache)
+    rolling_windows: str | None = None  # wikitext's protocol in the zero-shot suite: "hflm" (None) or "carry"
     keep_going: bool = False
     cuda_graphs: bool | None = None  # CUDA-graph decode and scoring; None: where they apply (adapter)
     suite: str | None = None  # a name in suites.SUITES: its tasks and lengths instead of --task / --lengths
@@ -52,6 +54,8 @@ def options_command_line(options: RunOptions) -> list[str]:
         ("--max-length", options.max_length),
         ("--longbench-dir", options.longbench_dir),
         ("--qa-dir", options.qa_dir),
+        ("--zeroshot-dir", options.zeroshot_dir),
+        ("--rolling-windows", options.rolling_windows),
     ):
         if value is not None:
             argv += [flag, str(value)]

@@ -22,6 +22,7 @@ class SuitePart:
     past_training_context: bool = False  # add 2x the model's training context if the grid stays within it
     up_to_twice_training_context: bool = False  # cut the grid at 2x the training context when that is shorter
     needs_longbench_data: bool = False  # only the datasets whose files --longbench-dir holds
+    left_out_without_data: bool = False  # a task whose data no source holds is left out with a note
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,12 @@ class Suite:
 SUITES: dict[str, Suite] = {
     "paper": Suite(
         "the papers' grid: S-NIAH-1/2/3 at 1K-8K (and past the model's training context), perplexity "
-        "(both protocols) at 4K/8K/14K/20K, LongBench / LongBench-E datasets found in --longbench-dir",
+        "(both protocols) at 4K/8K/14K/20K, LongBench / LongBench-E datasets found in --longbench-dir, "
+        "the zero-shot table's tasks whose data is found (--zeroshot-dir, the hub or the datasets cache)",
         (SuitePart(("s-niah-1", "s-niah-2", "s-niah-3"), (1024, 2048, 4096, 8192), past_training_context=True),
          SuitePart(("ppl",), (4096, 8192, 14336, 20480)),
-         SuitePart(("longbench", "longbench-e"), needs_longbench_data=True)),
+         SuitePart(("longbench", "longbench-e"), needs_longbench_data=True),
+         SuitePart(("zeroshot",), left_out_without_data=True)),
     ),
     # The lengths fla's README evaluates RULER at (4K-32K); a model trained on less is evaluated up to twice
     # its training context, as far past it as --suite paper goes.
@@ -44,6 +47,14 @@ SUITES: dict[str, Suite] = {
         "RULER's 13 tasks at 4K/8K/16K/32K (up to twice the model's training context when that is "
         "shorter); the QA tasks read --qa-dir (or the hub) and are left out when neither has their data",
         (SuitePart(("ruler",), (4096, 8192, 16384, 32768), up_to_twice_training_context=True),),
+    ),
+    # fla's README command for "the task results reported in the GLA paper", plus social_iqa (Gated DeltaNet
+    # paper): lm-eval's own configs, zero-shot, wikitext in HFLM's windows unless --rolling-windows carry.
+    "zeroshot": Suite(
+        "the GLA / Gated DeltaNet papers' zero-shot table: lm-eval's wikitext, lambada_openai, piqa, hellaswag, "
+        "winogrande, arc_easy, arc_challenge, boolq, sciq, copa, openbookqa, social_iqa (data from "
+        "--zeroshot-dir, the hub or the datasets cache)",
+        (SuitePart(("zeroshot",)),),
     ),
 }
 

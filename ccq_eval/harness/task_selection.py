@@ -13,7 +13,7 @@ from ccq_eval.harness.fingerprints import hub_offline, longbench_data_present, q
 from ccq_eval.harness.options import ParsedOptions, PlanError
 from ccq_eval.harness.suites import SuitePart
 from ccq_eval.harness.task_registry import TaskCatalog
-from ccq_eval.task_families import PERPLEXITY, family_of
+from ccq_eval.task_families import PERPLEXITY, ZEROSHOT, family_of
 
 # The default run's tasks, and those of its CCQ sweep (model_resolution.DEFAULT_SWEEP_ATTACH's lambdas).
 DEFAULT_TASKS = ["s-niah", "ppl"]
@@ -48,6 +48,8 @@ def select_tasks(parsed: ParsedOptions, catalog: TaskCatalog, *, with_sweep: boo
         resolved, notes = _suite_tasks_with_data(resolved, part_of, parsed)
     resolved, qa_notes = _qa_tasks_with_data(resolved, parsed)
     notes += qa_notes
+    resolved, zeroshot_notes = _zeroshot_tasks_with_data(resolved, part_of, parsed, catalog)
+    notes += zeroshot_notes
     if grid.depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
         raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
     grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
@@ -146,3 +148,37 @@ def _qa_tasks_with_data(resolved: list[tuple[str, str]],
     if parsed.suite is None and not all(alias in wider for _, alias in absent):
         raise PlanError(f"{names} cannot run: {why}")
     return [pair for pair in resolved if pair not in absent], [f"left out {names}: {why}"]
+
+
+def _zeroshot_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, SuitePart], parsed: ParsedOptions,
+                              catalog: TaskCatalog) -> tuple[list[tuple[str, str]], list[str]]:
+    """The zero-shot suite's tasks read lm-eval's datasets from --zeroshot-dir, the hub or the datasets cache.
+    One whose data none of them holds is left out with a note where its suite part allows it (--suite paper)
+    and stops the run otherwise, with zeroshot.ZeroshotDataError's one line (dataset and how to fetch it)."""
+    from ccq_eval.harness.zeroshot import HFLM_ROLLING_TASKS
+
+    tasks = [(task, alias) for task, alias in resolved if family_of(task) is ZEROSHOT]
+    if parsed.options.rolling_windows is not None and not any(task in HFLM_ROLLING_TASKS for task, _ in tasks):
+        rolling = ", ".join(sorted(HFLM_ROLLING_TASKS))
+        raise PlanError(f"--rolling-windows sets how the zero-shot suite scores {rolling}, and no such task was "
+                        "selected; drop it, or add -t wikitext (or -t zeroshot)")
+    if not tasks:
+        return resolved, []
+    from ccq_eval.harness import zeroshot
+
+    manager = catalog.make_task_manager({})
+    absent: list[tuple[str, str]] = []
+    for task, alias in tasks:
+        try:
+            zeroshot.check_data(manager, [task], parsed.zeroshot_dir)
+        except zeroshot.ZeroshotDataError as error:
+            if not (task in part_of and part_of[task].left_out_without_data):
+                raise PlanError(str(error)) from None
+            absent.append((task, alias))
+    if not absent:
+        return resolved, []
+    where = f"--zeroshot-dir {parsed.zeroshot_dir}" if parsed.zeroshot_dir else "no --zeroshot-dir"
+    names = "zeroshot" if len(absent) == len(tasks) else ", ".join(task for task, _ in absent)
+    note = (f"--suite {parsed.options.suite}: {names} skipped ({where}, and neither the hub nor the datasets "
+            "cache holds the data; docs/zeroshot.md says how to get it)")
+    return [pair for pair in resolved if pair not in absent], [note]

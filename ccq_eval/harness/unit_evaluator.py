@@ -65,14 +65,15 @@ def _load_model_default(source: str, device: str, dtype: str | None,
 
 
 def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int | None, seed: int,
-                          cuda_graphs: bool | None) -> Any:
+                          cuda_graphs: bool | None, rolling_windows: str | None = None) -> Any:
     """The adapter; batch_size / cuda_graphs None leave them to the adapter's "auto" (the fast path where
-    it applies: a recurrent fla model on CUDA)."""
+    it applies: a recurrent fla model on CUDA); rolling_windows None, its per-task protocol."""
     from ccq_eval.harness.adapter import CCQEvalLM
 
     kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "seed": seed,
                               "batch_size": "auto" if batch_size is None else batch_size,
-                              "cuda_graphs": "auto" if cuda_graphs is None else cuda_graphs}
+                              "cuda_graphs": "auto" if cuda_graphs is None else cuda_graphs,
+                              "rolling_windows": rolling_windows}
     if max_length is not None:
         kwargs["max_length"] = max_length
     return CCQEvalLM(**kwargs)
@@ -152,14 +153,18 @@ class LmEvalUnitEvaluator:
         plan, options = context.plan, context.plan.options
         model, tokenizer = self._model(unit.model_source, plan.device, plan.dtype, unit.spec.get("ccq_attach"))
         check_inputs_unchanged(unit, plan.store)  # after loading: the weights in memory are the ones unit.json records
+        # The zero-shot suite's rolling tasks carry their protocol in the spec; other units leave it to the adapter.
+        protocol = {"rolling_windows": unit.spec["rolling_windows"]} if "rolling_windows" in unit.spec else {}
         adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
-                                     options.cuda_graphs)
+                                     options.cuda_graphs, **protocol)
         # The most rows a batch may take (--batch-size, or the adapter's auto choice): also the requests per
         # resumable chunk, so that a chunk can fill a batch.
         batch_size = int(getattr(adapter, "batch_size", None) or options.batch_size or 1)
         wrapped = ResumableLM(adapter, context.cache, chunk_size=batch_size, on_progress=context.on_progress)
         catalog = self._task_catalog or run_plan.default_task_catalog()
-        results = evaluate_tasks(wrapped, catalog.make_task_manager(dict(unit.task_metadata)), [unit.task],
+        metadata = dict(unit.task_metadata)
+        zeroshot_dir = metadata.pop("zeroshot_dir", None)  # lm-eval's own tasks get their data through it, not metadata
+        results = evaluate_tasks(wrapped, catalog.make_task_manager(metadata), [unit.task], zeroshot_dir=zeroshot_dir,
                                  model_name=unit.model, limit=options.limit, batch_size=batch_size,
                                  device=plan.device, seed=options.seed,
                                  **({"bootstrap_iters": 1000} | dict(plan.lm_eval_args)))

@@ -93,7 +93,8 @@ def missing_data_message(name: str, config: dict[str, Any]) -> str:
         dataset = f"{dataset} ({config['dataset_name']})"
     return (f"task {name}: dataset {dataset} is neither reachable on the Hugging Face hub nor in the datasets "
             f"cache; fetch it where the hub is reachable with {fetch_command(config)} and use that machine's "
-            "Hugging Face cache (HF_HOME) here, or give a folder of <task>/<split>.jsonl files")
+            f"Hugging Face cache (HF_HOME) here, or pass --zeroshot-dir FOLDER holding {name}/"
+            f"{evaluated_split(config)}.jsonl in that dataset's schema")
 
 
 def local_overrides(name: str, config: dict[str, Any], data_dir: str | Path) -> dict[str, Any] | None:

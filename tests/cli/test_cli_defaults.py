@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 import test_cli_run
 from test_cli_run import RUN_ARGS, TASK_NAME, FakeLM, invoke
@@ -115,12 +116,17 @@ def test_units_stored_before_dtypes_were_resolved_still_resume(fake_world):
 
 def test_paper_suite_plans_the_papers_grid(monkeypatch, tmp_path):
     """--suite paper: S-NIAH-1/2/3 at 1K-8K (plus 2x the training context when that is 8K or more),
-    both perplexity protocols at 4K-20K, and only the LongBench datasets whose files are present."""
+    both perplexity protocols at 4K-20K, and only the LongBench datasets and zero-shot tasks whose data is found."""
     registry = {name: model_registry.ModelEntry(name, str(tmp_path / name), "") for name in ("base", "ccq")}
     monkeypatch.setattr(run_plan, "load_model_registry", lambda *a, **k: registry)
     monkeypatch.setattr(run_plan, "cuda_available", lambda: False)
     monkeypatch.setattr(suites, "training_context", lambda model: {"ccq": 8192}.get(model.name))
     options = {"models": ["base", "ccq"], "suite": "paper", "output": tmp_path / "out"}
+
+    def hub_unreachable(path, name=None, **kwargs):  # the zero-shot datasets: neither hub nor cache has them
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", hub_unreachable)
 
     plan = run_plan.plan_run(run_plan.RunOptions(**options))
     grid = {(u.model, u.task): (u.spec["task_metadata"].get("lengths"), u.spec["max_length"]) for u in plan.units}
@@ -132,7 +138,9 @@ def test_paper_suite_plans_the_papers_grid(monkeypatch, tmp_path):
         assert grid["ccq", task] == ([1024, 2048, 4096, 8192, 16384], 16384)  # past its 8K training context
     for task in ppl:
         assert grid["base", task] == grid["ccq", task] == ([4096, 8192, 14336, 20480], 20480)
-    assert plan.notes == ["--suite paper: longbench, longbench-e skipped (no --longbench-dir)"]
+    assert plan.notes == ["--suite paper: longbench, longbench-e skipped (no --longbench-dir)",
+                          "--suite paper: zeroshot skipped (no --zeroshot-dir, and neither the hub nor the datasets "
+                          "cache holds the data; docs/zeroshot.md says how to get it)"]
 
     data = tmp_path / "longbench"
     (data / "data").mkdir(parents=True)

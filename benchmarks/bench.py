@@ -392,8 +392,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ccq_eval.model.kernels.autotune import capped_autotuning
-
-    with capped_autotuning():  # bare forwards and the adapter tuned alike, as in ccq-eval's runs
-        status = main()
-    sys.exit(status)
+    sys.exit(main())

@@ -257,8 +257,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ccq_eval.model.kernels.autotune import capped_autotuning
-
-    with capped_autotuning():  # fla's kernels tuned as in ccq-eval's runs
-        status = main()
-    sys.exit(status)
+    sys.exit(main())

@@ -110,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
         "parameters": parameters,
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "autotune_configs": os.environ.get("CCQ_EVAL_AUTOTUNE_CONFIGS", "default"),
         "target_seconds": TARGET_SECONDS,
         "runs": runs,
         "cold_under_target": runs["cold"]["returncode"] == 0 and runs["cold"]["seconds"] < TARGET_SECONDS,

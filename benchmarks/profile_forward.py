@@ -221,7 +221,4 @@ def score_steps(model, lm, tokens, requests, ccq: bool) -> None:
 
 
 if __name__ == "__main__":
-    from ccq_eval.model.kernels.autotune import capped_autotuning
-
-    with capped_autotuning():  # fla's kernels tuned as in ccq-eval's runs
-        main()
+    main()

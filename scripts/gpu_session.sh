@@ -97,7 +97,7 @@ pipeline() {
   cd "$WORK/repo" || exit 1
   export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
-    CCQ_EVAL_AUTOTUNE_CONFIGS=${CCQ_EVAL_AUTOTUNE_CONFIGS:-4} CCQ_EVAL_GIT_COMMIT=${COMMIT:-unknown}
+    CCQ_EVAL_GIT_COMMIT=${COMMIT:-unknown}
   mkdir -p "$WORK/logs" "$WORK/models" "$WORK/results" "$WORK/bench"
   stage "install wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \

@@ -63,7 +63,6 @@ from train_settings import (  # noqa: E402
     settings_from_args,
 )
 
-from ccq_eval.model.kernels import autotune  # noqa: E402
 from ccq_eval.model.modeling_ccq import (  # noqa: E402
     CCQGatedDeltaNetConfig,
     CCQGatedDeltaNetForCausalLM,
@@ -480,8 +479,6 @@ def write_model(spec: ModelSpec, model, settings: TrainSettings, summary: dict, 
             "git_commit": settings.code_commit or git_commit(), "command": command,
             "total_seconds": time.perf_counter() - started,
             "ccq_settings": ", ".join(f"{k} {v}" for k, v in config.items() if k.startswith("ccq_")),
-            # Settings outside the command line that change the run (a capped autotune picks other kernels).
-            "environment": {k: os.environ[k] for k in (autotune.ENV_VAR,) if os.environ.get(k)},
             "init": init_record(spec, settings),
         }
         (tmp / "README.md").write_text(model_card(spec, settings, info), encoding="utf-8")
@@ -589,5 +586,4 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    with autotune.capped_autotuning():  # fla's kernels tune over a few candidates, as in ccq-eval's runs
-        main()
+    main()

@@ -16,13 +16,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 
 @pytest.fixture(autouse=True)
-def _gpu_tests_autotune_as_ccq_eval_runs(request):
-    """GPU tests run fla's kernels as ccq-eval's harness does: inside its autotune scope (a few candidates
-    per kernel, kernels/autotune.py). Outside it fla would tune over every candidate, minutes per kernel set."""
+def _gpu_tests_autotune_few_candidates(request):
+    """GPU tests run fla's kernels with a few autotuning candidates each (tests/autotune_cap.py), so that a
+    fresh GPU machine does not spend many minutes tuning every candidate of every kernel."""
     if request.node.get_closest_marker("gpu") is None:
         yield
         return
-    from ccq_eval.model.kernels.autotune import capped_autotuning
+    from autotune_cap import capped_autotuning
 
     with capped_autotuning():
         yield

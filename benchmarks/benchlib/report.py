@@ -15,7 +15,6 @@ import torch
 from benchlib.harness_section import adapter_method
 from benchlib.workload import REPO
 from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE
-from ccq_eval.model.kernels import autotune
 
 GiB = 1024**3
 PACKAGES = (
@@ -86,8 +85,6 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "packages": {name: _version(name) for name in PACKAGES},
         "git": _git(),
-        # A cap on triton's autotuning candidates (ccq_eval/model/kernels/autotune.py) can make kernels slower.
-        "autotune_configs_per_kernel": autotune.configured_limit(),
         # Which CCQ read and which scoring log-softmax ran (the defaults: fused, triton).
         "ccq_kernel": os.environ.get("CCQ_EVAL_CCQ_KERNEL", "fused"),
         "token_logprob": os.environ.get("CCQ_EVAL_TOKEN_LOGPROB", "triton"),
@@ -250,13 +247,6 @@ def _header(report: dict[str, Any]) -> list[str]:
         ),
         f"- ccq-eval commit {env['git']['commit']}{' (uncommitted changes)' if env['git']['dirty'] else ''}",
         f"- command: `{report['command']}`",
-        "- triton autotuning: "
-        + (
-            f"at most {env['autotune_configs_per_kernel']} candidate configs per kernel "
-            "(CCQ_EVAL_AUTOTUNE_CONFIGS)"
-            if env.get("autotune_configs_per_kernel")
-            else "fla's full candidate lists"
-        ),
         (
             f"- CCQ read: {env.get('ccq_kernel', '?')} (CCQ_EVAL_CCQ_KERNEL); scoring log-softmax: "
             f"{env.get('token_logprob', '?')} (CCQ_EVAL_TOKEN_LOGPROB)"

@@ -56,7 +56,6 @@ from ccq_eval.harness.scoring import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK, H
 from ccq_eval.harness.tokens import TokenCodec
 from ccq_eval.harness.truncation import Truncator
 from ccq_eval.harness.zeroshot import HFLM_ROLLING_TASKS, rolling_protocol
-from ccq_eval.model.kernels.autotune import capped_autotuning
 from ccq_eval.model.kernels.token_logprob import token_logprob
 from ccq_eval.model.modeling_ccq import prepare_runtime
 
@@ -421,24 +420,18 @@ class CCQEvalLM(LM):
         """No progress bar when asked, and on every data-parallel rank but 0."""
         return disable_tqdm or self.rank != 0
 
-    # lm-eval's three entry points run the model inside autotune.capped_autotuning(): fla's kernels
-    # tune over a few candidates each there, and are left as they were afterwards.
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        with capped_autotuning():
-            return self.scorer.loglikelihood(requests, self.cache_hook, self._quiet(disable_tqdm))
+        return self.scorer.loglikelihood(requests, self.cache_hook, self._quiet(disable_tqdm))
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[TokenNLL]:
-        with capped_autotuning():
-            return self.scorer.loglikelihood_rolling(requests, self.cache_hook, self._quiet(disable_tqdm))
+        return self.scorer.loglikelihood_rolling(requests, self.cache_hook, self._quiet(disable_tqdm))
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False,
                        request_ids: list[str] | None = None) -> list[str]:
         """Answers of `requests`. request_ids (resume.request_keys of the whole unit's requests, from the
         resuming wrapper) identify each request for its sampling seed; by default they are computed over
         `requests`."""
-        with capped_autotuning():
-            return self.generator.generate_until(requests, self.cache_hook, self._quiet(disable_tqdm),
-                                                 request_ids)
+        return self.generator.generate_until(requests, self.cache_hook, self._quiet(disable_tqdm), request_ids)
 
     # ------------------------------------------------------------------ truncation bookkeeping
     @property

@@ -58,16 +58,13 @@ def package_versions() -> dict[str, str | None]:
 def gpu_kernel_settings() -> dict[str, str | None]:
     """Which kernel paths a CUDA run may use (bf16 results differ slightly between them): the CCQ read
     ("fused" where it applies: order-1 series reads at head dims 128 / 256; resolvent reads are always
-    unfused), the scoring log-softmax, the autotuning cap. Recorded in CUDA runs' metadata (CPU runs use torch
-    throughout), read in every run so that a bad setting fails before the first unit."""
+    unfused), the scoring log-softmax. Recorded in CUDA runs' metadata (CPU runs use torch throughout), read
+    in every run so that a bad setting fails before the first unit."""
     from ccq_eval.model.ccq import fused_kernel_enabled
-    from ccq_eval.model.kernels import autotune
     from ccq_eval.model.kernels.token_logprob import selected_implementation
 
-    limit = autotune.configured_limit()  # candidates per fla kernel
     return {"ccq_read": "fused" if fused_kernel_enabled() else "unfused",
-            "token_logprob": selected_implementation(),
-            "autotune_configs": "all" if limit is None else str(limit)}
+            "token_logprob": selected_implementation()}
 
 
 def log_to_wandb(loggers: dict[str, dict[str, Any]], unit: Unit, outcome: UnitOutcome) -> None:

@@ -69,7 +69,6 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
 
     from ccq_eval.inspection.measure import CCQSettings, measure_layer, sample_positions
     from ccq_eval.inspection.reads import ReadRecorder
-    from ccq_eval.model.kernels.autotune import capped_autotuning
     from ccq_eval.model.loading import load_model
 
     if device == "cpu":
@@ -104,7 +103,7 @@ def inspect_model(name: str, folder: Path, options: InspectOptions, device: str,
                        base={"model": name, "family": family, "ccq_trained": trained, "task": prompt.task,
                              "length": prompt.length, "depth": prompt.depth, "sample": prompt.sample})
         ids = torch.tensor([prompt.input_ids], device=device)
-        with torch.no_grad(), recorder.capture(), capped_autotuning():
+        with torch.no_grad(), recorder.capture():
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
         if not bool(torch.isfinite(logits).all()):  # its reads would be written as blank cells, as if measured
             raise InspectError(f"model {name} ({folder}) gives NaN or infinite logits; nothing was written: look "

@@ -375,7 +375,7 @@ def prepare_runtime() -> None:
     """Make this process ready for the CCQ models (idempotent): with CUDA, the shipped autotune winners
     in triton's cache (kernels/autotune.py), and the model types in transformers' Auto classes. fla is
     left as it is: the CCQ classes run on CPU through their own modules (fla_cpu.use_torch_backend), and
-    the cap on triton's autotuning holds only inside autotune.capped_autotuning(). The loader, the
+    on CUDA fla's kernels autotune as triton and fla decide. The loader, the
     lm-eval adapter and the models' constructors call it; importing ccq_eval does not.
     """
     global _winners_seeded

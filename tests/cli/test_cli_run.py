@@ -421,7 +421,6 @@ def test_kernel_settings_are_read_from_the_environment(monkeypatch):
 
     monkeypatch.delenv("CCQ_EVAL_TOKEN_LOGPROB", raising=False)
     monkeypatch.setenv("CCQ_EVAL_CCQ_KERNEL", "unfused")
-    monkeypatch.setenv("CCQ_EVAL_AUTOTUNE_CONFIGS", "2")
-    assert gpu_kernel_settings() == {"ccq_read": "unfused", "token_logprob": "triton", "autotune_configs": "2"}
-    monkeypatch.delenv("CCQ_EVAL_AUTOTUNE_CONFIGS")
-    assert gpu_kernel_settings()["autotune_configs"] == "4"  # the default cap
+    assert gpu_kernel_settings() == {"ccq_read": "unfused", "token_logprob": "triton"}
+    monkeypatch.delenv("CCQ_EVAL_CCQ_KERNEL")
+    assert gpu_kernel_settings()["ccq_read"] == "fused"  # the default

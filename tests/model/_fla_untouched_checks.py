@@ -48,9 +48,8 @@ def fla_attributes() -> dict:
 
 
 def autotuner_state() -> dict:
-    """(module, attribute) -> what ccq-eval's autotune scope touches in each triton autotuner of fla: whether
-    it has a prune_configs of its own, which winner table it holds and the keys in it. (The same walk as
-    autotune.fla_autotuners, written here because the "plain" side must never import ccq_eval.)"""
+    """(module, attribute) -> what code that steered fla's autotuning would touch in each triton autotuner of
+    fla: whether it has a prune_configs of its own, which winner table it holds and the keys in it."""
     from triton.runtime.autotuner import Autotuner
 
     state = {}
@@ -79,11 +78,9 @@ def changed_attributes(before: dict, after: dict) -> list[str]:
 
 def run_ccq_models(device: str) -> float:
     """Build a CCQ-GLA and a CCQ-Gated-DeltaNet (CCQ on), run prefill, a decode step, loss and backward on
-    `device` as ccq-eval's harness runs them (inside its autotune scope: fla's kernels tune over a few
-    candidates); returns the sum of the logits (a finite number says they ran)."""
+    `device` as ccq-eval's harness runs them; returns the sum of the logits (a finite number says they ran)."""
     from fla.models.utils import Cache
 
-    from ccq_eval.model.kernels.autotune import capped_autotuning
     from ccq_eval.model.modeling_ccq import (
         CCQGatedDeltaNetConfig,
         CCQGatedDeltaNetForCausalLM,
@@ -100,16 +97,15 @@ def run_ccq_models(device: str) -> float:
               CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(head_dim=16, **common))]
     total = 0.0
     ids = torch.randint(0, 128, (1, 80), device=device)
-    with capped_autotuning():
-        for model in models:
-            model.to(device)
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            with torch.no_grad():
-                cache = Cache()
-                model.eval()(ids[:, :79], past_key_values=cache, use_cache=True)
-                total += model(ids[:, 79:], past_key_values=cache, use_cache=True).logits.float().sum().item()
-            total += loss.item()
+    for model in models:
+        model.to(device)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        with torch.no_grad():
+            cache = Cache()
+            model.eval()(ids[:, :79], past_key_values=cache, use_cache=True)
+            total += model(ids[:, 79:], past_key_values=cache, use_cache=True).logits.float().sum().item()
+        total += loss.item()
     return total
 
 

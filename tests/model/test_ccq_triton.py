@@ -277,7 +277,7 @@ def test_training_on_raw_keys_matches_fp64_on_cuda(K, dtype, tolerance, fused):
 @pytest.mark.parametrize("K", [128, 256])
 def test_every_autotune_candidate_matches_fp64_on_cuda(K, fused, one_candidate_at_a_time):
     """The autotuner may pick any candidate, and the other GPU tests run with whichever it picked
-    (one, under CCQ_EVAL_AUTOTUNE_CONFIGS=1): here each candidate of every kernel in turn, forward
+    (one): here each candidate of every kernel in turn, forward
     (raw keys, gate, prior state) and the backward, in fp32 and bf16, against fp64 on CPU. (An illegal
     memory access of one bf16 candidate surfaces as a CUDA error: the printed index names it.)"""
     from ccq_eval.model.ccq import CCQGate, ccq_read_keys

@@ -47,8 +47,8 @@ def test_fla_unchanged_and_plain_model_as_without_ccq_eval_cpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_unchanged_and_plain_model_bit_identical_cuda(tmp_path):
     """The same on CUDA, where the plain model runs through: its logits have the same bits, although the CCQ
-    models ran first under ccq-eval's cap on autotuning (over the same fla kernels). Both processes share one
-    triton cache, so the plain model's kernels, tuned over all of triton's candidates, have the same winners
+    models ran first (over the same fla kernels). Both processes share one triton cache, so the plain
+    model's kernels, tuned over all of triton's candidates, have the same winners
     on both sides (the fresh process tunes first, the other finds its winners on disk). The two processes
     start together: the second builds and runs its CCQ models while the first tunes, and runs its plain
     model only once the first has finished."""

@@ -166,7 +166,7 @@ def test_run_after_a_corrupt_samples_file_reports_in_one_line(fake_world):
     samples.write_text(samples.read_text()[:-40])
     before = snapshot(Path("out"))
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
-    assert_one_line_error(result, "report was not written", str(samples), code=1)
+    assert_one_line_error(result, str(samples), "not valid JSON")  # the rerun checks a finished unit's files
     assert snapshot(Path("out")) == before
 
 

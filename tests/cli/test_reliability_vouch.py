@@ -2,7 +2,7 @@
 samples decide are checked by every reader; what does not agree is refused in one line naming the file.
 
 Results written before the record existed (results/reference, format 1) are checked by recomputing their
-aggregates from the samples.
+aggregates from the samples (tests/cli/test_reliability_aggregates.py checks that for every family).
 """
 
 from __future__ import annotations
@@ -151,6 +151,19 @@ def test_a_rerun_refuses_a_finished_unit_whose_results_were_edited(fake_world):
     unit.results.write_text(json.dumps(results))
     result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert_one_line_error(result, str(unit.results), "is not the file its unit wrote")
+
+
+def test_a_rerun_re_hashes_the_samples_of_a_finished_unit(fake_world):
+    from test_cli_run import RUN_ARGS
+    from test_reliability import finished_run, snapshot
+
+    finished_run("out")
+    samples = store.unit_dir(Path("out"), "tiny-strong", "ccq_s_niah_fake").samples("ccq_s_niah_fake")
+    samples.write_text(samples.read_text().replace("}\n", "} \n", 1))  # same records, another file
+    before = snapshot(Path("out"))
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert_one_line_error(result, str(samples), "is not the file its unit wrote")
+    assert snapshot(Path("out")) == before
 
 
 def test_an_archive_that_fails_midway_leaves_no_partial_unit(tmp_path, monkeypatch):

@@ -8,7 +8,9 @@ lm-eval's EvaluationTracker lays out its output (<output>/lm_eval), so that lm-e
     unit_folder.py     a unit's folder (UnitDir) and writing a finished unit into it
     response_cache.py  the resume cache of a running unit (ResponseCache)
     lm_eval_mirror.py  the copies in lm-eval's tracker layout
-    reader.py          reading results back (load_results, StoredUnit)
+    vouch.py           a finished unit's record of its files (checksums.json) and its check
+    aggregates.py      every aggregate its samples decide, recomputed from them (lm-eval's aggregations)
+    reader.py          reading results back (load_results, StoredUnit), with both checks
     results_folder.py  ResultsStore: the one object planning and running call, once per phase of a unit
 
 Every file is written atomically (ccq_eval.atomic_io, whose writers this package exports as the writers of

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ccq_eval.harness.store import lm_eval_mirror, vouch
+from ccq_eval.harness.store import aggregates, lm_eval_mirror, vouch
 from ccq_eval.harness.store.files import (
     ARCHIVED_RESULTS_FILE,
     META_FILE,
@@ -88,7 +88,8 @@ class StoredUnit:
             return []
         records = list(iter_jsonl(path))
         self._check_samples(task, path, records)
-        vouch.check_aggregates(self.results_path, self.results, task, records, recomputable)
+        aggregates.check_task(self.results_path, self.results, task, records,
+                              self._redo("the unit's files as they were written"))
         return records
 
     def missing_samples(self) -> str | None:
@@ -111,16 +112,21 @@ class StoredUnit:
                 self._check_samples(task, path, list(iter_jsonl(path)))
 
     def check_aggregates(self) -> None:
-        """Recompute every aggregate its samples decide (vouch.check_aggregates): ResultsError when one differs."""
+        """Recompute every aggregate its samples decide (aggregates.check_task): ResultsError when one differs."""
         for task in self.leaf_tasks():
-            if task in self.samples_paths and recomputable(task):
+            if task in self.samples_paths:
                 self.samples(task)
+
+    def _redo(self, subject: str = "it") -> str:
+        """What to do about a file of this unit that does not agree: restore `subject` or redo the unit."""
+        if is_unit_results(self.results_path):
+            return f"restore {subject}, or delete {self.results_path} to redo the unit"
+        return f"restore {subject} from the run's output"
 
     def _check_samples(self, task: str, path: Path, records: list[dict[str, Any]]) -> None:
         """The log must be the one the results were computed from: as many samples as lm-eval's
         n-samples records, and (for units this package wrote) the same task hash."""
-        redo = (f"restore it, or delete {self.results_path} to redo the unit" if is_unit_results(self.results_path)
-                else "restore it from the run's output")
+        redo = self._redo()
         # One logged sample per evaluated document: "original" documents, cut by the run's limit.
         # (lm-eval's "effective" is the smallest per-metric count, which per-length metrics make smaller.)
         counts = (self.results.get("n-samples") or {}).get(task)
@@ -137,18 +143,6 @@ class StoredUnit:
                 and task_hash(records) != stored_hash):
             raise ResultsError(f"{path} does not hold the samples {self.results_path.name} was computed from "
                                f"(task hash differs): {redo}")
-
-
-def recomputable(task: str) -> bool:
-    """Whether a task's acc / acc_<length> aggregates are means of its samples' values (the generate_until
-    families scored per sample with per-cell rows: S-NIAH, RULER)."""
-    from ccq_eval.task_families import family_of
-
-    try:
-        family = family_of(task)
-    except ValueError:
-        return False
-    return family.request_type == "generate_until" and family.cell_rows and family.metrics == ("acc",)
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -196,8 +190,10 @@ def find_results_files(root: Path) -> list[Path]:
     return sorted(files)
 
 
-def _read_unit(path: Path) -> StoredUnit:
-    """One results file with its metadata (a unit folder's meta.json, read by its format's reader)."""
+def read_unit(path: Path) -> StoredUnit:
+    """One results file with its metadata (a unit folder's meta.json, read by its format's reader), checked
+    as every reader checks it: its record (checksums.json, samples included), its samples' counts and task
+    hash, and every aggregate its samples decide; ResultsError naming the first file that does not agree."""
     results = read_json(path)
     if not isinstance(results, dict) or not isinstance(results.get("results"), dict):
         raise ResultsError(
@@ -241,7 +237,7 @@ def load_results(root: Path) -> list[StoredUnit]:
         raise ResultsError(
             f"{root} holds no results (no results.json below it); run `ccq-eval run --output {root}` first"
         )
-    units = [_read_unit(path) for path in files]
+    units = [read_unit(path) for path in files]
     keep = lm_eval_mirror.newest_copies([(unit.results_path, unit.results) for unit in units])
     units = [unit for unit in units if unit.results_path in keep]
     _check_one_file_per_unit(root, units)

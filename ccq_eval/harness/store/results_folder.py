@@ -18,6 +18,7 @@ from typing import Any
 from ccq_eval.harness.store import response_cache, vouch
 from ccq_eval.harness.store.files import read_json
 from ccq_eval.harness.store.formats import FORMAT_KEY, RECORD_SINCE, read_meta, read_spec, stored_spec
+from ccq_eval.harness.store.reader import read_unit
 from ccq_eval.harness.store.response_cache import ResponseCache
 from ccq_eval.harness.store.unit_folder import (
     UnitDir,
@@ -52,14 +53,14 @@ class ResultsStore:
     def on_disk(self, unit: UnitDir) -> UnitOnDisk:
         """Read what `unit`'s folder holds, each file by its format's reader; ResultsError names a file that
         is unreadable, damaged, of a newer format or not the files its record vouches for (nothing is
-        changed). A unit whose write stopped before its record (checksums.json) is not finished."""
+        changed). A unit whose write stopped before its record (checksums.json) is not finished. A finished
+        unit is checked as the readers check it (reader.read_unit: its record, samples re-hashed, and the
+        aggregates its samples decide) before it counts as finished."""
         if not unit.results.is_file() or not self._write_finished(unit):
             answered = response_cache.answered_count(unit.responses_db)
             return UnitOnDisk(False, read_spec(unit.spec) if unit.spec.is_file() else None, answered)
-        read_json(unit.results)
-        spec = stored_spec(unit.spec, unit.meta)  # version 1: maybe only meta.json's copy
-        vouch.verify_record(unit.path, spec, samples=False)  # the samples are the readers' to check
-        return UnitOnDisk(True, spec, 0)
+        read_unit(unit.results)
+        return UnitOnDisk(True, stored_spec(unit.spec, unit.meta), 0)  # version 1: maybe only meta.json's copy
 
     @staticmethod
     def _write_finished(unit: UnitDir) -> bool:

@@ -5,17 +5,15 @@ of the unit folder and who the unit is (model, digest of its checkpoint fingerpr
 unit.json). A reader that finds it checks each file against it; an edited, truncated or swapped file, or
 a unit folder moved under another model or task, is refused in one line naming the file.
 
-Aggregates that are means of per-sample values (acc and acc_<length> of the generate_until families with
-per-cell rows: S-NIAH, RULER) are recomputed from the samples and compared, with or without a record:
-results written before the record existed are checked this way, and a swap that changes a number is
-caught even there.
+The aggregates a unit's samples decide are recomputed by the readers with or without a record
+(aggregates.py): results written before the record existed are checked that way, and a swap that changes
+a number is caught even there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +32,6 @@ from ccq_eval.harness.store.files import (
 CHECKSUMS_FILE = "checksums.json"
 # Files of a unit folder that are not part of its results: the resume cache and its journal, the lock.
 _NOT_RECORDED = re.compile(rf"^({re.escape(RESPONSES_DB)}.*|\..*)$")
-# Per-sample metrics whose aggregate is the samples' mean: acc and acc_<length>.
-_MEAN_METRIC = re.compile(r"^acc(_\d+)?$")
-_TOLERANCE = 1e-6  # relative: the aggregate is the mean of the same floats, summed in another order
 
 
 def sha256_file(path: Path) -> str:
@@ -75,11 +70,10 @@ def _redo(folder: Path) -> str:
 
 
 def verify_record(folder: Path, spec: dict[str, Any] | None,
-                  explain: Callable[[str], None] | None = None, *, samples: bool = True) -> bool:
+                  explain: Callable[[str], None] | None = None) -> bool:
     """Check a unit folder against its checksums.json; False when it has none (results written before
     the record existed), ResultsError naming the first file that does not agree (`explain`, given the
-    name of such a file, may raise a more telling one first: a samples file cut short). samples=False
-    leaves the per-sample logs to the readers (resuming checks what decides whether a unit is reused)."""
+    name of such a file, may raise a more telling one first: a samples file cut short)."""
     path = folder / CHECKSUMS_FILE
     if not path.is_file():
         return False
@@ -90,8 +84,6 @@ def verify_record(folder: Path, spec: dict[str, Any] | None,
         raise ResultsError(f"{path} is not a unit's record (no \"files\" / \"identity\"): {_redo(folder)}")
     changed = []
     for name, expected in sorted(files.items()):
-        if not samples and name.startswith("samples_"):
-            continue
         file = folder / name
         if not file.is_file():
             raise ResultsError(f"{file} is missing (its unit's {CHECKSUMS_FILE} records it): {_redo(folder)}")
@@ -103,7 +95,7 @@ def verify_record(folder: Path, spec: dict[str, Any] | None,
         raise ResultsError(f"{changed[0]} is not the file its unit wrote (sha256 differs from {path}: edited, "
                            f"or swapped from another unit): {_redo(folder)}")
     extra = [p.name for p in recorded_files(folder)
-             if samples and p.name not in files and p.name.startswith("samples_")]
+             if p.name not in files and p.name.startswith("samples_")]
     if extra:
         raise ResultsError(f"{folder / extra[0]} is not one of its unit's files ({path} does not record it): "
                            "move it out of the folder")
@@ -123,32 +115,3 @@ def _check_location(folder: Path, who: dict[str, Any], path: Path) -> None:
         raise ResultsError(f"{path} records {model} / {task}, but the unit lies in "
                            f"{folder.parent.name}/{folder.name}: move it back to "
                            f"{slugify(model)}/{slugify(task)}, or delete the folder")
-
-
-def check_aggregates(results_path: Path, results: dict[str, Any], task: str,
-                     records: list[dict[str, Any]], recomputable: Callable[[str], bool]) -> None:
-    """Every acc / acc_<length> of `task` in `results` must be the mean of its samples' values (for the
-    tasks `recomputable` names); ResultsError naming the file and both numbers otherwise."""
-    if not records or not recomputable(task):
-        return
-    values = results.get("results", {}).get(task) or {}
-    for key, stored in values.items():
-        metric, _, filter_name = key.partition(",")
-        if not _MEAN_METRIC.match(metric) or isinstance(stored, bool) or not isinstance(stored, (int, float)):
-            continue
-        per_sample = [r[metric] for r in records if isinstance(r.get(metric), (int, float))
-                      and (filter_name in ("", r.get("filter", filter_name)))]
-        if not per_sample:
-            raise ResultsError(f"{results_path} records {task} {metric} = {stored}, but no sample of the unit "
-                               f"has a {metric} value (samples from another run?): {_redo(results_path.parent)}")
-        mean = math.fsum(per_sample) / len(per_sample)
-        if not (math.isfinite(stored) and math.isfinite(mean)):
-            if math.isnan(stored) != math.isnan(mean):
-                raise ResultsError(f"{results_path}: {task} {metric} = {stored}, its samples' mean is {mean}: "
-                                   f"{_redo(results_path.parent)}")
-            continue
-        if abs(stored - mean) > _TOLERANCE * max(1.0, abs(mean)):
-            raise ResultsError(f"{results_path}: {task} {metric} = {stored:g}, but the mean of its "
-                               f"{len(per_sample)} samples is {mean:g} (edited, or samples swapped from another "
-                               f"unit): {_redo(results_path.parent)}")
-

@@ -12,7 +12,7 @@ It writes a checkpoint folder (random-init weights in fla's 340M shape, benchlib
 --lengths 8k --depths 0,25,50,75,100 --samples-per-cell 2` in a new process twice: "cold" with an empty
 TRITON_CACHE_DIR (what a fresh machine has; ccq-eval copies its shipped autotune winners into it), then
 "warm" with the cache the first run filled. No other flag: the run gets ccq-eval's defaults (device,
-dtype, CUDA graphs, batch size, the autotuning cap). Writes DIR/first_run.json.
+dtype, CUDA graphs, batch size). Writes DIR/first_run.json.
 """
 
 from __future__ import annotations

@@ -201,8 +201,7 @@ ZEROSHOT = TaskFamily(
     primary_metric="acc",
     higher_is_better=None,
     metadata_keys=frozenset({"zeroshot_dir"}),
-    tables=(FamilyTable("overall", "Zero-shot downstream (lm-eval's task configs)",
-                        "accuracy, or perplexity for wikitext (word) and LAMBADA"),),
+    tables=(FamilyTable("zeroshot_paper", "Zero-shot downstream (lm-eval's task configs)"),),
     task_names=ZEROSHOT_TASKS,
     task_primary_metrics=(("wikitext", "word_perplexity"), ("hellaswag", "acc_norm"), ("arc_challenge", "acc_norm")),
 )

@@ -37,6 +37,8 @@ from ccq_eval.analysis.p_values import (
 from ccq_eval.analysis.pairing import group_order
 from ccq_eval.analysis.ruler import RULER_FAMILY_NAMES
 from ccq_eval.analysis.tidy import task_family
+from ccq_eval.analysis.zeroshot import paper_header
+from ccq_eval.task_families import ZEROSHOT, ZEROSHOT_PAPER_COLUMNS
 
 ADJUSTMENT_COLUMNS = ("p_adjusted", "p_adjust", "p_family")
 Comparisons = Iterable[tuple[str, str, pd.DataFrame]]
@@ -98,6 +100,19 @@ def comparison_note(alpha: float = DEFAULT_ALPHA, method: str = "none", family: 
             f"together; family-wise error rate), the raw p-value beside it {tests}; sig, on the adjusted p: {marks}")
 
 
+def _protocols(frame: pd.DataFrame) -> list[str]:
+    """The frame's protocol of each row (compare_models' "protocol": how a zero-shot rolling task was
+    scored), "" where it names none."""
+    if "protocol" not in frame.columns:
+        return [""] * len(frame)
+    return [value if isinstance(value, str) else "" for value in frame["protocol"]]
+
+
+def _with_protocol(name: str, protocol: str) -> str:
+    """'word_perplexity (HFLM windows)': a metric or column name with the protocol that scored it, if any."""
+    return f"{name} ({protocol})" if protocol else name
+
+
 def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,
                        confidence: float = 0.95) -> pd.DataFrame:
     """compare_models' frame as printed: task display names, the models' names as column heads, the CI
@@ -106,6 +121,7 @@ def comparison_display(frame: pd.DataFrame, baseline: str, variant: str,
     method, _ = _method_of(frame)
     shown = frame.copy()
     shown["task"] = shown["task"].map(display_task)
+    shown["metric"] = [_with_protocol(metric, protocol) for metric, protocol in zip(frame["metric"], _protocols(frame))]
     shown = shown.rename(columns={"baseline": baseline, "variant": variant})
     level = f"{confidence * 100:g}%"
     shown[f"{level} CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else "-"
@@ -154,23 +170,40 @@ def render_comparisons(comparisons: Comparisons, fmt: str = "markdown", confiden
                      for (baseline, variant, _), frame in zip(comparisons, frames))
 
 
-def _summary_order(task: str) -> tuple[int, int, str]:
-    """S-NIAH first, then the other RULER families in their order, then every other task, by name."""
+def _summary_order(task: str, metric: str = "") -> tuple[int, int, str]:
+    """S-NIAH first, then the other RULER families in their order, then every other task by name, then the
+    zero-shot suite in the order of the papers' columns."""
     family = task_family(task)
     if family in RULER_FAMILY_NAMES:
         return 0, RULER_FAMILY_NAMES.index(family), task
+    if family == ZEROSHOT.name:
+        columns = [(paper_task, paper_metric) for paper_task, paper_metric, _ in ZEROSHOT_PAPER_COLUMNS]
+        return 2, columns.index((task, metric)) if (task, metric) in columns else len(columns), task
     return 1, 0, task
 
 
+def _summary_column(task: str, metric: str, metrics_of_task: int) -> str:
+    """A summary column's name: the papers' header of a zero-shot metric ("LMB. ppl"), else the task, with
+    the metric where the task is compared on several."""
+    header = paper_header(task, metric)
+    if header is not None:
+        return header
+    return display_task(task) + (f" {metric}" if metrics_of_task > 1 else "")
+
+
 def _summary_picks(comparisons: Comparisons) -> list[tuple[str, str, pd.Series]]:
-    """(row, column, compare row) of each summary cell: a task's pooled group, else its longest length."""
+    """(row, column, compare row) of each summary cell: a task's pooled group, else its longest length, per
+    metric compared."""
     picks = []
     for baseline, variant, frame in comparisons:
-        for task in sorted(frame["task"].unique(), key=_summary_order):
-            group = frame[frame["task"] == task]
+        keys = list(dict.fromkeys(zip(frame["task"], frame["metric"])))
+        for task, metric in sorted(keys, key=lambda key: _summary_order(*key)):
+            group = frame[(frame["task"] == task) & (frame["metric"] == metric)]
             pooled = group[group["length"] == "all"]
             row = pooled.iloc[0] if not pooled.empty else group.loc[group["length"].map(group_order).idxmax()]
-            column = display_task(task) + ("" if not pooled.empty else f" @{row['length']}")
+            column = _with_protocol(_summary_column(task, metric, sum(t == task for t, _ in keys)),
+                                    _protocols(pooled if not pooled.empty else group)[0])
+            column += "" if not pooled.empty else f" @{row['length']}"
             picks.append((f"{variant} vs {baseline}", column, row))
     return picks
 

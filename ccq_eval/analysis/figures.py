@@ -8,13 +8,14 @@
 - perplexity vs length for both protocols: the truncated-document sweep (ppl at each
   evaluated length) and the position-bucketed curve (ppl of each position bucket);
 - LongBench scores per dataset as grouped bars (and LongBench-E per bucket);
+- the zero-shot suite's accuracies (the papers' columns) with their average, and its perplexities, as
+  grouped bars (ccq_eval.analysis.bar_figures, with the LongBench bars);
 - score vs lambda of each `run --ccq-attach` sweep, a panel per task and a curve per length.
 
-Colour-blind safe: a model's family (its name without a trailing "-ccq") owns one hue of the
-Okabe-Ito palette (fixed for known architectures such as GLA and Gated DeltaNet, else from a hash
-of the name), so the same model gets the same colour in every figure; the CCQ variant takes the
-full colour, solid lines and filled markers, the baseline a lighter shade, dashed lines and hollow
-markers. Every model also has its own marker shape and size, so curves that lie on top of each
+Colour-blind safe (ccq_eval.analysis.figure_style): a model's family (its name without a trailing "-ccq")
+owns one hue of the Okabe-Ito palette, so the same model gets the same colour in every figure; the CCQ
+variant takes the full colour, solid lines and filled markers, the baseline a lighter shade, dashed lines
+and hollow markers. Every model also has its own marker shape and size, so curves that lie on top of each
 other stay visible. Heatmaps use the sequential, colour-blind-safe cividis map with cell values
 in a contrasting colour. Legends of line plots sit below the panels, outside every axes, so that they
 never cover a marker.
@@ -24,100 +25,34 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
-import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from ccq_eval.analysis import ruler, tables
+from ccq_eval.analysis import ruler
+from ccq_eval.analysis.bar_figures import longbench_bars, longbench_e_bars, zeroshot_bars
+from ccq_eval.analysis.figure_style import (  # noqa: F401  (re-exported: the figures' look)
+    HEATMAP_CMAP,
+    MARKERS,
+    PALETTE,
+    STYLE,
+    _log_y,
+    _safe,
+    _save,
+    is_ccq,
+    model_colors,
+    model_family,
+    plt,
+)
 from ccq_eval.analysis.formatting import display_task, length_label
 from ccq_eval.analysis.sweeps import ccq_sweep_points
 from ccq_eval.harness.store import ResultsError
 from ccq_eval.task_families import FAMILY_BY_NAME
 
-STYLE = {
-    "font.size": 9,
-    "axes.titlesize": 10,
-    "axes.labelsize": 9,
-    "legend.fontsize": 8,
-    "xtick.labelsize": 8,
-    "ytick.labelsize": 8,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "pdf.fonttype": 42,  # embed TrueType: editable text in the PDF
-    "text.parse_math": False,  # a model or task name with $...$ is shown as written, never as TeX markup
-}
-# Okabe & Ito's colour-blind-safe palette (without its black): blue, orange, bluish green,
-# vermillion, reddish purple, sky blue, yellow.
-PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442")
-HEATMAP_CMAP = "cividis"
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 # Panel titles of tasks whose display name is an id (ccq_eval.analysis.formatting.display_task).
 PANEL_TITLES = {"ppl_sweep": "truncated-document sweep", "ppl_buckets": "position buckets"}
-_CCQ_SUFFIX = re.compile(r"[-_]ccq$", re.IGNORECASE)
-_N_HUES = len(PALETTE)
-
-
-def model_family(model: str) -> str:
-    return _CCQ_SUFFIX.sub("", model)
-
-
-def is_ccq(model: str) -> bool:
-    return bool(_CCQ_SUFFIX.search(model)) or "ccq" in model.lower()
-
-
-# Architectures papers compare get fixed hues of PALETTE (first match wins); other names hash to one.
-_KNOWN_FAMILY_HUES = (
-    (re.compile(r"gdn|gated[-_ ]?delta", re.IGNORECASE), 1),  # orange
-    (re.compile(r"deltanet", re.IGNORECASE), 3),  # vermillion
-    (re.compile(r"gla", re.IGNORECASE), 0),  # blue
-    (re.compile(r"mamba", re.IGNORECASE), 2),  # bluish green
-    (re.compile(r"retnet|hgrn|rwkv", re.IGNORECASE), 4),  # reddish purple
-    (re.compile(r"llama|transformer|gpt", re.IGNORECASE), 5),  # sky blue
-)
-
-
-def _preferred_hue(family: str) -> int:
-    for pattern, hue in _KNOWN_FAMILY_HUES:
-        if pattern.search(family):
-            return hue
-    return zlib.crc32(family.encode("utf-8")) % _N_HUES
-
-
-def model_colors(models: Iterable[str]) -> dict[str, tuple[float, float, float, float]]:
-    """Stable colour per model: its family's hue (fixed for known architectures, else from a
-    hash of the name; linear probing on clashes, families in sorted order), full colour for
-    CCQ variants, a lighter shade for baselines."""
-    palette = [matplotlib.colors.to_rgb(c) for c in PALETTE]
-    families = sorted({model_family(m) for m in models})
-    hue_of: dict[str, int] = {}
-    taken: set[int] = set()
-    for family in families:
-        hue = _preferred_hue(family)
-        for step in range(_N_HUES):
-            candidate = (hue + step) % _N_HUES
-            if candidate not in taken or len(taken) >= _N_HUES:
-                hue = candidate
-                break
-        taken.add(hue)
-        hue_of[family] = hue
-    colors = {}
-    for model in models:
-        base = np.array(palette[hue_of[model_family(model)]])
-        # baseline: the family hue mixed with white, readable on white but clearly lighter
-        shade = base if is_ccq(model) else 0.6 * base + 0.4
-        colors[model] = (*(float(c) for c in shade), 1.0)
-    return colors
 
 
 def _line_style(model: str, index: int, count: int) -> dict:
@@ -152,30 +87,6 @@ def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
     ax.set_xticks(lengths)
     ax.set_xticklabels([length_label(x) for x in lengths])
     ax.minorticks_off()
-
-
-def _log_y(ax: plt.Axes) -> None:
-    """A log y axis labelled in plain numbers (perplexities)."""
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-
-
-def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
-    """PNG, then PDF with the layout the PNG's draw computed (the same size in inches, so the same
-    positions: laying the figure out again would only cost time)."""
-    paths = []
-    for suffix in (".png", ".pdf"):
-        path = out / f"{stem}{suffix}"
-        fig.savefig(path, dpi=150 if suffix == ".png" else None)
-        fig.set_layout_engine("none")
-        paths.append(path)
-    plt.close(fig)
-    return paths
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
 def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int = 4, min_width: float = 6.4):
@@ -335,56 +246,6 @@ def perplexity_curves(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]
     return paths
 
 
-def longbench_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
-    pivot = tables.longbench_pivot(tidy)
-    if pivot is None or pivot.empty:
-        return []
-    datasets = [c for c in pivot.columns if not c.endswith(" avg") and not c.startswith("Avg")]
-    averages = [c for c in pivot.columns if c.endswith(" avg") or c.startswith("Avg")]
-    columns = datasets + averages
-    models = list(pivot.index)
-    width = 0.8 / max(len(models), 1)
-    x = np.arange(len(columns))
-    with plt.rc_context(STYLE | {"axes.grid.axis": "y"}):
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(columns) * max(1, len(models) / 2)), 3.2),
-                               layout="constrained")
-        for k, model in enumerate(models):
-            values = pivot.loc[model, columns].to_numpy(dtype=float)
-            ax.bar(x + (k - (len(models) - 1) / 2) * width, values, width, label=model, color=colors[model],
-                   edgecolor="black" if is_ccq(model) else "none", linewidth=0.4)
-        ax.set_xticks(x, columns, rotation=35, ha="right", rotation_mode="anchor")
-        if averages:
-            ax.axvline(len(datasets) - 0.5, color="grey", linewidth=0.8)
-        ax.set_ylabel("score")
-        ax.set_title("LongBench: score per dataset and category averages")
-        fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", ncol=min(len(models), 4),
-                   frameon=False)
-        return _save(fig, out, "longbench_per_dataset")
-
-
-def longbench_e_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
-    rows = tidy[(tidy["family"] == "longbench-e") & tidy["primary"] & tidy["bucket"].notna()]
-    if rows.empty:
-        return []
-    buckets = sorted(rows["bucket"].unique(), key=lambda b: float("".join(c for c in b.split("-")[0] if c.isdigit())
-                                                                  or 0))
-    rows = rows.groupby(["model", "bucket"], as_index=False)["value"].mean()  # mean over datasets
-    models = sorted(rows["model"].unique())
-    width = 0.8 / len(models)
-    x = np.arange(len(buckets))
-    with plt.rc_context(STYLE | {"axes.grid.axis": "y"}):
-        fig, ax = plt.subplots(figsize=(4.5, 3.0), layout="constrained")
-        for k, model in enumerate(models):
-            values = [rows[(rows["model"] == model) & (rows["bucket"] == b)]["value"].mean() for b in buckets]
-            ax.bar(x + (k - (len(models) - 1) / 2) * width, values, width, label=model, color=colors[model])
-        ax.set_xticks(x, buckets)
-        ax.set_xlabel("LongBench-E length bucket (words)")
-        ax.set_ylabel("mean score over datasets")
-        ax.set_title("LongBench-E by length bucket")
-        fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", frameon=False)
-        return _save(fig, out, "longbench_e_per_bucket")
-
-
 def _sweep_panel_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """One task's primary values per (model, length) without depth or bucket; tasks without per-length
     values (LongBench) keep their overall value, as one curve."""
@@ -425,13 +286,16 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
                     ax.plot(curve["lambda"], curve["value"], marker=MARKERS[index % len(MARKERS)], label=label,
                             color=shade.get(int(length), PALETTE[0]), linewidth=1.5, markersize=5)
                 family = task_rows["family"].iloc[0]
+                # a perplexity: the ppl family's, or a primary metric where lower is better (wikitext's)
+                direction = task_rows.get("higher_is_better")
+                perplexity = family == "ppl" or (direction is not None and direction.eq(False).all())
                 ax.set_title(panel_title(task))
                 ax.set_xlabel("lambda (constant gate)")
                 ax.set_ylabel("accuracy" if family in ruler.RULER_FAMILY_NAMES else
-                              "perplexity" if family == "ppl" else "score")
+                              "perplexity" if perplexity else "score")
                 ticks = sorted(members["lambda"].unique())
                 ax.set_xticks(ticks, [f"{lam:g}" for lam in ticks])
-                if family == "ppl":
+                if perplexity:
                     _log_y(ax)
                 else:
                     ax.set_ylim(-0.03 * _score_limit(task_rows), 1.03 * _score_limit(task_rows))
@@ -459,10 +323,12 @@ def draw_all(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAULT_THR
     paths += perplexity_curves(tidy, out, colors)
     paths += longbench_bars(tidy, out, colors)
     paths += longbench_e_bars(tidy, out, colors)
+    paths += zeroshot_bars(tidy, out, colors)
     paths += ccq_sweep_curves(tidy, out)
     if not paths:
         raise ResultsError(
-            "nothing to draw: the results hold no per-length RULER (S-NIAH, ...) or perplexity values and no "
-            "LongBench scores (figures need the samples_<task>.jsonl logs of RULER / perplexity runs)"
+            "nothing to draw: the results hold no per-length RULER (S-NIAH, ...) or perplexity values, no "
+            "LongBench scores and no zero-shot accuracies (figures need the samples_<task>.jsonl logs of RULER / "
+            "perplexity runs)"
         )
     return paths

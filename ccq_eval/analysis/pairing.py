@@ -23,6 +23,7 @@ from ccq_eval.analysis.tidy import (
     task_family,
 )
 from ccq_eval.harness.store import ResultsError, StoredUnit
+from ccq_eval.task_families import ZEROSHOT, ZEROSHOT_PAPER_COLUMNS
 
 
 def _ppl_group(suffix_length: int | None, bucket: str | None) -> Any:
@@ -46,6 +47,19 @@ def comparison_metric(unit: StoredUnit, task: str, metric: str | None) -> Metric
             return info
     valid = ", ".join(sorted({split_metric(i.name)[0] for i in infos}))
     raise ResultsError(f"task {task} has no metric {name!r}; its metrics: {valid}")
+
+
+def comparison_metrics(unit: StoredUnit, task: str, metric: str | None) -> list[MetricInfo]:
+    """The metrics compared for `task`: --metric; else, for a task of the zero-shot suite, each metric the
+    papers' table shows of it that the task reports (LAMBADA: perplexity and accuracy); else the primary
+    one (comparison_metric)."""
+    if metric is None and task_family(task) == ZEROSHOT.name:
+        reported = {info.name: info for info in metric_infos(unit, task)}
+        shown = [reported[name] for paper_task, name, _ in ZEROSHOT_PAPER_COLUMNS
+                 if paper_task == task and name in reported]
+        if shown:
+            return shown
+    return [comparison_metric(unit, task, metric)]
 
 
 def sample_entries(unit: StoredUnit, task: str, info: MetricInfo) -> dict[Any, list[dict[str, Any]]]:

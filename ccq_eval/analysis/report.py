@@ -8,9 +8,10 @@ of script are inline, and nothing is fetched. It holds
 - the run: models with their checkpoint fingerprints, tasks with their grid, device, dtype,
   package versions, commit and command line, as the units' meta.json / unit.json / results.json
   record them;
-- the paper tables (`ccq-eval table`), RULER's view (`ccq-eval table --view ruler`: average and
-  effective length, when the results hold RULER tasks beyond S-NIAH) and the paired statistics of every
-  comparison pair (`ccq-eval compare`), their p-values adjusted together for their number;
+- the paper tables (`ccq-eval table`; the zero-shot suite in the GLA / Gated DeltaNet papers' layout),
+  RULER's view (`ccq-eval table --view ruler`: average and effective length, when the results hold RULER
+  tasks beyond S-NIAH) and the paired statistics of every comparison pair (`ccq-eval compare`), their
+  p-values adjusted together for their number;
 - every figure (`ccq-eval figures`);
 - a sample browser (ccq_eval.analysis.report_samples): one collapsible block per cell of S-NIAH and
   the other RULER tasks (model, task, length, depth) with its failures, and one per perplexity (model,

@@ -49,15 +49,17 @@ from ccq_eval.analysis.p_values import (  # noqa: F401  (re-exported: the signif
     significance_mark,
 )
 from ccq_eval.analysis.pairing import (
-    comparison_metric,
+    comparison_metrics,
     group_order,
     pair_samples,
     sample_entries,
     settings_difference,
     units_of,
 )
-from ccq_eval.analysis.tidy import MetricInfo
+from ccq_eval.analysis.tidy import MetricInfo, scoring_protocol, task_family
+from ccq_eval.analysis.zeroshot import protocol_label
 from ccq_eval.harness.store import ResultsError, StoredUnit
+from ccq_eval.task_families import ZEROSHOT
 
 DEFAULT_BOOTSTRAP = 10_000
 DEFAULT_SEED = 0
@@ -248,10 +250,11 @@ def compare_models(
     alpha: float = DEFAULT_ALPHA,
     p_adjust: str = DEFAULT_P_ADJUST,
 ) -> pd.DataFrame:
-    """Per task (and per length / bucket where the task has them): baseline, variant, delta, paired
-    bootstrap CI, McNemar / sign-test p-value, that p-value adjusted by `p_adjust` over this comparison's
-    rows (adjust_comparisons: pass the frames of several comparisons to it to adjust them as one family),
-    a significance mark and a verdict on the adjusted p-value."""
+    """Per task and compared metric (pairing.comparison_metrics; per length / bucket where the task has them):
+    baseline, variant, delta, paired bootstrap CI, McNemar / sign-test p-value, that p-value adjusted by
+    `p_adjust` over this comparison's rows (adjust_comparisons: pass the frames of several comparisons to it
+    to adjust them as one family), a significance mark, a verdict on the adjusted p-value, and for a
+    zero-shot rolling task the protocol that scored it (compared_protocols)."""
     check_p_adjust(p_adjust)
     if baseline == variant:
         raise ResultsError("--baseline and --variant name the same model; give two different models")
@@ -265,24 +268,8 @@ def compare_models(
         )
     rows = []
     for task in sorted(shared_tasks):
-        info = comparison_metric(base_units[task], task, metric)
-        base_groups = sample_entries(base_units[task], task, info)
-        var_groups = sample_entries(var_units[task], task, info)
-        shared_groups = [group for group in base_groups if group in var_groups]
-        paired = {group: pair_samples(base_groups[group], var_groups[group]) for group in shared_groups}
-        if shared_groups and not any(pairs for pairs, _, _ in paired.values()):
-            differ = settings_difference(base_units[task], var_units[task])
-            raise ResultsError(
-                f"{baseline!r} and {variant!r} share no document of {task}"
-                + (f" (their settings differ: {differ})" if differ else "")
-                + ": paired statistics need the same documents; run both models with the same --seed and "
-                "task settings into one folder")
-        for group in shared_groups:
-            pairs, mode, unpaired = paired[group]
-            if not pairs:
-                continue
-            rows.append(_compare_group(task, group, info, pairs, mode, unpaired, n_boot,
-                                       _group_seed(seed, task, group, info.name)))
+        for info in comparison_metrics(base_units[task], task, metric):
+            rows += _compare_task(base_units[task], var_units[task], task, info, n_boot, seed)
     if not rows:
         raise ResultsError(
             f"no per-sample logs to pair for {baseline!r} and {variant!r}: the comparison needs the "
@@ -292,6 +279,43 @@ def compare_models(
     frame["_order"] = frame["length"].map(group_order)
     frame = frame.sort_values(["task", "metric", "_order"], kind="stable").drop(columns="_order")
     return adjust_comparisons([frame.reset_index(drop=True)], p_adjust, alpha)[0]
+
+
+def _compare_task(base_unit: StoredUnit, var_unit: StoredUnit, task: str, info: MetricInfo, n_boot: int,
+                  seed: int) -> list[dict]:
+    """The rows of one task and metric: a row per group (all, length, bucket) with paired samples."""
+    base_groups = sample_entries(base_unit, task, info)
+    var_groups = sample_entries(var_unit, task, info)
+    shared_groups = [group for group in base_groups if group in var_groups]
+    paired = {group: pair_samples(base_groups[group], var_groups[group]) for group in shared_groups}
+    if shared_groups and not any(pairs for pairs, _, _ in paired.values()):
+        differ = settings_difference(base_unit, var_unit)
+        raise ResultsError(
+            f"{base_unit.model!r} and {var_unit.model!r} share no document of {task}"
+            + (f" (their settings differ: {differ})" if differ else "")
+            + ": paired statistics need the same documents; run both models with the same --seed and "
+            "task settings into one folder")
+    rows = []
+    protocol = compared_protocols(base_unit, var_unit, task)
+    for group in shared_groups:
+        pairs, mode, unpaired = paired[group]
+        if pairs:
+            rows.append(_compare_group(task, group, info, pairs, mode, unpaired, n_boot,
+                                       _group_seed(seed, task, group, info.name)) | {"protocol": protocol})
+    return rows
+
+
+def compared_protocols(base_unit: StoredUnit, var_unit: StoredUnit, task: str) -> str:
+    """How the two models' texts of a zero-shot rolling task were scored (tidy.scoring_protocol): "HFLM
+    windows" when both say so, "HFLM windows vs state carried" when they differ (baseline first); "" for any
+    other task."""
+    if task_family(task) != ZEROSHOT.name:
+        return ""
+    found = [scoring_protocol(unit, task) for unit in (base_unit, var_unit)]
+    if found == [None, None]:
+        return ""
+    labels = list(dict.fromkeys(protocol_label(protocol) for protocol in found))
+    return " vs ".join(labels) if len(labels) > 1 else labels[0]
 
 
 def _compare_group(task: str, group: Any, info: MetricInfo, pairs: list[tuple[dict, dict]],

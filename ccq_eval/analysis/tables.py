@@ -1,8 +1,9 @@
 """The pivots papers print, from the tidy frame (ccq_eval.analysis.tidy), and `ccq-eval table`'s text.
 
 Pivots: S-NIAH and the other RULER families' accuracy per length, perplexity per length and per
-position bucket, LongBench per dataset with category averages, LongBench-E per bucket, and a catch-all of
-overall values for any other lm-eval task; each family's entry in ccq_eval.task_families names its own.
+position bucket, LongBench per dataset with category averages, LongBench-E per bucket, the zero-shot suite
+in the GLA / Gated DeltaNet papers' layout (ccq_eval.analysis.zeroshot), and a catch-all of overall values
+for any other lm-eval task; each family's entry in ccq_eval.task_families names its own.
 Views of `ccq-eval table`: paper (those pivots), tidy (one row per value) and ruler (RULER's task x length
 table with its average and effective length, ccq_eval.analysis.ruler).
 
@@ -56,6 +57,7 @@ from ccq_eval.analysis.tidy import (  # noqa: F401  (re-exported: the tidy frame
     task_family,
     tidy_table,
 )
+from ccq_eval.analysis.zeroshot import zeroshot_pivot
 from ccq_eval.task_families import FAMILIES, TaskFamily
 from ccq_eval.tasks.longbench import categories as longbench_categories
 
@@ -166,12 +168,14 @@ def longbench_shown(tidy: pd.DataFrame, family: TaskFamily) -> pd.DataFrame | No
 
 
 # FamilyTable.pivot -> (the pivot, whether it reads the tidy frame with failures already shown).
-# longbench_pivot averages over datasets, so it reads the numbers and marks failures itself.
+# longbench_pivot and zeroshot_pivot average over tasks, so they read the numbers and mark failures
+# themselves. A pivot's frame may carry a note of its own in frame.attrs["note"] (what its values are).
 PIVOTS: dict[str, tuple[Callable[[pd.DataFrame, TaskFamily], pd.DataFrame | None], bool]] = {
     "per_length": (length_pivot, True),
     "per_position_bucket": (position_bucket_pivot, True),
     "longbench_categories": (longbench_shown, False),
     "per_length_bucket": (length_bucket_pivot, True),
+    "zeroshot_paper": (zeroshot_pivot, False),
     "overall": (overall_pivot, True),
 }
 
@@ -185,7 +189,7 @@ def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
             make_pivot, reads_shown = PIVOTS[table.pivot]
             frame = make_pivot(shown if reads_shown else tidy, family)
             if frame is not None and not frame.empty:
-                note = table.note
+                note = "; ".join(part for part in (table.note, frame.attrs.get("note", "")) if part)
                 if has_failures(frame):
                     note = f"{note}; {NON_FINITE_NOTE}" if note else NON_FINITE_NOTE
                 pivots.append(Pivot(table.title, frame, note))
@@ -194,8 +198,9 @@ def paper_pivots(tidy: pd.DataFrame) -> list[Pivot]:
 
 def _render_tidy(tidy: pd.DataFrame, fmt: str, digits: int) -> str:
     frame = with_failures_shown(tidy.drop(columns=["source"]))
-    if fmt != "csv":
-        frame = frame.drop(columns=["family", "primary", "higher_is_better"])
+    if fmt != "csv":  # csv keeps every column; the others drop bookkeeping, and protocol where nothing has one
+        empty = ["protocol"] if frame["protocol"].isna().all() else []
+        frame = frame.drop(columns=["family", "primary", "higher_is_better", *empty])
     if fmt == "csv":
         return to_csv(frame)
     if fmt == "latex":

@@ -8,6 +8,10 @@
   length = L, and "<metric>@<start>-<end>" (position buckets) rows with bucket =
   "start-end" and length = end;
 - LongBench-E's per-bucket metrics ("score_0-4k", ...) become rows with bucket set.
+
+`protocol` says how a task's loglikelihood_rolling requests were scored, where the results record it
+(scoring_protocol): "hflm" (lm-eval HFLM's disjoint windows) or "carry" (the recurrent state carried
+through the whole text); empty for tasks without such requests.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ccq_eval.tasks.longbench import categories as longbench_categories
 
 TIDY_COLUMNS = [
     "model", "task", "family", "length", "depth", "bucket", "metric", "filter", "value", "n", "stderr",
-    "higher_is_better", "primary", "source",
+    "higher_is_better", "primary", "protocol", "source",
 ]
 
 # Families whose per-length values are recomputed from documents' length / depth (LongBench's
@@ -62,9 +66,10 @@ def split_metric(metric: str, known: Iterable[str] = ()) -> tuple[str, int | Non
 
 
 def primary_metric(task: str, infos: list[MetricInfo]) -> str | None:
-    """The metric tables show for `task`: its family's primary metric where the task reports it (or says
-    nothing of its metrics), else the task's first metric."""
-    family_primary = family_of(task).primary_metric
+    """The metric tables show for `task`: its family's primary metric for it (TaskFamily.primary_metric_for:
+    hellaswag's acc_norm, wikitext's word_perplexity) where the task reports it (or says nothing of its
+    metrics), else the task's first metric."""
+    family_primary = family_of(task).primary_metric_for(task)
     reported = {split_metric(info.name)[0] for info in infos}
     if family_primary is not None and (family_primary in reported or not infos):
         return family_primary
@@ -72,6 +77,42 @@ def primary_metric(task: str, infos: list[MetricInfo]) -> str | None:
 
 
 PAIRED_AGGREGATIONS = ("weighted_perplexity", "bits_per_byte")
+# lm-eval's own aggregation and direction of its built-in metrics, for a metric_list entry that names
+# neither (wikitext's word_perplexity, ...): lm-eval 0.4.13, lm_eval/api/metrics.py, the register_metric
+# declarations of acc, acc_norm, perplexity, word_perplexity, byte_perplexity and bits_per_byte.
+BUILTIN_AGGREGATIONS = {"acc": "mean", "acc_norm": "mean", "perplexity": "perplexity",
+                        "word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
+                        "bits_per_byte": "bits_per_byte"}
+LOWER_IS_BETTER_METRICS = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
+HIGHER_IS_BETTER_METRICS = ("acc", "acc_norm")
+# The names lm-eval registers its HFLM under (lm_eval/models/huggingface.py, @register_model): results of
+# those scored loglikelihood_rolling in HFLM's windows.
+HFLM_MODEL_NAMES = ("hf", "hf-auto", "huggingface")
+
+
+def metric_direction(metric: str, stated: bool | None = None) -> bool | None:
+    """Whether a higher value of `metric` is better: as the results state it, else lower for lm-eval's
+    perplexities and higher for its accuracies, else None."""
+    if stated is not None:
+        return bool(stated)
+    if metric in LOWER_IS_BETTER_METRICS:
+        return False
+    return True if metric in HIGHER_IS_BETTER_METRICS else None
+
+
+def scoring_protocol(unit: StoredUnit, task: str) -> str | None:
+    """How `task`'s loglikelihood_rolling requests were scored: "hflm" or "carry" as ccq-eval's adapter
+    records it per task (results["config"]["ccq_scoring"]["rolling_protocol_by_task"]), "hflm" for a
+    rolling task of lm-eval's own HFLM, None for any other task and results that do not say."""
+    config = unit.results.get("config") or {}
+    scoring = config.get("ccq_scoring") if isinstance(config.get("ccq_scoring"), dict) else {}
+    by_task = scoring.get("rolling_protocol_by_task") or {}
+    if task in by_task:
+        return str(by_task[task])
+    task_config = (unit.results.get("configs") or {}).get(task) or {}
+    if task_config.get("output_type") == "loglikelihood_rolling" and config.get("model") in HFLM_MODEL_NAMES:
+        return "hflm"
+    return None
 
 
 def task_family(task: str) -> str:
@@ -108,18 +149,20 @@ def metric_infos(unit: StoredUnit, task: str) -> list[MetricInfo]:
     for entry in config.get("metric_list") or []:
         if not isinstance(entry, dict) or "metric" not in entry:
             continue
-        aggregation = entry.get("aggregation")
+        aggregation = entry.get("aggregation", BUILTIN_AGGREGATIONS.get(str(entry["metric"])))
         known = aggregation in ("mean", "median", "perplexity", *PAIRED_AGGREGATIONS)
         infos.append(MetricInfo(
             name=str(entry["metric"]),
             aggregation=aggregation if known else None,
-            higher_is_better=direction.get(entry["metric"], entry.get("higher_is_better")),
+            higher_is_better=metric_direction(str(entry["metric"]),
+                                              direction.get(entry["metric"], entry.get("higher_is_better"))),
         ))
     if not infos:  # results without configs: fall back to the metric keys
         for key in (unit.task_results.get(task) or {}):
             metric, _, _ = key.partition(",")
             if "," in key and not metric.endswith("_stderr") and metric not in [i.name for i in infos]:
-                infos.append(MetricInfo(metric, None, direction.get(metric)))
+                infos.append(MetricInfo(metric, BUILTIN_AGGREGATIONS.get(metric),
+                                        metric_direction(metric, direction.get(metric))))
     return infos
 
 
@@ -194,6 +237,7 @@ def _overall_rows(unit: StoredUnit, task: str, infos: list[MetricInfo]) -> list[
     known = {key.partition(",")[0] for key in values if "," in key}
     filters = [key.partition(",")[2] for key in values if "," in key]
     first_filter = "none" if "none" in filters or not filters else filters[0]
+    protocol = scoring_protocol(unit, task)
     rows = []
     for key, value in values.items():
         metric, sep, filter_name = key.partition(",")
@@ -213,8 +257,9 @@ def _overall_rows(unit: StoredUnit, task: str, infos: list[MetricInfo]) -> list[
         rows.append(_row(
             model=unit.model, task=task, family=family, length=length, bucket=bucket, metric=base_metric,
             filter=filter_name, value=float(value), n=n, stderr=float(stderr) if _is_number(stderr) else None,
-            higher_is_better=direction.get(metric, direction.get(base_metric)),
-            primary=base_metric == primary and filter_name == first_filter, source=str(unit.results_path),
+            higher_is_better=metric_direction(base_metric, direction.get(metric, direction.get(base_metric))),
+            primary=base_metric == primary and filter_name == first_filter, protocol=protocol,
+            source=str(unit.results_path),
         ))
     return rows
 
@@ -255,7 +300,7 @@ def _cell_rows(unit: StoredUnit, task: str, infos: list[MetricInfo], samples: li
         rows.append(_row(
             model=unit.model, task=task, family=family, length=length, depth=depth, metric=metric,
             filter=sample_filter, value=value, n=len(values), higher_is_better=direction[metric],
-            primary=metric == primary, source=str(unit.results_path),
+            primary=metric == primary, protocol=scoring_protocol(unit, task), source=str(unit.results_path),
         ))
     return rows
 

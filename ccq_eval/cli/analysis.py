@@ -41,7 +41,8 @@ def table(
     threshold: ThresholdOpt = DEFAULT_RULER_THRESHOLD,
     output: OutputFileOpt = None,
 ) -> None:
-    """Tables from results on disk: RULER / S-NIAH accuracy and perplexity per length, LongBench per dataset."""
+    """Tables from results on disk: RULER / S-NIAH accuracy and perplexity per length, LongBench per dataset,
+    the zero-shot suite in the GLA / Gated DeltaNet papers' layout."""
     output = given_path(output)
     if not 0 <= digits <= 15:
         fail(f"--digits {digits}: give a number of decimals from 0 to 15")
@@ -62,7 +63,9 @@ def compare(
         help="Model name of the baseline (as in the results); default: every CCQ pair NAME / NAME-ccq and every "
         "`run --ccq-attach` lambda against its plain model.")] = None,
     variant: Annotated[str | None, typer.Option(help="Model name of the variant.")] = None,
-    metric: Annotated[str | None, typer.Option(help="Metric to compare (default: each task's first).")] = None,
+    metric: Annotated[str | None, typer.Option(
+        help="Metric to compare (default: each task's primary one; a zero-shot task: each metric of the papers' "
+        "table, LAMBADA's perplexity and acc).")] = None,
     format: FormatOpt = TableFormat.markdown,
     n_boot: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 10_000,
     seed: Annotated[int, typer.Option(help="Bootstrap seed.")] = 0,

@@ -111,12 +111,19 @@ class _QueueReporter(SilentReporter):
 def terminated_as_exit() -> Iterator[None]:
     """Within the block, SIGTERM (what `timeout` and `kill` send) raises SystemExit in the main thread, so
     that the run ends as on Ctrl-C: its helper processes are stopped, what was answered stays in the units'
-    resume caches. Elsewhere than the main thread the signal is left as it is."""
+    resume caches. Elsewhere than the main thread the signal is left as it is. A process forked inside the
+    block (lm-eval's bootstrap pool) inherits the handler: there SIGTERM ends the process as it would without
+    it, since a SystemExit raised in a pool worker that holds the pool's locks can leave it hanging."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    own_pid = os.getpid()
 
     def exit_on_term(signum: int, frame: Any) -> None:
+        if os.getpid() != own_pid:  # a forked child: the default action, termination by the signal
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, exit_on_term)

@@ -24,6 +24,20 @@ def test_sigterm_ends_the_run_block_as_an_exit_and_the_handler_is_restored():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_process_forked_in_the_run_block_is_ended_by_sigterm_as_without_it():
+    """lm-eval's bootstrap pool forks workers inside the run and stops them with SIGTERM: they must die of
+    the signal (a SystemExit raised in a pool worker holding the pool's locks can hang the run)."""
+    with workers.terminated_as_exit():
+        child = os.fork()
+        if child == 0:  # the child: wait to be terminated
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(0.2)
+        os.kill(child, signal.SIGTERM)
+        _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+
+
 def test_a_helper_whose_parent_is_gone_exits():
     process = multiprocessing.get_context("spawn").Process(target=workers._exit_with_parent, args=(-1,))
     process.start()  # its parent is not -1: as if the command's process had died

@@ -59,3 +59,21 @@ def test_a_read_only_cache_only_warns(monkeypatch, caplog):
         modeling_ccq.prepare_runtime()
         modeling_ccq.prepare_runtime()
     assert calls == [1] and "read-only file system" in caplog.text
+
+
+def test_the_shipped_winners_are_triton_autotune_records_that_seed_an_empty_cache(tmp_path):
+    """Each shipped archive holds only <hash>/<kernel>.autotune.json files in triton's format (the tuning key
+    and every candidate's timings); seeding an empty cache writes each of them once."""
+    archives = sorted(autotune.TUNED_DIR.glob("*.tgz"))
+    assert archives, "no autotune winners in ccq_eval/model/kernels/tuned/"
+    expected = set()
+    for archive in archives:
+        with tarfile.open(archive, "r:gz") as bundle:
+            for member in bundle.getmembers():
+                key, name = member.name.split("/")
+                assert key.isalnum() and name.endswith(".autotune.json"), member.name
+                record = json.loads(bundle.extractfile(member).read())
+                assert record["key"] and record["configs_timings"], member.name
+                expected.add(member.name)
+    assert autotune.seed_tuned_winners(tmp_path) == len(expected)
+    assert {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()} == expected

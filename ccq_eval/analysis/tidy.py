@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 
 from ccq_eval.harness import store
-from ccq_eval.harness.store import ResultsError, StoredUnit
+from ccq_eval.harness.store import ResultsError, StoredUnit, aggregates
 from ccq_eval.task_families import DEPTH_KEYS, FAMILIES, LENGTH_KEYS, family_of
 from ccq_eval.tasks.longbench import categories as longbench_categories
 
@@ -77,17 +77,19 @@ def primary_metric(task: str, infos: list[MetricInfo]) -> str | None:
 
 
 PAIRED_AGGREGATIONS = ("weighted_perplexity", "bits_per_byte")
-# lm-eval's own aggregation and direction of its built-in metrics, for a metric_list entry that names
-# neither (wikitext's word_perplexity, ...): lm-eval 0.4.13, lm_eval/api/metrics.py, the register_metric
-# declarations of acc, acc_norm, perplexity, word_perplexity, byte_perplexity and bits_per_byte.
-BUILTIN_AGGREGATIONS = {"acc": "mean", "acc_norm": "mean", "perplexity": "perplexity",
-                        "word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
-                        "bits_per_byte": "bits_per_byte"}
+# lm-eval's own direction of its built-in metrics, for a metric_list entry that names none (wikitext's
+# word_perplexity, ...): lm-eval 0.4.13, lm_eval/api/metrics.py, the register_metric declarations.
 LOWER_IS_BETTER_METRICS = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 HIGHER_IS_BETTER_METRICS = ("acc", "acc_norm")
 # The names lm-eval registers its HFLM under (lm_eval/models/huggingface.py, @register_model): results of
 # those scored loglikelihood_rolling in HFLM's windows.
 HFLM_MODEL_NAMES = ("hf", "hf-auto", "huggingface")
+
+
+def _default_aggregation(metric: str) -> str | None:
+    """lm-eval's aggregation of a built-in metric that a config lists without one (store.aggregates)."""
+    found = aggregates.default_aggregation(metric)
+    return found.name if found is not None else None
 
 
 def metric_direction(metric: str, stated: bool | None = None) -> bool | None:
@@ -149,7 +151,7 @@ def metric_infos(unit: StoredUnit, task: str) -> list[MetricInfo]:
     for entry in config.get("metric_list") or []:
         if not isinstance(entry, dict) or "metric" not in entry:
             continue
-        aggregation = entry.get("aggregation", BUILTIN_AGGREGATIONS.get(str(entry["metric"])))
+        aggregation = entry.get("aggregation", _default_aggregation(str(entry["metric"])))
         known = aggregation in ("mean", "median", "perplexity", *PAIRED_AGGREGATIONS)
         infos.append(MetricInfo(
             name=str(entry["metric"]),
@@ -161,7 +163,7 @@ def metric_infos(unit: StoredUnit, task: str) -> list[MetricInfo]:
         for key in (unit.task_results.get(task) or {}):
             metric, _, _ = key.partition(",")
             if "," in key and not metric.endswith("_stderr") and metric not in [i.name for i in infos]:
-                infos.append(MetricInfo(metric, BUILTIN_AGGREGATIONS.get(metric),
+                infos.append(MetricInfo(metric, _default_aggregation(metric),
                                         metric_direction(metric, direction.get(metric))))
     return infos
 

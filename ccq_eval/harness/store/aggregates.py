@@ -80,9 +80,9 @@ def lm_eval_aggregation(name: Any) -> Aggregation | None:
     return Aggregation(name, name in PAIR_AGGREGATIONS, AGGREGATION_REGISTRY.get(name))
 
 
-def _default_aggregation(metric: str) -> Aggregation | None:
+def default_aggregation(metric: str) -> Aggregation | None:
     """lm-eval's default aggregation of a metric name (what ConfigurableTask takes when metric_list names
-    none), when it is one recomputed here."""
+    none: wikitext's word_perplexity -> weighted_perplexity), when it is one recomputed here."""
     import lm_eval.api.metrics  # noqa: F401
     from lm_eval.api.registry import AGGREGATION_REGISTRY, METRIC_AGGREGATION_REGISTRY
 
@@ -114,7 +114,7 @@ def metric_aggregations(results: dict[str, Any], task: str) -> dict[str, Aggrega
             continue
         metric = entry["metric"]
         aggregation = (lm_eval_aggregation(entry["aggregation"]) if entry.get("aggregation") is not None
-                       else _default_aggregation(metric))
+                       else default_aggregation(metric))
         if aggregation is not None:
             found[metric] = aggregation
     if _is_perplexity_task(task):  # the task class's declarations replace any metric_list

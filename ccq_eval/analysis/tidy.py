@@ -16,7 +16,6 @@ through the whole text); empty for tasks without such requests.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -76,7 +75,7 @@ def primary_metric(task: str, infos: list[MetricInfo]) -> str | None:
     return split_metric(infos[0].name)[0] if infos else None
 
 
-PAIRED_AGGREGATIONS = ("weighted_perplexity", "bits_per_byte")
+PAIRED_AGGREGATIONS = aggregates.PAIR_AGGREGATIONS  # per-sample values are (log-likelihood, count)
 # lm-eval's own direction of its built-in metrics, for a metric_list entry that names none (wikitext's
 # word_perplexity, ...): lm-eval 0.4.13, lm_eval/api/metrics.py, the register_metric declarations.
 LOWER_IS_BETTER_METRICS = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -169,22 +168,9 @@ def metric_infos(unit: StoredUnit, task: str) -> list[MetricInfo]:
 
 
 def aggregate(values: Sequence[Any], aggregation: str | None) -> float | None:
-    """lm-eval's aggregation of per-sample metric values (None when it cannot be recomputed)."""
-    if not values or aggregation is None:
-        return None
-    if aggregation == "mean":
-        return math.fsum(float(v) for v in values) / len(values)
-    if aggregation == "median":
-        return float(pd.Series([float(v) for v in values]).median())
-    if aggregation == "perplexity":  # values are log-likelihoods
-        return math.exp(-math.fsum(float(v) for v in values) / len(values))
-    if aggregation in PAIRED_AGGREGATIONS:  # values are (log-likelihood, count)
-        total_ll = math.fsum(float(v[0]) for v in values)
-        total_n = math.fsum(float(v[1]) for v in values)
-        if aggregation == "weighted_perplexity":
-            return math.exp(-total_ll / total_n)
-        return -total_ll / total_n / math.log(2)
-    return None
+    """lm-eval's aggregation of per-sample metric values (None when it cannot be recomputed): the store's
+    recomputation (store.aggregates), which every reader also checks results.json's aggregates with."""
+    return aggregates.aggregate(values, aggregation)
 
 
 def doc_cell(doc: Any) -> tuple[float | None, float | None]:

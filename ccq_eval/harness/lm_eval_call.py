@@ -63,6 +63,20 @@ def _apply_overrides(loaded: dict[str, Any], gen_kwargs: dict[str, Any] | None, 
         task.set_fewshot_seed(seed=seed)
 
 
+def _parsed_gen_kwargs(gen_kwargs: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """gen_kwargs as simple_evaluate reads it: a "key=value,..." string parsed into a dict, with lm-eval's
+    warning that it overrides the tasks' own generation settings; an empty value is kept as it is."""
+    if not gen_kwargs:
+        return gen_kwargs
+    if isinstance(gen_kwargs, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        gen_kwargs = simple_parse_args_string(gen_kwargs)
+    logger.warning("generation_kwargs: %s specified through cli, these settings will update set parameters "
+                   "in yaml tasks. Ensure 'do_sample=True' for non-greedy decoding!", gen_kwargs)
+    return gen_kwargs or None
+
+
 def evaluate_tasks(
     lm: Any,
     task_manager: Any,
@@ -94,7 +108,7 @@ def evaluate_tasks(
     import numpy as np
     from lm_eval.evaluator import evaluate
     from lm_eval.loggers.utils import add_env_info, add_tokenizer_info
-    from lm_eval.utils import set_torch_seed, simple_parse_args_string
+    from lm_eval.utils import set_torch_seed
 
     if check_integrity:  # refused when planning (options.UNSUPPORTED_LMEVAL_ARGS): no task tests installed
         raise ValueError("check_integrity runs lm-eval's own task tests, which an installed lm-eval does not ship")
@@ -106,12 +120,7 @@ def evaluate_tasks(
     random.seed(seed)
     np.random.seed(seed)
     set_torch_seed(seed)
-    if gen_kwargs:
-        if isinstance(gen_kwargs, str):
-            gen_kwargs = simple_parse_args_string(gen_kwargs)
-        logger.warning("generation_kwargs: %s specified through cli, these settings will update set parameters "
-                       "in yaml tasks. Ensure 'do_sample=True' for non-greedy decoding!", gen_kwargs)
-        gen_kwargs = gen_kwargs or None
+    gen_kwargs = _parsed_gen_kwargs(gen_kwargs)
     loaded = _load(task_manager, tasks, zeroshot_dir)
     _apply_overrides(loaded, gen_kwargs if isinstance(gen_kwargs, dict) else None, num_fewshot, seed)
     # lm-eval prints "bootstrapping for stddev: <metric>" (lm_eval/api/metrics.py): to the debug log, except
@@ -127,16 +136,13 @@ def evaluate_tasks(
         logger.debug("lm-eval: %s", line)
     if lm.rank != 0 or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
-    config: dict[str, Any] = {"model": model_name, "model_args": None}
-    if hasattr(lm, "get_model_info"):
-        config.update(lm.get_model_info())
-    config.update({
+    results["config"] = {
+        "model": model_name, "model_args": None, **(lm.get_model_info() if hasattr(lm, "get_model_info") else {}),
         "batch_size": batch_size, "batch_sizes": list(lm.batch_sizes.values()) if hasattr(lm, "batch_sizes") else [],
         "device": device, "use_cache": None, "limit": limit, "bootstrap_iters": bootstrap_iters,
         "gen_kwargs": gen_kwargs, "random_seed": seed, "numpy_seed": seed, "torch_seed": seed,
         "fewshot_seed": seed,
-    })
-    results["config"] = config
+    }
     results["git_hash"] = git_commit_hash()
     results["date"] = start_date
     add_env_info(results)

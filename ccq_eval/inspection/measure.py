@@ -101,6 +101,29 @@ def _distractor_columns(shares: torch.Tensor, in_distractor: torch.Tensor, count
             "distractor_token_fraction": in_distractor.sum() / tokens}
 
 
+def _spectrum(sigma: torch.Tensor, kappa: torch.Tensor):
+    """(Sigma's eigenvalues [H, K] at the answer position (the last of sigma's positions), descending;
+    the effective rank [H, P] at every position; each token's energy [H, t+1] on the answer position's top
+    TOP_DIRECTIONS eigen-directions) for sigma [H, P, K, K] and the unit keys kappa [H, t+1, K]."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(sigma)  # ascending
+    positive = eigenvalues.clamp_min(0)
+    eff_rank = positive.sum(-1) ** 2 / positive.square().sum(-1).clamp_min(1e-30)
+    top = eigenvectors[:, -1, :, -min(TOP_DIRECTIONS, sigma.shape[-1]):]  # [H, K, TOP_DIRECTIONS]
+    return eigenvalues[:, -1].flip(-1).clamp_min(0.0), eff_rank, ((kappa @ top) ** 2).sum(-1)
+
+
+def _token_masks(prompt: NeedlePrompt, tokens: int, device: torch.device):
+    """Boolean masks over the prompt's first `tokens` tokens: (the needle, its value, every distractor)."""
+    in_needle = torch.zeros(tokens, dtype=torch.bool, device=device)
+    in_needle[prompt.needle[0] : prompt.needle[1]] = True
+    in_value = torch.zeros_like(in_needle)
+    in_value[prompt.value[0] : prompt.value[1]] = True
+    in_distractor = torch.zeros_like(in_needle)
+    for start, end in prompt.distractors:
+        in_distractor[start:end] = True
+    return in_needle, in_value, in_distractor
+
+
 def measure_layer(read: LayerRead, prompt: NeedlePrompt, settings: CCQSettings, positions: list[int]):
     """(rows, spectrum rows, position rows) for one layer of one prompt; rows are dicts per head."""
     t = prompt.answer_position
@@ -126,19 +149,9 @@ def measure_layer(read: LayerRead, prompt: NeedlePrompt, settings: CCQSettings, 
     rebuilt = ccq_query_from_sigma(sigma, r_at, lam_at, settings.order, settings.form)
     ccq_residual = ((rebuilt - q_at).norm(dim=-1) / q_at.norm(dim=-1).clamp_min(1e-30))[:, -1]
 
-    eigenvalues, eigenvectors = torch.linalg.eigh(sigma)  # ascending
-    spectrum = eigenvalues[:, -1].flip(-1).clamp_min(0.0)  # [H, K] at the answer position, descending
+    spectrum, eff_rank_all, energy = _spectrum(sigma, kappa[:, : t + 1])
     trace = spectrum.sum(-1)
-    eff_rank_all = eigenvalues.clamp_min(0).sum(-1) ** 2 / eigenvalues.clamp_min(0).square().sum(-1).clamp_min(1e-30)
-    top = eigenvectors[:, -1, :, -min(TOP_DIRECTIONS, K):]  # [H, K, 16]
-    energy = ((kappa[:, : t + 1] @ top) ** 2).sum(-1)  # [H, t+1]
-    in_needle = torch.zeros(t + 1, dtype=torch.bool, device=r.device)
-    in_needle[prompt.needle[0] : prompt.needle[1]] = True
-    in_value = torch.zeros_like(in_needle)
-    in_value[prompt.value[0] : prompt.value[1]] = True
-    in_distractor = torch.zeros_like(in_needle)
-    for start, end in prompt.distractors:
-        in_distractor[start:end] = True
+    in_needle, in_value, in_distractor = _token_masks(prompt, t + 1, r.device)
 
     # The read at t with both queries; the one the model ran is checked against the kernel's output.
     q_on, q_off = q_at[:, -1], r_at[:, -1]

@@ -159,12 +159,18 @@ def _reporter(quiet: bool, progress: bool) -> Reporter | None:
     return reporting.RichReporter() if progress else reporting.LineReporter()
 
 
+def _count(number: int, noun: str) -> str:
+    """"1 unit", "2 units"."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _echo_plan(plan: RunPlan, output: Path, shard: str | None) -> None:
     """What the run holds: units, models x tasks, how many are finished, and the planning notes."""
     done = sum(unit.finished for unit in plan.units)  # with --shard, pending holds this shard's units only
+    units, models, tasks = len(plan.units), len({u.model for u in plan.units}), len({u.task for u in plan.units})
     typer.echo(
-        f"{len(plan.units)} units ({len({u.model for u in plan.units})} models x "
-        f"{len({u.task for u in plan.units})} tasks), {done} already finished, output {output}"
+        f"{_count(units, 'unit')} ({_count(models, 'model')} x {_count(tasks, 'task')}), {done} already finished, "
+        f"output {output}"
         + (f"; shard {shard}: {len(plan.pending)} to run here" if shard else ""), err=True
     )
     for note in plan.notes:

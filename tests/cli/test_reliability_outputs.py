@@ -394,7 +394,7 @@ def test_shard_on_an_empty_folder_counts_no_unit_as_finished(fake_world):
     models = ["--model", "tiny-strong", "--model", "tiny-weak"]
     result = invoke(*RUN_ARGS, *models, "--shard", "1/2", "-o", "out")
     assert result.exit_code == 0, result.output
-    assert "2 units (2 models x 1 tasks), 0 already finished" in result.output
+    assert "2 units (2 models x 1 task), 0 already finished" in result.output
     assert "1 to run here" in result.output
 
 

@@ -106,6 +106,7 @@ class Unit:
     task_metadata: dict[str, Any] = field(default_factory=dict)  # what the task is given (folders, tokenizer)
     finished: bool = False
     in_shard: bool = True  # False: another worker's part of the units (--shard)
+    identity_assumed: bool = False  # finished by a version that recorded no task definition: taken as this one
 
 
 @dataclass
@@ -169,7 +170,20 @@ def plan_run(
             unit.in_shard = position % count == index - 1
     return RunPlan(options=options, units=units, lengths=parsed.grid.lengths, depths=parsed.grid.depths,
                    lm_eval_args=parsed.lm_eval_args, lm_eval_loggers=parsed.lm_eval_loggers,
-                   task_metadata=task_metadata, device=device, dtype=dtype, notes=tasks.notes)
+                   task_metadata=task_metadata, device=device, dtype=dtype,
+                   notes=tasks.notes + _older_units_note(units))
+
+
+def _older_units_note(units: list[Unit]) -> list[str]:
+    """One note for the finished units an older ccq-eval stored without their task definition and versions."""
+    older = [unit for unit in units if unit.identity_assumed]
+    if not older:
+        return []
+    which = f"{len(older)} finished units (first {older[0].dir.path})" if len(older) > 1 else \
+        f"1 finished unit ({older[0].dir.path})"
+    return [f"{which} "
+            "stored by an older ccq-eval that did not record the task definition and versions: taken as "
+            "stored (delete a unit's folder to redo it with this version)"]
 
 
 def _task_metadata(parsed: ParsedOptions) -> dict[str, Any]:
@@ -274,15 +288,14 @@ IDENTITY_SINCE_FORMAT_3 = ("task_definition", "versions")
 
 def _with_identity_of_old_units(unit: Unit, stored: dict[str, Any] | None) -> dict[str, Any] | None:
     """A spec stored before the task definition and versions were recorded is taken as asking this run's
-    (nothing shows otherwise), with a note that it may come from another task definition; the data folder
+    (nothing shows otherwise), marked identity_assumed for the plan's note; the data folder
     it may name is left out (its files' content is what the spec compares)."""
     if isinstance(stored, dict) and isinstance(stored.get("task_metadata"), dict):
         metadata = {key: value for key, value in stored["task_metadata"].items() if key not in FOLDER_METADATA_KEYS}
         stored = dict(stored, task_metadata=metadata)
     if stored is None or any(key in stored for key in IDENTITY_SINCE_FORMAT_3):
         return stored
-    logger.warning("%s was stored by an older ccq-eval that did not record the task definition and version; "
-                   "it is taken as it is (delete that folder to redo it with this version)", unit.dir.path)
+    unit.identity_assumed = True  # plan_run's notes name these units once
     return stored | {key: unit.spec.get(key) for key in IDENTITY_SINCE_FORMAT_3 if key in unit.spec}
 
 

@@ -19,9 +19,11 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference"
 MAX_REPORT_BYTES = 2 * 1024 * 1024
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(str(CHROMIUM)) is None,
-    reason=f"{CHROMIUM} is absent (Debian: apt-get install chromium; CI installs it)")
+pytestmark = [
+    pytest.mark.skipif(shutil.which(str(CHROMIUM)) is None,
+                       reason=f"{CHROMIUM} is absent (Debian: apt-get install chromium; CI installs it)"),
+    pytest.mark.slow,  # starting chromium and drawing the report: about 15 s on a 2-core CPU
+]
 sync_api = pytest.importorskip("playwright.sync_api",
                                reason="playwright is not installed (pip install -e '.[test]')")
 

@@ -28,6 +28,7 @@ def lm_eval_logging():
         lm_eval_logger.removeHandler(handler)
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_runs_our_model_on_our_task(tmp_path, monkeypatch, lm_eval_logging):
     monkeypatch.chdir(REPO)
     document = tmp_path / "doc.txt"

@@ -197,6 +197,26 @@ def test_archive_never_replaces_another_runs_archive(fake_world):
     assert snapshot(Path("packed")) == packed
 
 
+def test_a_run_into_an_archive_takes_its_units_as_finished(fake_world):
+    """An archive's units (results.json.xz) are finished units: a run into its folder evaluates only what
+    the archive lacks, and leaves every archived file as it was."""
+    finished_run("src")
+    assert invoke("archive", "src", "packed").exit_code == 0
+    archived = snapshot(Path("packed"))
+    archived_files = sorted(p for p in Path("packed").rglob("*") if p.is_file() and "tiny-strong" in p.parts)
+    fake_world.loads.clear()
+    result = invoke(*RUN_ARGS[:-1], "--model", "tiny-strong", "--model", "tiny-weak", "--output", "packed")
+    assert result.exit_code == 0, result.output
+    assert "2 units (2 models x 1 task), 1 already finished" in result.output
+    assert [Path(load).name for load in fake_world.loads] == ["tiny-weak"]  # the archived model is not loaded
+    assert sorted(p for p in Path("packed").rglob("*") if p.is_file() and "tiny-strong" in p.parts) == archived_files
+    assert all(Path(path).read_bytes() == data for path, data in archived.items())
+    assert store.unit_dir(Path("packed"), "tiny-weak", TASK_NAME).results.is_file()
+    table = invoke("table", "packed", "--format", "csv")
+    assert table.exit_code == 0, table.output
+    assert "tiny-strong" in table.output and "tiny-weak" in table.output
+
+
 def test_archive_to_a_file_is_refused_in_one_line(fake_world):
     finished_run("src")
     Path("afile").write_text("not a folder")

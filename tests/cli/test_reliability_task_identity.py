@@ -63,7 +63,7 @@ def test_a_changed_task_definition_does_not_reuse_the_finished_unit(tasks_copy, 
         run_plan.plan_run(options)
 
 
-def test_a_unit_stored_before_the_definition_was_recorded_is_taken_with_a_note(tmp_path, caplog):
+def test_a_unit_stored_before_the_definition_was_recorded_is_taken_with_a_note(tmp_path):
     import json
 
     from ccq_eval.harness.store import vouch
@@ -76,8 +76,11 @@ def test_a_unit_stored_before_the_definition_was_recorded_is_taken_with_a_note(t
     unit.spec.write_text(json.dumps(dict(older, format=2)))  # as format 2 wrote it: no record either
     unit.meta.write_text(json.dumps({"format": 2, "model": "tiny-gdn", "spec": older}))
     (unit.path / vouch.CHECKSUMS_FILE).unlink()
-    assert run_plan.plan_run(options).units[0].finished
-    assert "did not record the task definition" in caplog.text
+    again = run_plan.plan_run(options)
+    assert again.units[0].finished
+    assert [note for note in again.notes if "did not record the task definition" in note] == [
+        f"1 finished unit ({unit.path}) stored by an older ccq-eval that did not record the task definition "
+        "and versions: taken as stored (delete a unit's folder to redo it with this version)"]
 
 
 def test_a_unit_moved_with_its_data_stays_valid_and_changed_data_does_not(tmp_path):

@@ -117,12 +117,14 @@ def test_fused_cuda_gradients_match_reference(K, dtype, tolerance, fused):
         assert relative < tolerance
 
 
+@pytest.mark.slow  # triton's interpreter
 def test_fused_decode_step_matches_recurrence_in_interpreter():
     for name, errors in _interpreter("decode").items():  # five steps from a prior state, fp32
         assert errors["q"] < 1e-5, (name, errors)
         assert errors["state"] < 1e-5, (name, errors)
 
 
+@pytest.mark.slow  # triton's interpreter
 def test_token_logprob_kernel_matches_torch_in_interpreter():
     for name, result in _interpreter("logprob").items():
         assert result["max_abs_logprob"] < 1e-5, (name, result)

@@ -173,7 +173,9 @@ def _samples_for(results_path: Path, task_names: Iterable[str]) -> dict[str, Pat
         candidates = [folder / f"samples_{slugify(task)}.jsonl", folder / f"samples_{task}.jsonl"]
         if stamp_match:
             candidates.insert(0, folder / f"samples_{task}_{stamp_match.group('stamp')}.jsonl")
-        for candidate in candidates + [c.with_name(c.name + ".xz") for c in candidates]:
+        compressed = [c.with_name(c.name + ".xz") for c in candidates]
+        # an archive's results read its archived samples first, a run's its own
+        for candidate in compressed + candidates if results_path.suffix == ".xz" else candidates + compressed:
             if candidate.is_file():
                 found[task] = candidate
                 break

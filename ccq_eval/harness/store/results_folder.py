@@ -56,10 +56,10 @@ class ResultsStore:
         changed). A unit whose write stopped before its record (checksums.json) is not finished. A finished
         unit is checked as the readers check it (reader.read_unit: its record, samples re-hashed, and the
         aggregates its samples decide) before it counts as finished."""
-        if not unit.results.is_file() or not self._write_finished(unit):
+        if not unit.is_finished() or not self._write_finished(unit):
             answered = response_cache.answered_count(unit.responses_db)
             return UnitOnDisk(False, read_spec(unit.spec) if unit.spec.is_file() else None, answered)
-        read_unit(unit.results)
+        read_unit(unit.finished_results)
         return UnitOnDisk(True, stored_spec(unit.spec, unit.meta), 0)  # version 1: maybe only meta.json's copy
 
     @staticmethod
@@ -98,5 +98,5 @@ class ResultsStore:
 
     def failure(self, unit: UnitDir, model: str) -> str | None:
         """A finished unit's failure: the message for its non-finite values, None when it has none."""
-        found = non_finite_values(read_json(unit.results))
+        found = non_finite_values(read_json(unit.finished_results))
         return non_finite_message(model, found) if found else None

@@ -7,6 +7,9 @@
         meta.json              run metadata (versions, seed, device, wall time, ...)
         results.json           lm-eval results dict; marks the unit finished
         checksums.json         sha256 of every file above and who the unit is (vouch.py), written last
+
+A unit of an archive (`ccq-eval archive`) keeps results.json.xz and xz-compressed samples instead; it is a
+finished unit like any other, so a run into an archive's folder takes it as done.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from typing import Any
 
 from ccq_eval import atomic_io
 from ccq_eval.harness.store import lm_eval_mirror, vouch
-from ccq_eval.harness.store.files import META_FILE, RESPONSES_DB, RESULTS_FILE, UNIT_SPEC_FILE, slugify
+from ccq_eval.harness.store.files import (
+    ARCHIVED_RESULTS_FILE,
+    META_FILE,
+    RESPONSES_DB,
+    RESULTS_FILE,
+    UNIT_SPEC_FILE,
+    slugify,
+)
 from ccq_eval.harness.store.formats import stamped, stored_spec
 
 
@@ -49,8 +59,15 @@ class UnitDir:
     def samples(self, task: str) -> Path:
         return self.path / f"samples_{slugify(task)}.jsonl"
 
+    @property
+    def finished_results(self) -> Path:
+        """The results file that marks the unit finished: results.json, or an archived unit's results.json.xz
+        (results.json when neither exists)."""
+        archived = self.path / ARCHIVED_RESULTS_FILE
+        return archived if archived.is_file() and not self.results.is_file() else self.results
+
     def is_finished(self) -> bool:
-        return self.results.is_file()
+        return self.finished_results.is_file()
 
 
 def unit_dir(output: Path, model: str, task: str) -> UnitDir:

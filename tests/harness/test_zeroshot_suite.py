@@ -39,6 +39,20 @@ def test_family_claims_the_suite_by_exact_name_with_the_papers_metrics():
     assert set(ZEROSHOT_AVERAGED) <= {(task, metric) for task, metric, _ in ZEROSHOT_PAPER_COLUMNS}
 
 
+def test_suite_names_are_lm_evals_own_entries_without_its_whole_index():
+    """The suite's names come from its folders of lm-eval's tree, the very entries lm-eval's whole index
+    holds; another lm-eval name still reaches the whole index."""
+    from ccq_eval.harness import task_registry
+
+    manager = make_task_manager()
+    found = {name: manager._entry(name) for name in ZEROSHOT_TASKS}
+    assert not manager._defaults_loaded  # the whole tree was not indexed for them
+    whole = task_registry._default_index()
+    assert {name: (entry.kind, entry.yaml_path) for name, entry in found.items()} == {
+        name: (whole[name].kind, whole[name].yaml_path) for name in ZEROSHOT_TASKS}
+    assert manager._entry("mmlu") is whole["mmlu"] and manager._defaults_loaded
+
+
 def test_the_paper_columns_and_primaries_are_metrics_lm_evals_configs_declare(task_manager):
     for task in ZEROSHOT_TASKS:
         config = zeroshot.task_config(task_manager, task)

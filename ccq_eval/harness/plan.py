@@ -8,7 +8,6 @@ folder already holds, so a bad command fails in a second; it imports neither tor
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,6 @@ from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, RegistryError
 from ccq_eval.task_families import FAMILY_METADATA_KEYS, family_of
 
-logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 # Task metadata that names a folder on this machine: a unit's identity records the content of the file the
 # task reads there (its spec's data_files), not the folder, so that a copy of the data elsewhere is the same.

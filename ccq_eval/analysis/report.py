@@ -82,28 +82,33 @@ class Table:
 
 
 def missing_parts(root: Path, units: Sequence[StoredUnit]) -> list[str]:
-    """What a reader of this folder should know is absent, one sentence each."""
+    """What a reader of this folder should know is absent, one sentence each: units that were asked for
+    and are not there (started but unfinished; or named by a run's meta.json run_units and absent), failed
+    units, and lost sample logs. A grid that leaves pairs out on purpose has nothing missing."""
     notes = []
     finished = {unit.folder.resolve() for unit in units}
+    started = set()
     for spec in sorted(Path(root).rglob(UNIT_SPEC_FILE)):
         if spec.parent.resolve() not in finished:
+            started.add(spec.parent.resolve())
             notes.append(f"{spec.parent.relative_to(root)}: unit started but not finished (no results.json); "
                          f"rerun the `ccq-eval run` command to finish it")
-    tasks_of: dict[str, set[str]] = defaultdict(set)
+    asked: dict[Path, tuple[str, str, str]] = {}
     for unit in units:
         non_finite = store.non_finite_values(unit.results)
         if non_finite:
             notes.append(f"failed unit: {store.non_finite_message(unit.model, non_finite)}")
         for task in unit.leaf_tasks():
-            tasks_of[unit.model].add(task)
             if task not in unit.samples_paths:
                 notes.append(f"{unit.model} / {task}: no per-sample log (samples_{task}.jsonl); its samples "
                              "and comparisons are missing here")
-    every_task = set().union(*tasks_of.values()) if tasks_of else set()
-    for model in sorted(tasks_of):
-        lacking = sorted(every_task - tasks_of[model])
-        if lacking:
-            notes.append(f"{model}: no results for {', '.join(lacking)} (other models have them)")
+        for model, task in unit.meta.get("run_units") or []:
+            folder = (unit.folder.parent.parent / store.slugify(model) / store.slugify(task)).resolve()
+            asked.setdefault(folder, (model, task, unit.meta.get("command_line") or "its run"))
+    for folder, (model, task, command) in sorted(asked.items()):
+        if folder not in finished and folder not in started:
+            notes.append(f"{model} / {task}: asked for by `{command}` but not in this folder; rerun that "
+                         "command to evaluate it")
     return notes
 
 
@@ -214,17 +219,39 @@ def environment_pairs(units: Sequence[StoredUnit]) -> list[tuple[str, str]]:
             versions["lm_eval"].append(unit.results.get("lm_eval_version"))
     wall = [m["wall_time_s"] for m in metas if isinstance(m.get("wall_time_s"), (int, float))]
     device = (u.meta.get("device") or (u.results.get("config") or {}).get("device") for u in units)
+    started = min((m["started_at"] for m in metas if m.get("started_at")), default="-")
+    finished = max((m["finished_at"] for m in metas if m.get("finished_at")), default="-")
     return [
         ("commit (lm-eval's git_hash)", _distinct(u.results.get("git_hash") for u in units)),
         ("device", _distinct(device)),
         ("platform", _distinct(m.get("platform") for m in metas)),
-        ("started", min((m["started_at"] for m in metas if m.get("started_at")), default="-")),
-        ("finished", max((m["finished_at"] for m in metas if m.get("finished_at")), default="-")),
-        ("wall time of the units", f"{sum(wall):.1f} s" if wall else "-"),
+        ("started", started),
+        ("finished", finished),
+        ("elapsed, first unit's start to last unit's finish", _elapsed(started, finished)),
+        ("unit time, summed over the units", f"{sum(wall):.1f} s" if wall else "-"),
         ("seed", _distinct(m.get("seed") for m in metas)),
-        ("processes", _distinct(m.get("world_size") for m in metas)),
+        ("processes that stored the units", _process_count(metas)),
+        ("data-parallel ranks of a unit", _distinct(m.get("world_size") for m in metas)),
         ("command line", _distinct(m.get("command_line") for m in metas)),
     ] + [(f"version of {package}", _distinct(values)) for package, values in versions.items()]
+
+
+def _elapsed(started: str, finished: str) -> str:
+    """Seconds between two of meta.json's timestamps ("%Y-%m-%dT%H:%M:%S%z"); "-" when either is absent."""
+    import datetime
+
+    try:
+        seconds = (datetime.datetime.strptime(finished, "%Y-%m-%dT%H:%M:%S%z")
+                   - datetime.datetime.strptime(started, "%Y-%m-%dT%H:%M:%S%z")).total_seconds()
+    except (TypeError, ValueError):
+        return "-"
+    return f"{seconds:.0f} s"
+
+
+def _process_count(metas: Sequence[dict[str, Any]]) -> str:
+    """How many processes stored the units: distinct (machine, working folder, pid) of their meta.json."""
+    writers = {(m.get("platform"), m.get("cwd"), m["pid"]) for m in metas if m.get("pid") is not None}
+    return str(len(writers)) if writers else "-"
 
 
 def paper_tables(tidy: pd.DataFrame, digits: int = 2) -> list[dict[str, Any]]:

@@ -6,6 +6,10 @@ when it is planned and checked again before it runs.
 
 from __future__ import annotations
 
+import os
+import socket
+import urllib.parse
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,6 +68,26 @@ def hub_offline() -> bool:
     from ccq_eval.tasks.ruler_qa.data import hub_allowed
 
     return not hub_allowed()
+
+
+# Proxy settings that route the hub's traffic elsewhere: a direct connection then says nothing about it.
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+@lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's endpoint (HF_ENDPOINT, by default huggingface.co) accepts a connection within
+    `timeout_s`: one quick probe, where a download would retry for tens of seconds before it failed.
+    True behind a proxy (not probed)."""
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return True
+    endpoint = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def zeroshot_data_files(task: str, zeroshot_dir: Path) -> list[Path]:

@@ -299,6 +299,7 @@ class RunSession:
             "argv": list(sys.argv),
             "cwd": os.getcwd(),
             "pid": os.getpid(),  # which worker process computed it (`run --workers`)
+            "run_units": [[other.model, other.task] for other in plan.units],  # what the command asked for
             "versions": package_versions(),
             "gpu_kernels": self.kernels if plan.device.startswith("cuda") else None,
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,

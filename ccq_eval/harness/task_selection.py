@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ccq_eval.harness.fingerprints import hub_offline, longbench_data_present, qa_data_names, qa_data_present
+from ccq_eval.harness.fingerprints import (
+    hub_offline,
+    hub_reachable,
+    longbench_data_present,
+    qa_data_names,
+    qa_data_present,
+)
 from ccq_eval.harness.options import ParsedOptions, PlanError
 from ccq_eval.harness.suites import SuitePart
 from ccq_eval.harness.task_registry import TaskCatalog
@@ -131,16 +137,19 @@ def _qa_tasks_with_data(resolved: list[tuple[str, str]],
     `ruler` that names other tasks too), and is a PlanError when it was asked for itself."""
     qa_dir = parsed.qa_dir
     qa_tasks = [(task, alias) for task, alias in resolved if family_of(task).needs_qa_data]
-    if not qa_tasks or (qa_dir is None and not hub_offline()):
+    if not qa_tasks or (qa_dir is None and not hub_offline() and hub_reachable()):
         return resolved, []  # without --qa-dir the tasks fetch their data from the hub
     absent = [(task, alias) for task, alias in qa_tasks if qa_dir is None or not qa_data_present(task, qa_dir)]
     if not absent:
         return resolved, []
     files = ", ".join(qa_data_names(task) for task, _ in absent)
-    if qa_dir is None:
+    if qa_dir is None and hub_offline():
         why = (f"no --qa-dir holds their data ({files}) and the hub is off (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
                "is set); pass --qa-dir FOLDER holding those files, or unset those variables to fetch them from "
                "the hub")
+    elif qa_dir is None:
+        why = (f"no --qa-dir holds their data ({files}) and the hub cannot be reached from here; pass --qa-dir "
+               "FOLDER holding those files")
     else:
         why = f"--qa-dir {qa_dir} lacks {files}; add the file there, or choose fewer tasks"
     names = " and ".join(task for task, _ in absent)

@@ -190,14 +190,20 @@ def test_partial_folder_report_says_what_is_missing(tmp_path):
     (run / "tiny-gdn" / "ccq_s_niah_2" / "results.json.xz").unlink()  # a unit that did not finish
     (run / "tiny-gla" / "ccq_ppl_sweep" / "samples_ccq_ppl_sweep.jsonl.xz").unlink()  # a lost sample log
     shutil.rmtree(run / "tiny-transformer" / "ccq_s_niah_3")  # a unit that never started
+    meta_path = run / "tiny-gla" / "ccq_s_niah_1" / "meta.json"  # what the run asked for, as a run records it
+    meta = json.loads(meta_path.read_text())
+    asked = [[model.name, task.name] for model in sorted(run.iterdir()) if model.is_dir()
+             for task in sorted(model.iterdir()) if task.is_dir()]
+    meta_path.write_text(json.dumps(dict(meta, run_units=[*asked, ["tiny-transformer", "ccq_s_niah_3"]])))
     result = invoke("report", run)
     assert result.exit_code == 0, result.output
     text = (run / "report.html").read_text()
     missing = re.search(r'<section id="missing".*?</section>', text, re.DOTALL).group(0)
-    assert "tiny-gdn/ccq_s_niah_2: unit started but not finished" in missing
-    assert "tiny-gla / ccq_ppl_sweep: no per-sample log" in missing
-    assert "tiny-gdn: no results for ccq_s_niah_2" in missing
-    assert "tiny-transformer: no results for ccq_s_niah_3" in missing
+    notes = re.findall(r"<li>(.*?)</li>", missing, re.DOTALL)
+    assert len(notes) == 3, notes  # the sweep models' tasks left out on purpose are not missing
+    assert "tiny-gdn/ccq_s_niah_2: unit started but not finished" in notes[0]
+    assert "tiny-gla / ccq_ppl_sweep: no per-sample log" in notes[1]
+    assert html.unescape(notes[2]).startswith("tiny-transformer / ccq_s_niah_3: asked for by `ccq-eval run")
     # what is there is still shown: the other pair's comparison, the remaining cells
     assert "<h3>tiny-gla-ccq vs tiny-gla</h3>" in text
     cells = _cells(text)
@@ -217,3 +223,21 @@ def test_long_failure_lists_are_cut_and_counted(monkeypatch):
             assert f"{int(failed.group(1)) - 1} more failures in this cell are not listed" in inner
             cut += 1
     assert cut > 0
+
+
+def test_environment_counts_the_processes_and_the_elapsed_time_of_the_run():
+    """Two worker processes that ran units side by side: two processes, the elapsed time from the first
+    start to the last finish, and the units' summed time under its own name."""
+    def unit(pid: int, started: str, finished: str, wall: float) -> results_store.StoredUnit:
+        meta = {"pid": pid, "cwd": "/w", "platform": "p", "started_at": started, "finished_at": finished,
+                "wall_time_s": wall, "world_size": 1}
+        return results_store.StoredUnit(results_path=Path("r/m/t/results.json"), results={"results": {}}, meta=meta)
+
+    units = [unit(11, "2026-01-01T10:00:00+0000", "2026-01-01T10:01:40+0000", 100.0),
+             unit(12, "2026-01-01T10:00:05+0000", "2026-01-01T10:02:00+0000", 115.0),
+             unit(11, "2026-01-01T10:01:40+0000", "2026-01-01T10:02:30+0000", 50.0)]
+    rows = dict(report.environment_pairs(units))
+    assert rows["processes that stored the units"] == "2"
+    assert rows["elapsed, first unit's start to last unit's finish"] == "150 s"
+    assert rows["unit time, summed over the units"] == "265.0 s"
+    assert rows["data-parallel ranks of a unit"] == "1"

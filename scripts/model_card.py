@@ -53,8 +53,19 @@ def git_commit() -> str:
 
 
 def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dict | None = None) -> str:
+    """The registry's one-line description: what the model is, what its CCQ gate is, and what its last
+    training stage froze (shared bit for bit with its twin)."""
     kind = ("with CCQ on the read" if spec.ccq else "baseline, no CCQ" if spec.twin
             else "the upper-bound reference for the linear models")
+    if spec.ccq and settings.ccq_gate == "constant":
+        lam = f"lambda {settings.ccq_init_lambda:g}" if settings.ccq_init_lambda is not None else "its initial lambda"
+        kind += f" through a constant gate ({lam}, not learned)"
+    if settings.freeze and spec.twin:
+        from train_settings import FREEZE_PRESETS
+
+        frozen = {regex: name for name, regex in FREEZE_PRESETS.items()}.get(settings.freeze, settings.freeze)
+        kind += (f"; fine-tuned from {spec.name.removesuffix('-ccq')}'s stage 2 like its twin {spec.twin}, with "
+                 f"--freeze {frozen!r} (those weights bit-identical in the two)")
     text = (f"{FAMILY_NAMES[spec.family]}, {kind}; {params / 1e6:.1f}M parameters, byte-level, trained at "
             f"{settings.context} tokens on the embedded corpora + synthetic recall (demonstration model)")
     if metrics:
@@ -158,8 +169,10 @@ def model_card(spec: ModelSpec, settings: TrainSettings, info: dict) -> str:
         "(e.g. `Record: the pass code for <key> equals <value>.` ... `What is the pass code for <key>? The pass "
         "code for <key> is <value>.`). Values are mostly 7-digit numbers, also other numbers, UUIDs and words; "
         "keys are word pairs from the train split. Distance curriculum: a synthetic document's size is "
-        f"log-uniform up to a cap that grows from {tiny_data.CURRICULUM_START} bytes to the full context over the "
-        f"first {settings.curriculum_share:.0%} of the steps. Held out: no RULER template, needle or "
+        + (f"log-uniform up to a cap that grows from {tiny_data.CURRICULUM_START} bytes to the full context over "
+           f"the first {settings.curriculum_share:.0%} of the steps." if settings.curriculum_share > 0 else
+           "log-uniform up to the full context from the first step (no curriculum in this stage).")
+        + " Held out: no RULER template, needle or "
         "answer-prefix wording, none of S-NIAH's key words (tasks/s_niah/key_words.txt) in any training key, and "
         "no eval-split text (S-NIAH's essay haystack) is ever trained on; tests check the stream for RULER's "
         f"phrases. Synthetic share of the training tokens: {tm['synthetic_token_fraction']:.1%}."

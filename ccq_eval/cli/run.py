@@ -165,11 +165,11 @@ def _count(number: int, noun: str) -> str:
 
 
 def _echo_plan(plan: RunPlan, output: Path, shard: str | None) -> None:
-    """What the run holds: units, models x tasks, how many are finished, and the planning notes."""
+    """What the run holds: units, models and tasks, how many are finished, and the planning notes."""
     done = sum(unit.finished for unit in plan.units)  # with --shard, pending holds this shard's units only
     units, models, tasks = len(plan.units), len({u.model for u in plan.units}), len({u.task for u in plan.units})
     typer.echo(
-        f"{_count(units, 'unit')} ({_count(models, 'model')} x {_count(tasks, 'task')}), {done} already finished, "
+        f"{_count(units, 'unit')} ({_count(models, 'model')}, {_count(tasks, 'task')}), {done} already finished, "
         f"output {output}"
         + (f"; shard {shard}: {len(plan.pending)} to run here" if shard else ""), err=True
     )

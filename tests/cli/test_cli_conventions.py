@@ -154,7 +154,7 @@ def test_run_prints_one_line_per_unit_and_a_summary(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) == 4, result.output
-    assert lines[0].startswith("2 units (1 model x 2 tasks)")
+    assert lines[0].startswith("2 units (1 model, 2 tasks)")
     assert sorted(line.split(" (")[0] for line in lines[1:3]) == ["done: m / fake_a", "done: m / fake_b"]
     assert lines[3].startswith("done: 2 evaluated, 0 skipped")
 
@@ -262,7 +262,7 @@ def test_first_run_prints_a_line_per_unit_and_no_library_noise(tmp_path):
     stderr = _fresh_run(tmp_path, "-t", "s-niah-1", "-t", "ppl-sweep", "-o", "plain")
     lines = stderr.splitlines()
     assert len(lines) == 4, stderr
-    assert lines[0].startswith("2 units (1 model x 2 tasks), 0 already finished")
+    assert lines[0].startswith("2 units (1 model, 2 tasks), 0 already finished")
     assert [line.split(" (")[0] for line in lines[1:3]] == ["done: tiny-gla / ccq_s_niah_1",
                                                              "done: tiny-gla / ccq_ppl_sweep"]
     assert lines[3].startswith("done: 2 evaluated, 0 skipped (already finished), 0 failed")

@@ -207,7 +207,7 @@ def test_a_run_into_an_archive_takes_its_units_as_finished(fake_world):
     fake_world.loads.clear()
     result = invoke(*RUN_ARGS[:-1], "--model", "tiny-strong", "--model", "tiny-weak", "--output", "packed")
     assert result.exit_code == 0, result.output
-    assert "2 units (2 models x 1 task), 1 already finished" in result.output
+    assert "2 units (2 models, 1 task), 1 already finished" in result.output
     assert [Path(load).name for load in fake_world.loads] == ["tiny-weak"]  # the archived model is not loaded
     assert sorted(p for p in Path("packed").rglob("*") if p.is_file() and "tiny-strong" in p.parts) == archived_files
     assert all(Path(path).read_bytes() == data for path, data in archived.items())
@@ -414,7 +414,7 @@ def test_shard_on_an_empty_folder_counts_no_unit_as_finished(fake_world):
     models = ["--model", "tiny-strong", "--model", "tiny-weak"]
     result = invoke(*RUN_ARGS, *models, "--shard", "1/2", "-o", "out")
     assert result.exit_code == 0, result.output
-    assert "2 units (2 models x 1 task), 0 already finished" in result.output
+    assert "2 units (2 models, 1 task), 0 already finished" in result.output
     assert "1 to run here" in result.output
 
 

@@ -11,6 +11,7 @@ standard library.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -195,3 +196,16 @@ def hand_over_to_lm_eval() -> None:
     logging.getLogger("lm_eval").removeHandler(_current.handler)
     for name in LM_EVAL_REPEATING_LOGGERS:
         _current.add_filter(name, _current.once)
+
+
+@contextlib.contextmanager
+def transformers_errors_only():
+    """transformers' own log shows errors only inside the block (its previous level after it)."""
+    from transformers.utils import logging as transformers_logging
+
+    before = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(before)

@@ -24,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ccq_eval.errors import UserError
+from ccq_eval.logs import transformers_errors_only
 from ccq_eval.model import checkpoint
 from ccq_eval.model.modeling_ccq import (
     CCQConfigMixin,
@@ -237,19 +238,6 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
             raise ModelLoadError(checkpoint.pickle_only_message(folder))
         return False
     raise ModelLoadError(f"{folder} has no weights: expected one of {SAFE_WEIGHT_FILES}")
-
-
-@contextlib.contextmanager
-def transformers_errors_only():
-    """transformers' own log shows errors only inside the block (its previous level after it)."""
-    from transformers.utils import logging as transformers_logging
-
-    before = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers_logging.set_verbosity(before)
 
 
 def _check_loaded_keys(folder: Path, loading_info: Mapping[str, Any], *, gate_may_be_missing: bool) -> None:

@@ -73,6 +73,13 @@ def load_model_registry(path: Path | None = None) -> dict[str, ModelEntry]:
     return registry
 
 
+def registered_folder(name: str) -> Path | None:
+    """The checkpoint folder a registered model's name stands for; None for a name the registry lacks.
+    Needs neither torch nor fla, so the tasks can find a model's tokenizer without loading the model stack."""
+    entry = load_model_registry().get(name)
+    return None if entry is None else (MODELS_DIR / entry.source).resolve()  # an absolute source stays as it is
+
+
 def default_model_names(registry: dict[str, ModelEntry]) -> list[str]:
     flagged = [entry.name for entry in registry.values() if entry.default]
     return flagged or [name for name in FALLBACK_DEFAULT_MODELS if name in registry]

@@ -111,10 +111,11 @@ def _tokenizer_by_name(name: str):
         return ByT5Tokenizer()
     from transformers import AutoTokenizer
 
-    from ccq_eval.model.loading import registered_models, resolve_checkpoint, transformers_errors_only
+    from ccq_eval.logs import transformers_errors_only
+    from ccq_eval.model.registry import registered_folder
 
-    if name in registered_models() or Path(name).expanduser().is_dir():
-        folder = resolve_checkpoint(name)
+    folder = registered_folder(name) or Path(name).expanduser()
+    if folder.is_dir():
         with transformers_errors_only():  # no "model of type ``" warning for fla's / our model types
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return AutoTokenizer.from_pretrained(name)

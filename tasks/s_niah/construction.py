@@ -395,9 +395,10 @@ def load_tokenizer(spec: str) -> Any:
 
     if spec.lower() in ("byt5", "bytes", "byte"):
         return transformers.ByT5Tokenizer()
-    from ccq_eval.model.loading import registered_models, resolve_checkpoint, transformers_errors_only
+    from ccq_eval.logs import transformers_errors_only
+    from ccq_eval.model.registry import registered_folder
 
-    path = resolve_checkpoint(spec) if spec in registered_models() else Path(spec)
+    path = registered_folder(spec) or Path(spec)
     if path.is_file():  # e.g. .../tokenizer.model or tokenizer.json: load its folder
         path = path.parent
     # Only a hub id (owner/name) is looked up on the hub: any other name would retry it for minutes.

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 
 from ccq_eval.analysis import ruler
 from ccq_eval.analysis.bar_figures import longbench_bars, longbench_e_bars, zeroshot_bars
@@ -62,7 +63,8 @@ def _line_style(model: str, index: int, count: int) -> dict:
     ccq = is_ccq(model)
     return {"linestyle": "-" if ccq else (0, (4, 2)), "marker": MARKERS[index % len(MARKERS)],
             "markersize": 4 + 2.5 * (count - 1 - index), "linewidth": 1.5, "zorder": 2 + index,
-            "markerfacecolor": None if ccq else "white", "markeredgewidth": 1.2}
+            "markerfacecolor": None if ccq else "white", "markeredgewidth": 1.2,
+            "clip_on": False}  # a marker at 0 % or 100 % is drawn whole, not cut by the axes
 
 
 def panel_title(task: str) -> str:
@@ -109,8 +111,22 @@ def _figure_legend(fig: plt.Figure, axes: Sequence[plt.Axes], max_columns: int =
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     if entries:
-        fig.legend(list(entries.values()), list(entries), loc="outside lower center",
+        fig.legend([_legend_key(handle) for handle in entries.values()], list(entries), loc="outside lower center",
                    ncol=min(len(entries), max_columns), frameon=False)
+
+
+LEGEND_MARKER_SIZE = 6.0
+
+
+def _legend_key(handle: object) -> object:
+    """A curve's legend key at one marker size for every model (the panels nest markers by size; in the
+    legend that would make the first models' keys overlap their neighbours)."""
+    if not isinstance(handle, Line2D):
+        return handle
+    return Line2D([], [], color=handle.get_color(), linestyle=handle.get_linestyle(), linewidth=handle.get_linewidth(),
+                  marker=handle.get_marker(), markersize=LEGEND_MARKER_SIZE,
+                  markerfacecolor=handle.get_markerfacecolor(), markeredgecolor=handle.get_markeredgecolor(),
+                  markeredgewidth=handle.get_markeredgewidth())
 
 
 def _score_limit(rows: pd.DataFrame) -> float:

@@ -188,6 +188,9 @@ def _zeroshot_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str
         return resolved, []
     where = f"--zeroshot-dir {parsed.zeroshot_dir}" if parsed.zeroshot_dir else "no --zeroshot-dir"
     names = "zeroshot" if len(absent) == len(tasks) else ", ".join(task for task, _ in absent)
-    note = (f"--suite {parsed.options.suite}: {names} skipped ({where}, and neither the hub nor the datasets "
-            "cache holds the data; docs/zeroshot.md says how to get it)")
+    found_nowhere = ("the hub cannot be reached from here (HF_HUB_OFFLINE=1 reads the datasets cache)"
+                     if not hub_offline() and not hub_reachable() else "neither the hub nor the datasets cache holds "
+                     "the data")
+    note = (f"--suite {parsed.options.suite}: {names} skipped ({where}, and {found_nowhere}; docs/zeroshot.md says "
+            "how to get it)")
     return [pair for pair in resolved if pair not in absent], [note]

@@ -36,7 +36,8 @@ from ccq_eval.errors import UserError
 from ccq_eval.task_families import ZEROSHOT_AVERAGED, ZEROSHOT_PAPER_COLUMNS, ZEROSHOT_TASKS
 
 __all__ = ["ROLLING_PROTOCOLS", "ZEROSHOT_AVERAGED", "ZEROSHOT_PAPER_COLUMNS", "ZEROSHOT_TASKS", "ZeroshotDataError",
-           "check_data", "load_tasks", "local_overrides", "missing_data_message", "rolling_protocol", "task_specs"]
+           "check_data", "load_tasks", "local_overrides", "missing_data_message", "rolling_protocol", "task_specs",
+           "unreachable_hub_message"]
 
 # How loglikelihood_rolling scores a text: "hflm", lm-eval HFLM's disjoint windows of max_length tokens with
 # one token of context, each window read from an empty state; "carry", the whole text in one pass, the
@@ -97,6 +98,14 @@ def missing_data_message(name: str, config: dict[str, Any]) -> str:
             f"{evaluated_split(config)}.jsonl in that dataset's schema")
 
 
+def unreachable_hub_message(name: str, config: dict[str, Any]) -> str:
+    """One line: the hub is allowed but cannot be reached, so task `name`'s dataset comes from the cache
+    only in offline mode, or from a folder."""
+    return (f"task {name}: the Hugging Face hub cannot be reached from here and HF_HUB_OFFLINE is unset; set "
+            f"HF_HUB_OFFLINE=1 to read {config.get('dataset_path')} from the datasets cache, or pass "
+            f"--zeroshot-dir FOLDER holding {name}/{evaluated_split(config)}.jsonl in that dataset's schema")
+
+
 def local_overrides(name: str, config: dict[str, Any], data_dir: str | Path) -> dict[str, Any] | None:
     """The config keys that make task `name` read <data_dir>/<name>/<split>.jsonl (lm-eval's json loader):
     dataset_path json, no dataset_name, data_files for each split of the config that has a file, and the
@@ -154,10 +163,14 @@ def check_data(task_manager: Any, names: list[str], data_dir: str | Path | None 
     of the data itself; offline it reads the cache)."""
     import datasets
 
+    from ccq_eval.harness.fingerprints import hub_offline, hub_reachable
+
     for name in names:
         config = task_config(task_manager, name)
         if data_dir and local_overrides(name, config, data_dir) is not None:
             continue
+        if not hub_offline() and not hub_reachable():  # datasets would retry the hub for tens of seconds
+            raise ZeroshotDataError(unreachable_hub_message(name, config))
         with _data_errors(name, config):
             datasets.load_dataset_builder(config.get("dataset_path"), config.get("dataset_name"))
 

@@ -33,7 +33,8 @@ LengthsOpt = Annotated[str | None, typer.Option(help="Context lengths in tokens,
 DepthsOpt = Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")]
 SamplesOpt = Annotated[int | None, typer.Option(
     help="Samples per (length, depth) cell (perplexity: documents per length). Default: 4 on the default "
-    "grid (no --task); with --task, every document the task has.")]
+    "grid (no --task); with --task, the task's own (S-NIAH and RULER: 1 per cell; perplexity: every "
+    "document).")]
 LimitOpt = Annotated[float | None, typer.Option(
     help="lm-eval limit: first N documents of each task (a fraction if < 1). Not with --samples-per-cell.")]
 DeviceOpt = Annotated[str, typer.Option(

@@ -182,6 +182,7 @@ def _execute(plan: RunPlan, reporter: Reporter, workers: int | None) -> tuple[Ru
     """(summary, whether this process leads: rank 0 of a data-parallel launch reports and writes);
     a failure ends the command with a line that says the finished units are kept. workers None: "auto"."""
     from ccq_eval.harness import runner
+    from ccq_eval.harness import workers as workers_module
 
     logs.drop_metadata_hint()  # the runner passes every task its metadata
     leader = runner.process_rank() == 0
@@ -190,6 +191,9 @@ def _execute(plan: RunPlan, reporter: Reporter, workers: int | None) -> tuple[Ru
     except KeyboardInterrupt:
         fail("interrupted. Finished units and every answered request are saved; rerun the same command "
              "to resume.", code=130)
+    except workers_module.Terminated as stop:
+        fail("terminated (SIGTERM). Finished units and every answered request are saved; rerun the same "
+             "command to resume.", code=stop.code)
     except Exception as exc:  # any failure of a unit: say which, and that nothing is lost
         if debugging():
             raise

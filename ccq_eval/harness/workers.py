@@ -107,10 +107,14 @@ class _QueueReporter(SilentReporter):
             self.messages.put(("unit", str(unit.dir.path), status, detail))
 
 
+class Terminated(SystemExit):
+    """SIGTERM received inside terminated_as_exit (its code: 128 + the signal's number)."""
+
+
 @contextlib.contextmanager
 def terminated_as_exit() -> Iterator[None]:
-    """Within the block, SIGTERM (what `timeout` and `kill` send) raises SystemExit in the main thread, so
-    that the run ends as on Ctrl-C: its helper processes are stopped, what was answered stays in the units'
+    """Within the block, SIGTERM (what `timeout` and `kill` send) raises Terminated (a SystemExit) in the main
+    thread, so that the run ends as on Ctrl-C: its helper processes are stopped, what was answered stays in the units'
     resume caches. Elsewhere than the main thread the signal is left as it is. A process forked inside the
     block (lm-eval's bootstrap pool) inherits the handler: there SIGTERM ends the process as it would without
     it, since a SystemExit raised in a pool worker that holds the pool's locks can leave it hanging."""
@@ -124,7 +128,7 @@ def terminated_as_exit() -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, exit_on_term)
     try:

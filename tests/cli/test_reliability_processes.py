@@ -24,6 +24,20 @@ def test_sigterm_ends_the_run_block_as_an_exit_and_the_handler_is_restored():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_sigterm_during_a_run_is_one_line_that_says_how_to_resume(fake_world, monkeypatch):
+    from ccq_eval.harness import runner
+
+    def terminated_while_running(plan, **kwargs):
+        with workers.terminated_as_exit():  # as execute_plan runs its units
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler interrupts this
+
+    monkeypatch.setattr(runner, "execute_plan", terminated_while_running)
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert_one_line_error(result, "terminated (SIGTERM)", "every answered request are saved",
+                          "rerun the same command to resume", code=128 + signal.SIGTERM)
+
+
 def test_a_process_forked_in_the_run_block_is_ended_by_sigterm_as_without_it():
     """lm-eval's bootstrap pool forks workers inside the run and stops them with SIGTERM: they must die of
     the signal (a SystemExit raised in a pool worker holding the pool's locks can hang the run)."""

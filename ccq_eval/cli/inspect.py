@@ -32,7 +32,9 @@ def inspect(
     baseline_lambda: Annotated[float | None, typer.Option(
         help="Constant lambda of the CCQ read computed for baselines (default: the gate's initial value, "
         "ccq_lambda_max * sigmoid(ccq_gate_bias_init) = 2 for the default config).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the task's keys and values (the tasks' default: 42).")] = 42,
+    seed: Annotated[int, typer.Option(help="Seed of the task's keys and values (the tasks' default: 42; "
+                                            "`run` passes its --seed, 0 by default: give that to inspect a "
+                                            "run's prompts).")] = 42,
     mechanism_figure: Annotated[Path | None, typer.Option(
         help="Also write one small PNG here (e.g. docs/ccq-mechanism.png): the needle share of the read per "
         "layer, CCQ's read against the plain one (lambda = 0), one panel per model.")] = None,

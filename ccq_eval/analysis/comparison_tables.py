@@ -95,8 +95,9 @@ def comparison_note(alpha: float = DEFAULT_ALPHA, method: str = "none", family: 
     marks = f"* p<{alpha:g}, ** p<{alpha / 5:g}, *** p<{alpha / 50:g}"
     if method == "none":
         return f"delta = variant - baseline; CI: paired bootstrap over the same samples; sig: {marks} {tests}"
+    p_values = "1 p-value" if family == 1 else f"{family} p-values"
     return (f"delta = variant - baseline; CI: paired bootstrap over the same samples, per comparison; p: "
-            f"adjusted by {METHOD_DESCRIPTIONS[method]} over a family of {family} p-values (all those printed "
+            f"adjusted by {METHOD_DESCRIPTIONS[method]} over a family of {p_values} (all those printed "
             f"together; family-wise error rate), the raw p-value beside it {tests}; sig, on the adjusted p: {marks}")
 
 
@@ -245,7 +246,10 @@ def render_summary(comparisons: Comparisons, fmt: str = "markdown", alpha: float
     if fmt != "markdown":
         raise AnalysisOptionError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
     families = {task_family(task) for _, _, frame in comparisons for task in frame["task"]}
-    pooled = "S-NIAH and RULER tasks" if families & set(RULER_FAMILY_NAMES) - {"s-niah"} else "S-NIAH"
-    note = (f"{comparison_note(alpha, p_adjust, table.attrs['p_family'])}; {pooled}: all lengths pooled; a column "
-            "named @L: at length L only (perplexity: lower is better)")
-    return to_markdown(table, 3) + f"\n\n_{note}_\n"
+    parts = [comparison_note(alpha, p_adjust, table.attrs["p_family"])]
+    if families & set(RULER_FAMILY_NAMES):  # only what the table holds is explained
+        pooled = "S-NIAH and RULER tasks" if families & set(RULER_FAMILY_NAMES) - {"s-niah"} else "S-NIAH"
+        parts.append(f"{pooled}: all lengths pooled")
+    if any("@" in str(column) for column in table.columns):
+        parts.append("a column named @L: at length L only (perplexity: lower is better)")
+    return to_markdown(table, 3) + f"\n\n_{'; '.join(parts)}_\n"

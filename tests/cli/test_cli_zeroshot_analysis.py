@@ -198,6 +198,8 @@ def test_compare_defaults_to_the_twins_and_its_summary_uses_the_papers_headers(r
     summary = invoke("compare", runs["suite"], "--n-boot", 200, "--summary").output
     header = summary.splitlines()[0]
     assert header.startswith(f"| comparison | {HFLM_WIKI} | LMB. ppl | LMB. acc | PIQA acc | Hella. acc_n |")
+    note = summary.strip().splitlines()[-1]  # it explains only what this table holds
+    assert "over a family of 13 p-values" in note and "S-NIAH" not in note and "@L" not in note
 
 
 def test_the_report_shows_the_paper_table_and_the_compare_rows(runs, tmp_path):

@@ -15,7 +15,8 @@ from ccq_eval.errors import UserError
 
 def inspect(
     model: Annotated[list[str], typer.Option(
-        "--model", "-m", help="GLA / Gated DeltaNet model (registered name or checkpoint folder), with or without "
+        "--model", "-m", metavar="<model>",
+        help="GLA / Gated DeltaNet model (registered name or checkpoint folder), with or without "
         "CCQ; repeat for several.")],
     task: Annotated[str, typer.Option("--task", "-t", help=(
         "s-niah-1, s-niah-2, s-niah-3, or a task with distractor needles: niah-multikey-1/2/3, "

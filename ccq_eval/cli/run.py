@@ -18,10 +18,11 @@ if TYPE_CHECKING:  # the harness is imported lazily (argument errors appear at o
     from ccq_eval.harness.runner import RunSummary
 
 ModelOpt = Annotated[list[str], typer.Option(
-    "--model", "-m", help="Registered model name or checkpoint folder; repeat for several. "
-    "Default: the registry's default models.")]
+    "--model", "-m", metavar="<model>", help="Registered model name or checkpoint folder; repeat for several. "
+    "Default: the registry's default models, and the training-free CCQ sweep of the twins' baselines.")]
 TaskOpt = Annotated[list[str], typer.Option(
-    "--task", "-t", help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot; "
+    "--task", "-t", metavar="<task>",
+    help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot; "
     "`ccq-eval tasks` lists them) or lm-eval task name; repeat for several. Default: s-niah and ppl.")]
 SuiteOpt = Annotated[SuiteName | None, typer.Option(
     help="A fixed grid instead of --task / --lengths (`ccq-eval tasks` lists them): paper = "
@@ -51,7 +52,7 @@ SeedOpt = Annotated[int, typer.Option(help="Seed for data generation, sampling a
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", parser=path_option, metavar="PATH",
                                          help="Results folder.")]
 LmEvalArgOpt = Annotated[list[str], typer.Option(
-    "--lm-eval-arg", help="Extra lm_eval.simple_evaluate argument as key=value (repeatable), "
+    "--lm-eval-arg", metavar="<key=value>", help="Extra lm_eval.simple_evaluate argument as key=value (repeatable), "
     "e.g. bootstrap_iters=0.")]
 LongBenchDirOpt = Annotated[Path | None, typer.Option(
     help="Folder with LongBench jsonl files (<dataset>.jsonl, the original format).")]
@@ -78,8 +79,8 @@ CcqAttachOpt = Annotated[str | None, typer.Option(
     "lambda is evaluated as its own model <model>+ccq-lambda<L>; other CCQ config fields fixed after ';', "
     "e.g. \"lambda=0,0.5,1,2,4;order=2\". `figures` draws score vs lambda.")]
 WorkersOpt = Annotated[int | None, typer.Option(
-    min=1, help="Processes that share the units (each under its lock). Default: on a CPU, one per core "
-    "the evaluation's torch threads leave free (2 on a 2-core machine); on a GPU, 1.")]
+    min=1, metavar="<int>", help="Processes that share the units (each under its lock). Default: on a CPU, one "
+    "per core the evaluation's torch threads leave free (2 on a 2-core machine); on a GPU, 1.")]
 QuietOpt = Annotated[bool, typer.Option(help="No line per unit (only the plan, failures and the summary).")]
 ProgressOpt = Annotated[bool, typer.Option(
     help="Progress bars: the run's units and the current unit's requests, and those of lm-eval and "

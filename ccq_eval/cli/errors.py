@@ -36,8 +36,9 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a command so that an exception it does not handle becomes one line on stderr (exit 1),
-    not a traceback; with CCQ_EVAL_DEBUG=1 or --verbosity DEBUG the traceback is shown."""
+    """Wraps a command so that an exception it does not handle becomes one line on stderr (exit 1), not a
+    traceback: a user's error as its message, anything else with its type and a pointer to the traceback
+    (shown with CCQ_EVAL_DEBUG=1 or --verbosity DEBUG)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -49,6 +50,8 @@ def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             fail("interrupted; rerun the command to finish (a run resumes where it stopped)", code=130)
         except BrokenPipeError:
             stdout_closed()
+        except UserError as exc:  # what was wrong and what to do: the message alone
+            fail(one_line(exc), code=1)
         except Exception as exc:  # the point: no traceback for the user
             if debugging():
                 raise

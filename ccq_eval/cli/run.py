@@ -11,6 +11,7 @@ import typer
 from ccq_eval import logs
 from ccq_eval.cli.common import Dtype, RollingWindows, SuiteName, given_path, path_option
 from ccq_eval.cli.errors import debugging, fail, one_line
+from ccq_eval.errors import UserError
 
 if TYPE_CHECKING:  # the harness is imported lazily (argument errors appear at once)
     from ccq_eval.harness.plan import RunPlan
@@ -140,8 +141,8 @@ def run(
     )
     try:
         plan = run_plan.plan_run(options)
-    except run_plan.PlanError as exc:
-        fail(str(exc))
+    except UserError as exc:  # PlanError, and what resolving models and tasks raises (one line each)
+        fail(one_line(exc))
     _echo_plan(plan, output, shard)
     summary, leader = _execute(plan, _reporter(quiet, progress), workers)
     _echo_run_summary(summary, output)
@@ -233,7 +234,6 @@ def _write_report(results: Path) -> None:
     from ccq_eval.analysis import figures as figure_module
     from ccq_eval.analysis import tables
     from ccq_eval.atomic_io import atomic_write_text
-    from ccq_eval.errors import UserError
 
     try:
         with filelock.FileLock(str(results / ".report.lock")):  # workers sharing the folder write it in turn

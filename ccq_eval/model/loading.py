@@ -96,7 +96,8 @@ def resolve_checkpoint(name_or_path: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        # Only configs, safetensors and tokenizer files: never code, never pickles by accident.
+        # Configs, weights and tokenizer files, never code; pickled weights (*.bin) are fetched but loaded
+        # only with allow_pickle=True (load_model refuses them otherwise).
         return Path(snapshot_download(name_or_path, allow_patterns=[
             "*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken", "*.bin"]))
     except Exception as error:  # the hub library raises many kinds; all mean "not available here"

@@ -268,3 +268,28 @@ def test_first_run_prints_a_line_per_unit_and_no_library_noise(tmp_path):
     assert lines[3].startswith("done: 2 evaluated, 0 skipped (already finished), 0 failed")
     with_bars = _fresh_run(tmp_path, "-t", "s-niah-1", "-o", "bars", "--progress")
     assert "it/s]" in with_bars and "ETA" in with_bars  # lm-eval's / transformers' bars and ours
+
+
+def test_a_users_error_no_command_handles_is_its_message_alone(capsys):
+    """A UserError is what was wrong and what to do: one line, exit 1, no pointer to a traceback (that is
+    for anything else, which keeps its type name)."""
+    import typer
+
+    from ccq_eval.cli.errors import one_line_errors
+    from ccq_eval.errors import UserError
+
+    @one_line_errors
+    def users_error():
+        raise UserError("the folder x has no config.json;\n pass a checkpoint folder")
+
+    @one_line_errors
+    def bug():
+        raise KeyError("x")
+
+    for command, code, line in ((users_error, 1, "Error: the folder x has no config.json; pass a checkpoint folder"),
+                                (bug, 1, "Error: KeyError: 'x' (CCQ_EVAL_DEBUG=1 shows the traceback")):
+        with pytest.raises(typer.Exit) as ended:
+            command()
+        assert ended.value.exit_code == code
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and error.startswith(line), error

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from ccq_eval.analysis import tables, zeroshot
-from ccq_eval.analysis.figure_style import STYLE, _save, is_ccq, plt
+from ccq_eval.analysis.figure_style import STYLE, is_ccq, plt, save_figure
 
 
 def _grouped_bars(pivot: pd.DataFrame, columns: list[str], averages: list[str], colors: dict, title: str,
@@ -34,7 +34,7 @@ def _grouped_bars(pivot: pd.DataFrame, columns: list[str], averages: list[str], 
         ax.set_title(title)
         fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", ncol=min(len(models), 4),
                    frameon=False)
-        return _save(fig, out, stem)
+        return save_figure(fig, out, stem)
 
 
 def longbench_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
@@ -67,7 +67,7 @@ def longbench_e_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
         ax.set_ylabel("mean score over datasets")
         ax.set_title("LongBench-E by length bucket")
         fig.legend(*ax.get_legend_handles_labels(), loc="outside upper right", frameon=False)
-        return _save(fig, out, "longbench_e_per_bucket")
+        return save_figure(fig, out, "longbench_e_per_bucket")
 
 
 def zeroshot_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:

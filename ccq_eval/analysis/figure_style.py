@@ -97,14 +97,14 @@ def model_colors(models: Iterable[str]) -> dict[str, tuple[float, float, float, 
     return colors
 
 
-def _log_y(ax: plt.Axes) -> None:
+def log_y_axis(ax: plt.Axes) -> None:
     """A log y axis labelled in plain numbers (perplexities)."""
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
 
 
-def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
+def save_figure(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
     """PNG, then PDF with the layout the PNG's draw computed (the same size in inches, so the same
     positions: laying the figure out again would only cost time)."""
     paths = []
@@ -117,5 +117,5 @@ def _save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
     return paths
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)

@@ -39,13 +39,13 @@ from ccq_eval.analysis.figure_style import (  # noqa: F401  (re-exported: the fi
     MARKERS,
     PALETTE,
     STYLE,
-    _log_y,
-    _safe,
-    _save,
     is_ccq,
+    log_y_axis,
     model_colors,
     model_family,
     plt,
+    safe_name,
+    save_figure,
 )
 from ccq_eval.analysis.formatting import display_task, length_label
 from ccq_eval.analysis.sweeps import ccq_sweep_points
@@ -79,7 +79,7 @@ def _text_color(rgba) -> str:
     return "black" if 0.2126 * red + 0.7152 * green + 0.0722 * blue > 0.45 else "white"
 
 
-def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
+def length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
     lengths = sorted({int(x) for x in lengths})
     # Doubling lengths (1K, 2K, 4K, ...) read best on a log axis; evenly spaced ones (position
     # buckets every 2K) would crowd its right end, so they stay linear.
@@ -91,7 +91,7 @@ def _length_ticks(ax: plt.Axes, lengths: Iterable[float]) -> None:
     ax.minorticks_off()
 
 
-def _panels(count: int, width: float = 3.2, height: float = 2.6, max_cols: int = 4, min_width: float = 6.4):
+def panel_grid(count: int, width: float = 3.2, height: float = 2.6, max_cols: int = 4, min_width: float = 6.4):
     """A grid of `count` panels; at least `min_width` inches wide, so that one panel still has room for
     the figure's title and a legend of several models."""
     cols = min(count, max_cols)
@@ -143,7 +143,7 @@ def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
         models = sorted(task_rows["model"].unique())
         vmax = _score_limit(task_rows)
         with plt.rc_context(STYLE | {"axes.grid": False}):
-            fig, axes = _panels(len(models), width=3.4, height=2.8)
+            fig, axes = panel_grid(len(models), width=3.4, height=2.8)
             image = None
             for ax, model in zip(axes, models):
                 grid = task_rows[task_rows["model"] == model].pivot_table(
@@ -159,7 +159,7 @@ def sniah_heatmaps(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 _heatmap_labels(ax, image, grid.to_numpy(dtype=float), vmax)
             fig.suptitle(f"{display_task(task)}: accuracy by needle depth and context length")
             fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-            paths += _save(fig, out, f"sniah_heatmap_{_safe(display_task(task))}")
+            paths += save_figure(fig, out, f"sniah_heatmap_{safe_name(display_task(task))}")
     return paths
 
 
@@ -194,7 +194,7 @@ def ruler_heatmaps(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAU
             ax.set_title(f"{block.model}: RULER accuracy by task and length\n"
                          f"effective length {effective} (average at or above {threshold:g})")
             fig.colorbar(image, ax=ax, shrink=0.8, label="accuracy")
-            paths += _save(fig, out, f"ruler_heatmap_{_safe(block.model)}")
+            paths += save_figure(fig, out, f"ruler_heatmap_{safe_name(block.model)}")
     return paths
 
 
@@ -202,7 +202,7 @@ def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, c
             log_y: bool = False, score: bool = False, xlabel: str = "context length (tokens)") -> list[Path]:
     tasks = sorted(rows["task"].unique())
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(tasks))
+        fig, axes = panel_grid(len(tasks))
         for ax, task in zip(axes, tasks):
             task_rows = rows[rows["task"] == task]
             models = sorted(task_rows["model"].unique())
@@ -210,17 +210,17 @@ def _curves(rows: pd.DataFrame, out: Path, stem: str, title: str, ylabel: str, c
                 curve = task_rows[task_rows["model"] == model].sort_values("length")
                 ax.plot(curve["length"].astype(float), curve["value"], color=colors[model], label=model,
                         **_line_style(model, index, len(models)))
-            _length_ticks(ax, task_rows["length"])
+            length_ticks(ax, task_rows["length"])
             ax.set_title(panel_title(task))
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             if log_y:
-                _log_y(ax)
+                log_y_axis(ax)
             if score:
                 ax.set_ylim(-0.03 * _score_limit(rows), 1.03 * _score_limit(rows))
         _figure_legend(fig, axes)
         fig.suptitle(title)
-        return _save(fig, out, stem)
+        return save_figure(fig, out, stem)
 
 
 def accuracy_figure(family: str) -> tuple[str, str]:
@@ -229,7 +229,7 @@ def accuracy_figure(family: str) -> tuple[str, str]:
         return "sniah_accuracy_vs_length", "S-NIAH accuracy vs context length"
     title = FAMILY_BY_NAME[family].title
     title = title if title.startswith("RULER") else f"RULER {title}"
-    return f"{_safe(family.replace('-', '_'))}_accuracy_vs_length", f"{title}: accuracy vs context length"
+    return f"{safe_name(family.replace('-', '_'))}_accuracy_vs_length", f"{title}: accuracy vs context length"
 
 
 def accuracy_curves(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
@@ -293,7 +293,7 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
         shade = {length: plt.get_cmap(HEATMAP_CMAP)(0.85 * i / max(len(lengths) - 1, 1))
                  for i, length in enumerate(lengths)}
         with plt.rc_context(STYLE):
-            fig, axes = _panels(len(panels))
+            fig, axes = panel_grid(len(panels))
             for ax, (task, task_rows) in zip(axes, panels.items()):
                 curves = task_rows.groupby(task_rows["length"].fillna(-1), sort=True)
                 for index, (length, curve) in enumerate(curves):
@@ -312,12 +312,12 @@ def ccq_sweep_curves(tidy: pd.DataFrame, out: Path) -> list[Path]:
                 ticks = sorted(members["lambda"].unique())
                 ax.set_xticks(ticks, [f"{lam:g}" for lam in ticks])
                 if perplexity:
-                    _log_y(ax)
+                    log_y_axis(ax)
                 else:
                     ax.set_ylim(-0.03 * _score_limit(task_rows), 1.03 * _score_limit(task_rows))
             _figure_legend(fig, axes)
             fig.suptitle(f"{sweep}: score vs lambda (CCQ attached training-free, constant gate)")
-            paths += _save(fig, out, f"ccq_sweep_{_safe(sweep)}")
+            paths += save_figure(fig, out, f"ccq_sweep_{safe_name(sweep)}")
     return paths
 
 

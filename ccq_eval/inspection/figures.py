@@ -32,7 +32,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from ccq_eval.analysis.figures import STYLE, _length_ticks, _panels, _safe, _save, model_colors
+from ccq_eval.analysis.figure_style import STYLE, model_colors, safe_name, save_figure
+from ccq_eval.analysis.figures import length_ticks, panel_grid
 
 ON, OFF = "-", (0, (4, 2))
 
@@ -53,7 +54,7 @@ def _best_head(reads: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 def _per_model(models: list[str], out: Path, stem: str, xlabel: str, ylabel: str, draw, legend: bool = True):
     """One panel per model, drawn by draw(ax, model); shared labels, legend in the first panel."""
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(models))
+        fig, axes = panel_grid(len(models))
         for ax, model in zip(axes, models):
             draw(ax, model)
             ax.set_title(model)
@@ -62,7 +63,7 @@ def _per_model(models: list[str], out: Path, stem: str, xlabel: str, ylabel: str
         if legend:
             handles, labels = axes[0].get_legend_handles_labels()
             fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5), frameon=False)
-        return _save(fig, out, stem)
+        return save_figure(fig, out, stem)
 
 
 def _on_off(ax, x, on, off, color, label: str = "") -> None:
@@ -111,16 +112,16 @@ def needle_share_length(reads: pd.DataFrame, out: Path) -> list[Path]:
     colors = model_colors(models)
     best = _best_head(reads, ["model", "length"])
     with plt.rc_context(STYLE):
-        fig, axes = _panels(1, width=4.2, height=3.0)
+        fig, axes = panel_grid(1, width=4.2, height=3.0)
         ax = axes[0]
         for model in models:
             rows = best[best["model"] == model].sort_values("length")
             _on_off(ax, rows["length"], rows["needle_share_on"], rows["needle_share_off"], colors[model], f"{model} ")
-        _length_ticks(ax, best["length"])
+        length_ticks(ax, best["length"])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("needle share (best head, mean over depths)")
         ax.legend(frameon=False)
-        return _save(fig, out, "needle_share_length")
+        return save_figure(fig, out, "needle_share_length")
 
 
 def lambda_histograms(positions: pd.DataFrame, reads: pd.DataFrame, out: Path) -> list[Path]:
@@ -130,7 +131,7 @@ def lambda_histograms(positions: pd.DataFrame, reads: pd.DataFrame, out: Path) -
         rows = positions[positions["model"] == model]
         layers = sorted(rows["layer"].unique())
         with plt.rc_context(STYLE):
-            fig, axes = _panels(len(layers), width=2.6, height=2.2, max_cols=6)
+            fig, axes = panel_grid(len(layers), width=2.6, height=2.2, max_cols=6)
             for ax, layer in zip(axes, layers):
                 for head, group in rows[rows["layer"] == layer].groupby("head"):
                     ax.hist(group["lambda"], bins=30, alpha=0.6, label=f"head {head}")
@@ -139,7 +140,7 @@ def lambda_histograms(positions: pd.DataFrame, reads: pd.DataFrame, out: Path) -
             axes[0].set_ylabel("positions")
             axes[0].legend(frameon=False)
             fig.suptitle(f"{model}: the gate lambda_t")
-            paths += _save(fig, out, f"lambda_{_safe(model)}")
+            paths += save_figure(fig, out, f"lambda_{safe_name(model)}")
     return paths
 
 
@@ -158,7 +159,7 @@ def lambda_positions(positions: pd.DataFrame, reads: pd.DataFrame, out: Path) ->
         needle = _middle_prompt(reads[reads["model"] == model]).iloc[0]
         layers = sorted(rows["layer"].unique())
         with plt.rc_context(STYLE):
-            fig, axes = _panels(len(layers), width=2.8, height=2.2, max_cols=6)
+            fig, axes = panel_grid(len(layers), width=2.8, height=2.2, max_cols=6)
             for ax, layer in zip(axes, layers):
                 for head, group in rows[rows["layer"] == layer].groupby("head"):
                     ax.plot(group["position"], group["lambda"], linewidth=1.0, label=f"head {head}")
@@ -169,7 +170,7 @@ def lambda_positions(positions: pd.DataFrame, reads: pd.DataFrame, out: Path) ->
             axes[0].legend(frameon=False)
             fig.suptitle(f"{model}: lambda_t along the prompt ({needle['length']} tokens, depth {needle['depth']:g}%; "
                          "needle shaded)")
-            paths += _save(fig, out, f"lambda_positions_{_safe(model)}")
+            paths += save_figure(fig, out, f"lambda_positions_{safe_name(model)}")
     return paths
 
 
@@ -253,7 +254,7 @@ def mechanism_figure(reads: pd.DataFrame, path: Path) -> Path:
     grid = (f"S-NIAH prompts of {', '.join(f'{n // 1024}K' if n % 1024 == 0 else str(n) for n in lengths)} "
             f"tokens, {reads.groupby(['length', 'depth', 'sample']).ngroups} prompts")
     with plt.rc_context(STYLE):
-        fig, axes = _panels(len(models), width=3.4, height=2.5, min_width=4.0)
+        fig, axes = panel_grid(len(models), width=3.4, height=2.5, min_width=4.0)
         for ax, model in zip(axes, models):
             rows = per_prompt[per_prompt["model"] == model]
             on_label, off_label = _read_labels(reads[reads["model"] == model])

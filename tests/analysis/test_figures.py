@@ -19,7 +19,7 @@ REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference"
 def drawn(monkeypatch):
     """Figures kept open: (stem, figure) for every figure a drawing function saves."""
     kept = []
-    monkeypatch.setattr(figures, "_save", lambda fig, out, stem: kept.append((stem, fig)) or [])
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, stem: kept.append((stem, fig)) or [])
     yield kept
     for _, fig in kept:
         figures.plt.close(fig)

@@ -6,7 +6,7 @@ from ccq_eval.analysis import figures
 
 
 def test_legend_keys_share_one_marker_size_and_keep_each_curves_look():
-    fig, (ax,) = figures._panels(1)
+    fig, (ax,) = figures.panel_grid(1)
     for index, model in enumerate(["tiny-gdn", "tiny-gdn-ccq", "tiny-gla", "tiny-gla-ccq"]):
         ax.plot([1, 2], [0, 100], label=model, **figures._line_style(model, index, 4))
     figures._figure_legend(fig, [ax])

@@ -177,7 +177,7 @@ def test_table_view_ruler_csv_and_bad_input(tidy):
 def drawn(monkeypatch):
     """(stem, figure) of every figure a drawing function saves, kept open."""
     kept = []
-    monkeypatch.setattr(figures, "_save", lambda fig, out, stem: kept.append((stem, fig)) or [out / stem])
+    monkeypatch.setattr(figures, "save_figure", lambda fig, out, stem: kept.append((stem, fig)) or [out / stem])
     yield kept
     for _, fig in kept:
         figures.plt.close(fig)
@@ -188,10 +188,10 @@ def test_figures_per_family_and_heatmaps_per_model(drawn, tidy, tmp_path):
     stems = {stem: fig for stem, fig in drawn}
     for stem in ("sniah_accuracy_vs_length", "niah_accuracy_vs_length", "ruler_vt_accuracy_vs_length",
                  "ruler_aggregation_accuracy_vs_length", "ruler_qa_accuracy_vs_length",
-                 *(f"ruler_heatmap_{figures._safe(model)}" for model in RIGHT)):
+                 *(f"ruler_heatmap_{figures.safe_name(model)}" for model in RIGHT)):
         assert stem in stems, (stem, sorted(stems))
     # the heatmap's rows: the tasks, then the average; its values are the table's
-    image = stems[f"ruler_heatmap_{figures._safe(BASE)}"].axes[0].get_images()[0].get_array()
+    image = stems[f"ruler_heatmap_{figures.safe_name(BASE)}"].axes[0].get_images()[0].get_array()
     assert np.asarray(image)[-1].tolist() == [100.0, 85.0]
     assert np.asarray(image)[3].tolist() == [100.0, 50.0]  # RULER cwe
 

@@ -1,7 +1,8 @@
 """What of a task's definition decides its numbers, as a digest a unit's spec records.
 
 A task of ours is defined by the files of its family folder as lm-eval loads them (the YAML configs and
-templates, the hook modules they name with !function, the word lists and corpora beside them) and by the
+templates, the hook modules they name with !function, the word lists and corpora beside them), by the
+other family folders its modules import (RULER's families share S-NIAH's construction module) and by the
 Python modules at the top of the tasks folder they import. The folder is the one the run loads
 (CCQ_EVAL_TASKS_DIR, else the installed ccq_eval.tasks); when CCQ_EVAL_TASKS_DIR is set, the installed
 family folder is hashed too, since hook modules may import it by package name. lm-eval's own tasks are
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import re
 from pathlib import Path
 
 # Files of a task folder that do not decide what it computes.
@@ -49,12 +51,38 @@ def task_definition(task: str) -> str | None:
         return None
     family = Path(yaml_path).parent
     tasks_root = family.parent
-    parts = [_folder_digest(family, True), _folder_digest(tasks_root, False)]
+    parts = _definition_parts(tasks_root, family.name)
     installed = _installed_tasks_dir()
     if installed is not None and installed.resolve() != tasks_root.resolve() and (installed / family.name).is_dir():
-        imported = [_folder_digest(installed / family.name, True), _folder_digest(installed, False)]
+        imported = _definition_parts(installed, family.name)
         parts += imported if imported != parts else []  # a copy equal to the installed tasks is the same
     return hashlib.sha256("".join(parts).encode("ascii")).hexdigest()
+
+
+def _definition_parts(tasks_root: Path, family: str) -> list[str]:
+    """Digests of a family folder, of the other family folders its modules import (RULER's families build
+    their prompts with S-NIAH's construction module), and of the top-level modules of `tasks_root`."""
+    return ([_folder_digest(tasks_root / family, True)]
+            + [_folder_digest(folder, True) for folder in _imported_families(tasks_root, family)]
+            + [_folder_digest(tasks_root, False)])
+
+
+# How a task module names another family of ours: `ccq_eval.tasks.<family>...` or `from ccq_eval.tasks import <family>`.
+_FAMILY_IMPORT = re.compile(r"\bccq_eval\.tasks\.(\w+)|\bfrom\s+ccq_eval\.tasks\s+import\s+(\w+)")
+
+
+def _imported_families(tasks_root: Path, family: str) -> list[Path]:
+    """The family folders under `tasks_root` that `family`'s Python files import, directly or through another
+    family, in name order (the family itself left out)."""
+    seen, pending = {family}, [family]
+    while pending:
+        for path in sorted((tasks_root / pending.pop()).rglob("*.py")):
+            for match in _FAMILY_IMPORT.finditer(path.read_text(encoding="utf-8")):
+                name = match.group(1) or match.group(2)
+                if name not in seen and (tasks_root / name).is_dir():
+                    seen.add(name)
+                    pending.append(name)
+    return [tasks_root / name for name in sorted(seen - {family})]
 
 
 def _installed_tasks_dir() -> Path | None:

@@ -7,7 +7,7 @@ scripts/data/synthetic/constants.py; cwe freq_cw 30, freq_ucw 3, num_cw 10 and f
 scripts/synthetic.yaml); the commit and the deliberate differences are in README.md beside this file.
 lm-eval loads this module by file path (`!function utils.<name>`). The pieces shared with S-NIAH
 (tokenizer loading, token counts, the exact-fit search, metadata parsing, per-cell generators, scoring)
-come from ccq_eval.tasks.s_niah.utils.
+come from ccq_eval.tasks.s_niah.construction.
 
 Neither task has a target position: `depths` is ignored and the cell is the length. lm-eval calls
 the dataset builders as fn(**task_metadata). Metadata keys (all optional except a tokenizer): lengths,
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from ccq_eval.tasks.s_niah.utils import (
+from ccq_eval.tasks.s_niah.construction import (
     as_dataset,
     cell_rng,
     doc_to_target,

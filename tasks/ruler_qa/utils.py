@@ -5,7 +5,7 @@ to generate from scripts/data/synthetic/constants.py; scoring string_match_part 
 scripts/eval/synthetic/constants.py; commit named in README.md, where the deliberate differences are
 listed). lm-eval loads this file by path (`!function utils.<name>`); the data readers live in the
 package module ccq_eval.tasks.ruler_qa.data, and the sizing, grid, tokenizer and scoring helpers are
-S-NIAH's (ccq_eval.tasks.s_niah.utils).
+S-NIAH's (ccq_eval.tasks.s_niah.construction).
 
 lm-eval calls the dataset builders as fn(**task_metadata). Metadata keys: tokenizer / pretrained
 (required), lengths, depths, samples_per_cell, seed, qa_dir.
@@ -19,7 +19,7 @@ import random
 from typing import Any, NamedTuple
 
 from ccq_eval.tasks.ruler_qa.data import QAData, QAError, load_qa_data
-from ccq_eval.tasks.s_niah.utils import (
+from ccq_eval.tasks.s_niah.construction import (
     as_dataset,
     cell_rng,
     doc_to_text,

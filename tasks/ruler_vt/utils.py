@@ -5,7 +5,7 @@ and 30 tokens to generate from scripts/data/synthetic/constants.py; num_chains 1
 haystack from scripts/synthetic.yaml); the commit and the deliberate differences are in README.md
 beside this file. lm-eval loads this module by file path (`!function utils.<name>`), so it keeps no
 state between tasks. The pieces shared with S-NIAH (tokenizer loading, token counts, the exact-fit
-search, metadata parsing, per-cell generators, scoring) come from ccq_eval.tasks.s_niah.utils.
+search, metadata parsing, per-cell generators, scoring) come from ccq_eval.tasks.s_niah.construction.
 
 lm-eval calls the dataset builder as fn(**task_metadata). Metadata keys (all optional except a
 tokenizer): lengths, depths, samples_per_cell, seed, tokenizer / pretrained.
@@ -18,7 +18,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ccq_eval.tasks.s_niah.utils import (
+from ccq_eval.tasks.s_niah.construction import (
     NOISE_LINE,
     as_dataset,
     cell_rng,

@@ -17,10 +17,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ccq_eval.tasks.s_niah.construction import (
-    _ABBREVIATIONS,
-    _CLOSERS,
-    _CONTROL_CHARS,
-    _OPENERS,
     DEFAULT_DEPTHS,
     DEFAULT_HAYSTACK_CORPUS,
     DEFAULT_LENGTHS,
@@ -36,8 +32,6 @@ from ccq_eval.tasks.s_niah.construction import (
     NiahError,
     NoiseHaystack,
     SNiahError,
-    _depth_list,
-    _int_list,
     as_dataset,
     cell_rng,
     doc_to_target,
@@ -75,18 +69,11 @@ __all__ = [
     "NOISE_LINE",
     "TEMPLATE",
     "VARIANTS",
-    "_ABBREVIATIONS",
-    "_CLOSERS",
-    "_CONTROL_CHARS",
-    "_OPENERS",
     "EssayHaystack",
     "NiahError",
     "NoiseHaystack",
     "SNiahError",
     "Sample",
-    "_as_dataset",
-    "_depth_list",
-    "_int_list",
     "as_dataset",
     "build_prompt",
     "cell_rng",
@@ -133,8 +120,6 @@ VARIANTS = {
     "s_niah_2": ("essay", "numbers"),
     "s_niah_3": ("essay", "uuids"),
 }
-
-_as_dataset = as_dataset
 
 
 # ---------------------------------------------------------------- prompts and lengths

@@ -44,6 +44,17 @@ def test_task_definition_follows_the_content_of_the_task_folder(tasks_copy, monk
     assert task_definition("hellaswag") is None  # lm-eval's own: its version is in the spec
 
 
+def test_a_ruler_task_follows_the_s_niah_module_it_builds_prompts_with(tasks_copy):
+    """RULER's families import S-NIAH's construction module: an edit there changes their definition too."""
+    before = {task: task_definition(task) for task in ("ccq_niah_multikey_1", "ccq_ruler_vt", "ccq_ppl_sweep")}
+    construction = tasks_copy / "s_niah" / "construction.py"
+    construction.write_text(construction.read_text() + "\n# an edit\n")
+    after = {task: task_definition(task) for task in before}
+    assert after["ccq_niah_multikey_1"] != before["ccq_niah_multikey_1"]
+    assert after["ccq_ruler_vt"] != before["ccq_ruler_vt"]
+    assert after["ccq_ppl_sweep"] == before["ccq_ppl_sweep"]  # perplexity imports nothing of S-NIAH's
+
+
 def _finish(plan: run_plan.RunPlan) -> None:
     """Store each planned unit as finished, as a run would (unit.json, samples, meta, results, record)."""
     for unit in plan.units:

@@ -68,8 +68,7 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     packed_units = []
     for unit in units:
         target = destination / _archived_path(unit.folder, source)
-        meta = read_json(unit.folder / META_FILE) if (unit.folder / META_FILE).is_file() else {}
-        rewrite = PathRewrite.for_unit(meta, source, destination)
+        rewrite = PathRewrite.for_unit(unit.meta, source, destination)  # meta.json as its format's reader reads it
         packed = {name: _portable_bytes(unit.folder / name, rewrite) for name in (UNIT_SPEC_FILE, META_FILE)
                   if (unit.folder / name).is_file()}
         _check_archive_target(target, packed.get(META_FILE))

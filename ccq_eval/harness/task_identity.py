@@ -45,11 +45,10 @@ def task_definition(task: str) -> str | None:
     """sha256 of the definition of one of our tasks as the run loads it; None for lm-eval's own tasks."""
     from ccq_eval.harness import task_registry
 
-    entry = task_registry._our_index().get(task)
-    yaml_path = getattr(entry, "yaml_path", None)
+    yaml_path = task_registry.our_task_yaml(task)
     if yaml_path is None:
         return None
-    family = Path(yaml_path).parent
+    family = yaml_path.parent
     tasks_root = family.parent
     parts = _definition_parts(tasks_root, family.name)
     installed = _installed_tasks_dir()

@@ -209,6 +209,12 @@ def _leaf_tasks(name: str, index: dict[str, Any], seen: set[str] | None = None) 
     return [name]
 
 
+def our_task_yaml(task_name: str) -> Path | None:
+    """The YAML file that defines one of our tasks, as the run loads it; None for a name not ours."""
+    yaml_path = getattr(_our_index().get(task_name), "yaml_path", None)
+    return Path(yaml_path) if yaml_path is not None else None
+
+
 def task_truncation_policy(task_name: str | None) -> str | None:
     """The `ccq_truncation` a task of ours declares in its YAML metadata: the ccq adapter's policy for a
     prompt longer than the model's budget, kept out of generation_kwargs so that every lm-eval model can

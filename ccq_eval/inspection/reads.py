@@ -293,7 +293,7 @@ class ReadRecorder:
                          _heads_first(o, self.dtype), q.shape[-1] ** -0.5 if scale is None else float(scale))
 
     def _gdn_read(self, kw: dict, o: torch.Tensor) -> LayerRead:
-        from ccq_eval.model.fla_cpu.delta_rule import _gdn_inputs
+        from ccq_eval.model.fla_cpu.delta_rule import gdn_inputs
 
         if kw.get("initial_state") is not None or kw.get("cu_seqlens") is not None:
             raise InspectError("inspect reads whole prompts from an empty state, without padding")
@@ -302,7 +302,7 @@ class ReadRecorder:
             raise InspectError(f"inspect needs as many value heads as key heads (got {v.shape[2]} and "
                                f"{q.shape[2]}): grouped value heads are not supported")
         with torch.no_grad():
-            q_scaled, k_used, v_used, g, beta = _gdn_inputs(
+            q_scaled, k_used, v_used, g, beta = gdn_inputs(
                 q, k, v, kw.get("g"), kw.get("beta"), kw.get("scale"), kw.get("use_qk_l2norm_in_kernel", False),
                 kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False),
                 kw.get("use_gate_in_kernel", False), kw.get("A_log"), kw.get("dt_bias"), self.dtype)

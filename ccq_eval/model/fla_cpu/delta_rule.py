@@ -31,7 +31,7 @@ def torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype |
     return y.to(x.dtype if output_dtype is None else output_dtype)
 
 
-def _gdn_inputs(
+def gdn_inputs(
     q,
     k,
     v,
@@ -106,7 +106,7 @@ def _gdn_segment(q, k, v, g, beta, state):
 
 
 def _gdn_chunks(qs, ks, vs, gs, betas, state):
-    """The chunkwise gated delta rule over a whole sequence of T >= 1 steps, after `_gdn_inputs`: qs, ks
+    """The chunkwise gated delta rule over a whole sequence of T >= 1 steps, after `gdn_inputs`: qs, ks
     [B, T, HV, K]; vs [B, T, HV, V]; gs, betas [B, T, HV]; state [B, HV, K, V] (K-first). Pads to whole
     chunks and runs them segment by segment (`_gdn_segment`, checkpointed where `maybe_checkpoint`
     says). Returns o [B, T, HV, V] in the compute dtype and the final state."""
@@ -177,7 +177,7 @@ def torch_chunk_gated_delta_rule(
             **flags,
         )
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
-    qs, ks, vs, gs, betas = _gdn_inputs(
+    qs, ks, vs, gs, betas = gdn_inputs(
         q,
         k,
         v,
@@ -207,7 +207,7 @@ def torch_chunk_gated_delta_rule(
 
 
 def _gdn_steps(qs, ks, vs, gs, gk, gv, betas, state):
-    """The gated delta rule token by token, after `_gdn_inputs`: per step the decays (g head-wise, gk
+    """The gated delta rule token by token, after `gdn_inputs`: per step the decays (g head-wise, gk
     over K, gv over V, each optional), then the delta update with beta [B, T, HV, 1 or V], then the
     read. qs, ks [B, T, HV, K]; vs [B, T, HV, V]; state [B, HV, K, V] (K-first). Returns o [B, T, HV, V]
     and the final state."""
@@ -273,7 +273,7 @@ def torch_fused_recurrent_gated_delta_rule(
             **flags,
         )
     dtype = compute_dtype(q, k, v, g, gk, gv, beta, initial_state)
-    qs, ks, vs, gs, betas = _gdn_inputs(
+    qs, ks, vs, gs, betas = gdn_inputs(
         q,
         k,
         v,

@@ -102,15 +102,28 @@ def unreadable_cache_message(path: Path, exc: Exception) -> str:
             "recompute this unit's answers (finished units are unaffected)")
 
 
-# sqlite's messages for a cache it could not write, as opposed to one it cannot read
+# sqlite's result codes (extended codes start with these) for a cache it could not write, as opposed to one
+# it cannot read; and its messages for them, for an error that carries no code
+_UNWRITABLE_CODES = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN")
 _UNWRITABLE = ("disk is full", "disk i/o error", "readonly database", "unable to open")
+
+
+def _unwritable(exc: Exception) -> bool:
+    """Whether sqlite refused to write (full disk, I/O error, read-only or unopenable file): by its result
+    code where the error carries one (Python 3.11+), else by its message."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorname", None)
+    if code is not None:
+        return code.startswith(_UNWRITABLE_CODES)
+    return any(text in str(exc).lower() for text in _UNWRITABLE)
 
 
 def cache_error_message(path: Path, exc: Exception) -> str:
     """The one line for a resume cache sqlite refused: a full disk or a folder that cannot be written
     keeps the answers stored so far (the cache is valid; deleting it would lose them), anything else
     is a damaged file."""
-    if isinstance(exc, sqlite3.OperationalError) and any(text in str(exc).lower() for text in _UNWRITABLE):
+    if _unwritable(exc):
         return (f"cannot write the resume cache {path} ({exc}); the answers it holds are kept: free disk "
                 "space (or make the folder writable) and rerun the same command to resume")
     return unreadable_cache_message(path, exc)

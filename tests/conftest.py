@@ -28,6 +28,25 @@ def _gpu_tests_autotune_few_candidates(request):
         yield
 
 
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """The hub allowed (no offline or proxy variable) but unreachable: HF_ENDPOINT is a local port nothing
+    listens on, so ccq-eval's reachability probe is refused at once; its cached answer is cleared around."""
+    import socket
+
+    from ccq_eval.harness import fingerprints
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", *fingerprints._PROXY_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    fingerprints.hub_reachable.cache_clear()
+    yield
+    fingerprints.hub_reachable.cache_clear()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu_long (minutes each) go first: pytest-xdist hands out tests in collection order, so
     each starts on a worker at once while the other workers share the short ones, and `pytest -m gpu -n 8`

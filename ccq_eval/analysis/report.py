@@ -237,12 +237,12 @@ def environment_pairs(units: Sequence[StoredUnit]) -> list[tuple[str, str]]:
 
 
 def _elapsed(started: str, finished: str) -> str:
-    """Seconds between two of meta.json's timestamps ("%Y-%m-%dT%H:%M:%S%z"); "-" when either is absent."""
+    """Seconds between two of meta.json's timestamps (store.TIMESTAMP_FORMAT); "-" when either is absent."""
     import datetime
 
     try:
-        seconds = (datetime.datetime.strptime(finished, "%Y-%m-%dT%H:%M:%S%z")
-                   - datetime.datetime.strptime(started, "%Y-%m-%dT%H:%M:%S%z")).total_seconds()
+        seconds = (datetime.datetime.strptime(finished, store.TIMESTAMP_FORMAT)
+                   - datetime.datetime.strptime(started, store.TIMESTAMP_FORMAT)).total_seconds()
     except (TypeError, ValueError):
         return "-"
     return f"{seconds:.0f} s"

@@ -77,7 +77,7 @@ _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "A
 @lru_cache(maxsize=1)
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the hub's endpoint (HF_ENDPOINT, by default huggingface.co) accepts a connection within
-    `timeout_s`: one quick probe, where a download would retry for tens of seconds before it failed.
+    `timeout_s`: one quick probe, so that an unreachable hub is known before any download retries it.
     True behind a proxy (not probed)."""
     if any(os.environ.get(name) for name in _PROXY_VARIABLES):
         return True
@@ -88,6 +88,12 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def hub_unreachable() -> bool:
+    """The hub is allowed (no offline variable) but does not answer hub_reachable's probe: data it would
+    provide is missing, and `datasets` would only retry it."""
+    return not hub_offline() and not hub_reachable()
 
 
 def zeroshot_data_files(task: str, zeroshot_dir: Path) -> list[Path]:

@@ -27,7 +27,7 @@ from ccq_eval.harness import workers as workers_module
 from ccq_eval.harness.plan import RunPlan, Unit
 from ccq_eval.harness.reporting import Reporter, SilentReporter
 from ccq_eval.harness.run_options import options_command_line
-from ccq_eval.harness.store import ResultsError, ResultsStore
+from ccq_eval.harness.store import TIMESTAMP_FORMAT, ResultsError, ResultsStore
 from ccq_eval.harness.unit_evaluator import (
     EvaluateUnit,
     LmEvalUnitEvaluator,
@@ -293,8 +293,8 @@ class RunSession:
             "batch_size": plan.options.batch_size,  # the evaluator's meta says what ran
             "batch_size_requested": plan.options.batch_size or "auto",
             "wall_time_s": round(wall_time, 3),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "started_at": time.strftime(TIMESTAMP_FORMAT, time.localtime(started)),
+            "finished_at": time.strftime(TIMESTAMP_FORMAT),
             "command_line": shlex.join(self.argv),
             "argv": list(sys.argv),
             "cwd": os.getcwd(),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ccq_eval.harness.fingerprints import (
     hub_offline,
-    hub_reachable,
+    hub_unreachable,
     longbench_data_present,
     qa_data_names,
     qa_data_present,
@@ -137,7 +137,7 @@ def _qa_tasks_with_data(resolved: list[tuple[str, str]],
     `ruler` that names other tasks too), and is a PlanError when it was asked for itself."""
     qa_dir = parsed.qa_dir
     qa_tasks = [(task, alias) for task, alias in resolved if family_of(task).needs_qa_data]
-    if not qa_tasks or (qa_dir is None and not hub_offline() and hub_reachable()):
+    if not qa_tasks or (qa_dir is None and not hub_offline() and not hub_unreachable()):
         return resolved, []  # without --qa-dir the tasks fetch their data from the hub
     absent = [(task, alias) for task, alias in qa_tasks if qa_dir is None or not qa_data_present(task, qa_dir)]
     if not absent:
@@ -189,8 +189,7 @@ def _zeroshot_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str
     where = f"--zeroshot-dir {parsed.zeroshot_dir}" if parsed.zeroshot_dir else "no --zeroshot-dir"
     names = "zeroshot" if len(absent) == len(tasks) else ", ".join(task for task, _ in absent)
     found_nowhere = ("the hub cannot be reached from here (HF_HUB_OFFLINE=1 reads the datasets cache)"
-                     if not hub_offline() and not hub_reachable() else "neither the hub nor the datasets cache holds "
-                     "the data")
+                     if hub_unreachable() else "neither the hub nor the datasets cache holds the data")
     note = (f"--suite {parsed.options.suite}: {names} skipped ({where}, and {found_nowhere}; docs/zeroshot.md says "
             "how to get it)")
     return [pair for pair in resolved if pair not in absent], [note]

@@ -163,13 +163,13 @@ def check_data(task_manager: Any, names: list[str], data_dir: str | Path | None 
     of the data itself; offline it reads the cache)."""
     import datasets
 
-    from ccq_eval.harness.fingerprints import hub_offline, hub_reachable
+    from ccq_eval.harness.fingerprints import hub_unreachable
 
     for name in names:
         config = task_config(task_manager, name)
         if data_dir and local_overrides(name, config, data_dir) is not None:
             continue
-        if not hub_offline() and not hub_reachable():  # datasets would retry the hub for tens of seconds
+        if hub_unreachable():  # known before datasets would retry the hub
             raise ZeroshotDataError(unreachable_hub_message(name, config))
         with _data_errors(name, config):
             datasets.load_dataset_builder(config.get("dataset_path"), config.get("dataset_name"))

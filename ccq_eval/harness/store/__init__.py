@@ -30,7 +30,7 @@ from ccq_eval.harness.store.files import (
     read_json,
     slugify,
 )
-from ccq_eval.harness.store.formats import FORMAT_KEY, FORMAT_VERSION, read_meta, read_spec
+from ccq_eval.harness.store.formats import FORMAT_KEY, FORMAT_VERSION, TIMESTAMP_FORMAT, read_meta, read_spec
 from ccq_eval.harness.store.lm_eval_mirror import TRACKER_DIR, TRACKER_UNIT_KEY
 from ccq_eval.harness.store.reader import StoredUnit, find_results_files, iter_jsonl, load_results, run_folder
 from ccq_eval.harness.store.response_cache import ResponseCache, answered_count, spec_identity
@@ -46,7 +46,8 @@ from ccq_eval.harness.store.unit_folder import (
 
 __all__ = [
     "ARCHIVED_RESULTS_FILE", "FORMAT_KEY", "FORMAT_VERSION", "META_FILE", "RESPONSES_DB", "RESULTS_FILE",
-    "TRACKER_DIR", "TRACKER_UNIT_KEY", "UNIT_SPEC_FILE", "ResponseCache", "ResultsError", "ResultsStore",
+    "TIMESTAMP_FORMAT", "TRACKER_DIR", "TRACKER_UNIT_KEY", "UNIT_SPEC_FILE", "ResponseCache", "ResultsError",
+    "ResultsStore",
     "StoredUnit", "UnitDir", "UnitOnDisk", "answered_count", "atomic_write_bytes", "atomic_write_json",
     "atomic_write_text", "dumps", "find_results_files", "is_unit_results", "iter_jsonl", "load_results",
     "non_finite_message", "non_finite_values", "read_json", "read_meta", "read_spec", "run_folder", "slugify",

@@ -25,6 +25,7 @@ from ccq_eval.harness.store.files import ResultsError, read_json
 FORMAT_KEY = "format"
 FORMAT_VERSION = 3
 RECORD_SINCE = 3  # the first version whose finished units hold checksums.json
+TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # meta.json's started_at / finished_at (time.strftime, local time)
 
 
 def stamped(content: dict[str, Any]) -> dict[str, Any]:

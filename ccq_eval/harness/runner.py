@@ -2,9 +2,9 @@
 
 Execution skips finished units, resumes an interrupted one from its response cache (through
 resume.ResumableLM) and stores each finished unit atomically, calling the plan's results store once per
-phase of a unit (claim, open, commit). The unit evaluator is injectable (`EvaluateUnit`): the default one
-(unit_evaluator.LmEvalUnitEvaluator) loads the model, wraps it in the lm-eval adapter and runs lm-eval's
-evaluator; tests pass fakes.
+phase of a unit: claim (its lock, then its folder read again under the lock), open, commit. The unit
+evaluator is injectable (`EvaluateUnit`): the default one (unit_evaluator.LmEvalUnitEvaluator) loads the
+model, wraps it in the lm-eval adapter and runs lm-eval's evaluator; tests pass fakes.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ def _check_threshold(threshold: float) -> None:
 
 def table(
     results: ResultsArg,
-    format: FormatOpt = TableFormat.markdown,
+    format: Annotated[TableFormat, typer.Option(
+        "--format", "-f", help="Output format. csv of the paper and ruler views: one block per table under a "
+        "'# title' line; --view tidy --format csv is one frame.")] = TableFormat.markdown,
     view: Annotated[TableView, typer.Option(
         help="paper: the papers' pivots; tidy: one row per value; ruler: RULER's task x length table with the "
         "average per length and the effective length.")] = TableView.paper,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ccq_eval.harness.fingerprints import (
     hub_offline,
+    hub_reachable,
     hub_unreachable,
     longbench_data_present,
     qa_data_names,
@@ -137,7 +138,7 @@ def _qa_tasks_with_data(resolved: list[tuple[str, str]],
     `ruler` that names other tasks too), and is a PlanError when it was asked for itself."""
     qa_dir = parsed.qa_dir
     qa_tasks = [(task, alias) for task, alias in resolved if family_of(task).needs_qa_data]
-    if not qa_tasks or (qa_dir is None and not hub_offline() and not hub_unreachable()):
+    if not qa_tasks or (qa_dir is None and not hub_offline() and hub_reachable()):
         return resolved, []  # without --qa-dir the tasks fetch their data from the hub
     absent = [(task, alias) for task, alias in qa_tasks if qa_dir is None or not qa_data_present(task, qa_dir)]
     if not absent:

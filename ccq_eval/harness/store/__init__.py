@@ -47,8 +47,7 @@ from ccq_eval.harness.store.unit_folder import (
 __all__ = [
     "ARCHIVED_RESULTS_FILE", "FORMAT_KEY", "FORMAT_VERSION", "META_FILE", "RESPONSES_DB", "RESULTS_FILE",
     "TIMESTAMP_FORMAT", "TRACKER_DIR", "TRACKER_UNIT_KEY", "UNIT_SPEC_FILE", "ResponseCache", "ResultsError",
-    "ResultsStore",
-    "StoredUnit", "UnitDir", "UnitOnDisk", "answered_count", "atomic_write_bytes", "atomic_write_json",
+    "ResultsStore", "StoredUnit", "UnitDir", "UnitOnDisk", "answered_count", "atomic_write_bytes", "atomic_write_json",
     "atomic_write_text", "dumps", "find_results_files", "is_unit_results", "iter_jsonl", "load_results",
     "non_finite_message", "non_finite_values", "read_json", "read_meta", "read_spec", "run_folder", "slugify",
     "spec_identity", "task_hash", "unit_dir", "write_unit",

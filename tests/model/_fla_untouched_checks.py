@@ -2,21 +2,19 @@
 without ccq-eval having built and run its CCQ models in the same process, and whether any attribute of
 fla's modules changed meanwhile. Prints one JSON object.
 
-    python _fla_untouched_checks.py plain DEVICE                 # never imports ccq_eval
-    python _fla_untouched_checks.py after-ccq DEVICE [READY]     # builds and runs CCQ models first
+    python _fla_untouched_checks.py plain DEVICE                  # never imports ccq_eval
+    python _fla_untouched_checks.py after-ccq DEVICE [ARCHS]      # builds and runs CCQ models first
 
-With READY (a path), the after-ccq side runs its CCQ models at once and waits for READY to exist before
-it runs the plain model, so that it can start beside a "plain" process whose tuned winners it must find.
+ARCHS (comma-separated, default "gla,gated_deltanet") picks the CCQ models the after-ccq side runs, so that
+on a GPU one process per architecture can tune fla's kernels side by side.
 """
 
 import hashlib
 import importlib
 import json
 import sys
-import time
 import types
 import warnings
-from pathlib import Path
 
 import torch
 from fla.models import GLAConfig, GLAForCausalLM
@@ -47,9 +45,14 @@ def fla_attributes() -> dict:
     return found
 
 
+def tuner_state(tuner) -> tuple:
+    """What code that steered a triton autotuner would touch: (the autotuner, whether it has a prune_configs
+    of its own, the winner table it holds, a copy of that table)."""
+    return tuner, "prune_configs" in vars(tuner), tuner.cache, dict(tuner.cache)
+
+
 def autotuner_state() -> dict:
-    """(module, attribute) -> what code that steered fla's autotuning would touch in each triton autotuner of
-    fla: whether it has a prune_configs of its own, which winner table it holds and the keys in it."""
+    """(module, attribute) -> tuner_state of each triton autotuner of fla."""
     from triton.runtime.autotuner import Autotuner
 
     state = {}
@@ -59,10 +62,25 @@ def autotuner_state() -> dict:
         for name, value in list(vars(module).items()):
             for _ in range(4):
                 if isinstance(value, Autotuner):
-                    state[f"{module_name}.{name}"] = ("prune_configs" in vars(value), id(value.cache),
-                                                      sorted(map(repr, value.cache)))
+                    state[f"{module_name}.{name}"] = tuner_state(value)
                 value = getattr(value, "fn", None)
     return state
+
+
+def steered_autotuners(before: dict, after: dict) -> list[str]:
+    """The autotuners of `before` whose tuning was steered by then: one that gained or lost a prune_configs
+    of its own, holds another winner table, lost or replaced a winner, or has a winner that is not one of
+    its own candidates. A winner added from its own candidates is triton tuning the kernel as it always
+    does (on a GPU every kernel that ran has one), not a change."""
+    steered = []
+    for name, (tuner, own_prune, table, winners) in before.items():
+        _, own_prune_now, table_now, winners_now = after.get(name, (tuner, None, None, {}))
+        candidates = {str(config) for config in tuner.configs}
+        if (own_prune_now != own_prune or table_now is not table
+                or any(winners_now.get(key, _MISSING) is not config for key, config in winners.items())
+                or any(str(config) not in candidates for config in winners_now.values())):
+            steered.append(name)
+    return sorted(steered)
 
 
 def changed_attributes(before: dict, after: dict) -> list[str]:
@@ -76,9 +94,10 @@ def changed_attributes(before: dict, after: dict) -> list[str]:
     return sorted(changes)
 
 
-def run_ccq_models(device: str) -> float:
-    """Build a CCQ-GLA and a CCQ-Gated-DeltaNet (CCQ on), run prefill, a decode step, loss and backward on
-    `device` as ccq-eval's harness runs them; returns the sum of the logits (a finite number says they ran)."""
+def run_ccq_models(device: str, archs: list[str]) -> float:
+    """Build the CCQ models of `archs` (CCQ-GLA "gla", CCQ-Gated-DeltaNet "gated_deltanet"; CCQ on), run
+    prefill, a decode step, loss and backward on `device` as ccq-eval runs them; returns the sum of the
+    logits (a finite number says they ran)."""
     from fla.models.utils import Cache
 
     from ccq_eval.model.modeling_ccq import (
@@ -93,8 +112,12 @@ def run_ccq_models(device: str) -> float:
     torch.manual_seed(1)
     common = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "vocab_size": 128,
               "intermediate_size": 128, "ccq": True, "ccq_gate_bias_init": 1.0}
-    models = [CCQGLAForCausalLM(CCQGLAConfig(use_short_conv=True, **common)),
-              CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(head_dim=16, **common))]
+    builders = {"gla": lambda: CCQGLAForCausalLM(CCQGLAConfig(use_short_conv=True, **common)),
+                "gated_deltanet": lambda: CCQGatedDeltaNetForCausalLM(CCQGatedDeltaNetConfig(head_dim=16, **common))}
+    unknown = sorted(set(archs) - set(builders))
+    if unknown:
+        sys.exit(f"unknown architecture {unknown}: use {sorted(builders)}")
+    models = [builders[arch]() for arch in archs]
     total = 0.0
     ids = torch.randint(0, 128, (1, 80), device=device)
     for model in models:
@@ -136,26 +159,14 @@ def plain_fla_outcome(device: str) -> dict:
     return {"module_outputs": digests, "error": error}
 
 
-def wait_until_exists(path: Path, timeout_s: float = 1200.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            sys.exit(f"{path} did not appear within {timeout_s:.0f} s")
-        time.sleep(0.2)
-
-
-def main(mode: str, device: str, ready: str | None = None) -> None:
+def main(mode: str, device: str, archs: str = "gla,gated_deltanet") -> None:
     result = {}
     if mode == "after-ccq":
         before, tuners_before = fla_attributes(), autotuner_state()
-        result["ccq_logits_sum"] = run_ccq_models(device)
+        result["ccq_logits_sum"] = run_ccq_models(device, archs.split(","))
         result["changed"] = changed_attributes(before, fla_attributes())
-        tuners_after = autotuner_state()
         result["autotuners"] = len(tuners_before)
-        result["autotuners_changed"] = sorted(name for name, state in tuners_before.items()
-                                              if tuners_after.get(name) != state)
-        if ready is not None:
-            wait_until_exists(Path(ready))
+        result["autotuners_changed"] = steered_autotuners(tuners_before, autotuner_state())
     elif mode != "plain":
         sys.exit(f"unknown mode {mode!r}: use 'plain' or 'after-ccq'")
     result["plain"] = plain_fla_outcome(device)

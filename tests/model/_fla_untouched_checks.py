@@ -46,9 +46,10 @@ def fla_attributes() -> dict:
 
 
 def tuner_state(tuner) -> tuple:
-    """What code that steered a triton autotuner would touch: (the autotuner, whether it has a prune_configs
-    of its own, the winner table it holds, a copy of that table)."""
-    return tuner, "prune_configs" in vars(tuner), tuner.cache, dict(tuner.cache)
+    """What code that steered a triton autotuner would touch: (the autotuner, its candidate list and a copy
+    of it, whether it has a prune_configs of its own, the winner table it holds and a copy of that table)."""
+    return (tuner, tuner.configs, list(tuner.configs), "prune_configs" in vars(tuner), tuner.cache,
+            dict(tuner.cache))
 
 
 def autotuner_state() -> dict:
@@ -68,17 +69,19 @@ def autotuner_state() -> dict:
 
 
 def steered_autotuners(before: dict, after: dict) -> list[str]:
-    """The autotuners of `before` whose tuning was steered by then: one that gained or lost a prune_configs
-    of its own, holds another winner table, lost or replaced a winner, or has a winner that is not one of
-    its own candidates. A winner added from its own candidates is triton tuning the kernel as it always
-    does (on a GPU every kernel that ran has one), not a change."""
+    """The autotuners of `before` whose tuning was steered by then: one whose candidates changed, that
+    gained or lost a prune_configs of its own, holds another winner table, lost or replaced a winner, or has
+    a winner that is not one of its candidates. A winner added from its own candidates is triton tuning the
+    kernel as it always does (on a GPU every kernel that ran has one), not a change."""
     steered = []
-    for name, (tuner, own_prune, table, winners) in before.items():
-        _, own_prune_now, table_now, winners_now = after.get(name, (tuner, None, None, {}))
-        candidates = {str(config) for config in tuner.configs}
-        if (own_prune_now != own_prune or table_now is not table
+    for name, (tuner, configs, candidates, own_prune, table, winners) in before.items():
+        _, configs_now, candidates_now, own_prune_now, table_now, winners_now = after.get(
+            name, (tuner, None, [], None, None, {}))
+        own_candidates = {str(config) for config in candidates}
+        if (configs_now is not configs or candidates_now != candidates or own_prune_now != own_prune
+                or table_now is not table
                 or any(winners_now.get(key, _MISSING) is not config for key, config in winners.items())
-                or any(str(config) not in candidates for config in winners_now.values())):
+                or any(str(config) not in own_candidates for config in winners_now.values())):
             steered.append(name)
     return sorted(steered)
 

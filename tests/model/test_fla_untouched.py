@@ -45,8 +45,8 @@ def _autotuner_with_two_candidates():
 
 def test_steered_autotuners_tells_triton_tuning_from_steering():
     """A winner triton adds from the kernel's own candidates (tuned here or read from its disk cache) is no
-    change; a prune_configs of its own, another winner table, a replaced winner or a winner from outside the
-    candidates is one."""
+    change; other candidates, a prune_configs of its own, another winner table, a replaced winner or a
+    winner from outside the candidates is one."""
     import importlib.util
 
     import triton
@@ -80,8 +80,15 @@ def test_steered_autotuners_tells_triton_tuning_from_steering():
     def other_table(tuner):
         tuner.cache = dict(tuner.cache)
 
+    def fewer_candidates(tuner):
+        tuner.configs = tuner.configs[:1]
+
+    def candidate_removed_in_place(tuner):
+        tuner.configs.pop()
+
     assert verdict(lambda tuner: None) == verdict(tuned) == verdict(read_from_disk) == []
-    for steering in (foreign_winner, replaced_winner, own_prune, other_table):
+    for steering in (foreign_winner, replaced_winner, own_prune, other_table, fewer_candidates,
+                     candidate_removed_in_place):
         assert verdict(steering) == ["kernel"], steering.__name__
 
 

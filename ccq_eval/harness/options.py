@@ -374,8 +374,20 @@ def parse_options(options: RunOptions) -> ParsedOptions:
     )
 
 
+DEVICE_FORM = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def check_device_form(requested: str) -> None:
+    """A PlanError unless --device is auto, cpu, mps, cuda or cuda:N (whether the machine has it is
+    planning's question, plan.resolve_device)."""
+    if not DEVICE_FORM.match(str(requested)):
+        raise PlanError(f"--device {requested!r} is not a device; give auto, cpu, cuda or cuda:N (mps on a "
+                        "Mac)")
+
+
 def _check_values(options: RunOptions) -> None:
     """The options that are wrong on their own or together, before any name is resolved."""
+    check_device_form(options.device)
     if options.limit is not None and options.samples_per_cell is not None:
         raise PlanError(
             "--limit and --samples-per-cell conflict: --limit takes the first N documents of a task "

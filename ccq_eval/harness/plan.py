@@ -8,7 +8,6 @@ folder already holds, so a bad command fails in a second; it imports neither tor
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,14 @@ from typing import Any
 from ccq_eval.atomic_io import dumps
 from ccq_eval.harness.fingerprints import checkpoint_fingerprint, data_fingerprint
 from ccq_eval.harness.model_resolution import ResolvedModels, resolve_models, tokenizer_metadata
-from ccq_eval.harness.options import Grid, ParsedOptions, PlanError, environment_int, parse_options
+from ccq_eval.harness.options import (
+    Grid,
+    ParsedOptions,
+    PlanError,
+    check_device_form,
+    environment_int,
+    parse_options,
+)
 from ccq_eval.harness.run_options import RunOptions
 from ccq_eval.harness.store import ResultsError, ResultsStore, UnitDir
 from ccq_eval.harness.suites import suite_lengths
@@ -44,17 +50,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-DEVICE_FORM = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
-
 def resolve_device(requested: str) -> str:
     """--device auto -> "cuda" when CUDA is present, else "cpu"; other values as given, except that
     under torchrun / accelerate launch with several processes "cuda" is this process's GPU
     (cuda:LOCAL_RANK), so the processes do not all load their model onto the first GPU. A device that
     is not one of auto, cpu, mps, cuda, cuda:N, or CUDA on a machine without it, is a PlanError."""
-    if not DEVICE_FORM.match(str(requested)):
-        raise PlanError(f"--device {requested!r} is not a device; give auto, cpu, cuda or cuda:N (mps on a "
-                        "Mac)")
+    check_device_form(requested)
     device = requested
     if requested == "auto":
         device = "cuda" if cuda_available() else "cpu"

@@ -373,6 +373,14 @@ def test_bad_seed_device_and_launcher_variables_fail_before_any_model_loads(fake
     assert finished is None or snapshot(Path("out")) == finished
 
 
+def test_a_bad_device_form_is_named_before_the_models_are_resolved(fake_world):
+    """A typo in --device is the error even when the model would fail to resolve too: it is an option's
+    form, checked with the other options before any registry or checkpoint is read."""
+    result = invoke(*RUN_ARGS, "--model", "no-such-model", "--device", "cuda0", "--output", "out")
+    assert_one_line_error(result, "--device 'cuda0' is not a device", "auto, cpu, cuda or cuda:N")
+    assert fake_world.loads == [] and not Path("out").exists()
+
+
 @pytest.mark.parametrize(("args", "fragments"), [
     (["table", "out", "--digits", "-3"], ["--digits -3: give a number of decimals from 0 to 15"]),
     (["table", "out", "-o", ""], ["--output is empty"]),

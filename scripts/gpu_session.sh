@@ -23,7 +23,7 @@
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS,
 # HARNESS_FLAGS (e.g. --no-cuda-graphs, or --archs gated_deltanet --ccq on), SNIAH_FLAGS, HARNESS_TIMEOUT (480 s),
 # SMOKE_TIMEOUT (480 s: the fused-kernel smoke check before the benchmarks),
-# SNIAH_TIMEOUT (900 s: four models, stock HFLM included), TESTS_TIMEOUT,
+# SNIAH_TIMEOUT (900 s: four models, stock HFLM included), TESTS_TIMEOUT (1500 s),
 # STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
@@ -122,8 +122,9 @@ pipeline() {
     done
   fi
   if want tests; then
-  # The README's GPU command (its gpu_long test, about 4 minutes, is collected first: tests/conftest.py).
-  timeout "${TESTS_TIMEOUT:-600}" python3 -m pytest -m gpu -n 8 -v -rfE --durations=15 -p no:cacheprovider \
+  # The README's GPU command (its gpu_long test, which tunes every candidate of fla's kernels in fresh
+  # processes and takes longest, is collected first: tests/conftest.py).
+  timeout "${TESTS_TIMEOUT:-1500}" python3 -m pytest -m gpu -n 8 -v -rfE --durations=15 -p no:cacheprovider \
     ${GPU_TESTS:-tests} > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!
   # The benchmarks time the GPU alone: with no training beside them, let the tests finish first.

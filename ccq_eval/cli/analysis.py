@@ -3,27 +3,60 @@ copies them compactly. None of them loads torch, fla or a model."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ccq_eval.cli.common import (
-    DEFAULT_RULER_THRESHOLD,
-    FormatOpt,
-    OutputFileOpt,
-    PAdjust,
-    PAdjustOpt,
-    ResultsArg,
-    TableFormat,
-    TableView,
-    ThresholdOpt,
-    emit,
-    given_path,
-    path_option,
-)
+from ccq_eval.cli.common import given_path, path_option
 from ccq_eval.cli.errors import fail
 from ccq_eval.errors import UserError
+
+
+class TableFormat(StrEnum):
+    markdown = "markdown"
+    csv = "csv"
+    latex = "latex"
+
+
+class TableView(StrEnum):
+    paper = "paper"
+    tidy = "tidy"
+    ruler = "ruler"
+
+
+class PAdjust(StrEnum):
+    holm = "holm"
+    bonferroni = "bonferroni"
+    none = "none"
+
+
+# RULER's effective-length threshold: the score of Llama-2-7B at 4K (NVIDIA/RULER README).
+DEFAULT_RULER_THRESHOLD = 85.6
+ThresholdOpt = Annotated[float, typer.Option(
+    help="RULER view: the effective length is the longest length up to which the average over the RULER "
+    "tasks stays at or above this accuracy (%); RULER's is 85.6.")]
+PAdjustOpt = Annotated[PAdjust, typer.Option(
+    "--p-adjust", help="Adjust the p-values for the number of comparisons printed: holm (default), "
+    "bonferroni, or none (raw p-values are shown beside the adjusted ones).")]
+ResultsArg = Annotated[Path, typer.Argument(help="Results folder written by `ccq-eval run` (or lm-eval).")]
+FormatOpt = Annotated[TableFormat, typer.Option("--format", "-f", help="Output format.")]
+OutputFileOpt = Annotated[Path | None, typer.Option(
+    "--output", "-o", parser=path_option, metavar="PATH", help="Write to this file (default: stdout).")]
+
+
+def emit(text: str, output: Path | None) -> None:
+    """`text` on stdout, or written to the file `output` (atomically) with a note on stderr."""
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    from ccq_eval.atomic_io import atomic_write_text
+
+    if output.is_dir():
+        fail(f"--output {output} is a folder; give the path of a file to write")
+    atomic_write_text(output, text)
+    typer.echo(f"wrote {output}", err=True)
 
 
 def _check_threshold(threshold: float) -> None:

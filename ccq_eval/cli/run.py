@@ -3,13 +3,14 @@ a summary, then write the table, figures and HTML report once the grid is comple
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ccq_eval import logs
-from ccq_eval.cli.common import Dtype, RollingWindows, SuiteName, given_path, path_option
+from ccq_eval.cli.common import Dtype, given_path, path_option
 from ccq_eval.cli.errors import debugging, fail, one_line
 from ccq_eval.errors import UserError
 
@@ -25,6 +26,10 @@ TaskOpt = Annotated[list[str], typer.Option(
     "--task", "-t", metavar="<task>",
     help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot; "
     "`ccq-eval tasks` lists them) or lm-eval task name; repeat for several. Default: s-niah and ppl.")]
+# Values of --suite (ccq_eval.harness.suites.SUITES, listed here so that --help needs no import).
+SuiteName = Enum("SuiteName", {name: name for name in ("paper", "ruler", "zeroshot")}, type=str)
+# Values of --rolling-windows (ccq_eval.harness.zeroshot.ROLLING_PROTOCOLS).
+RollingWindows = Enum("RollingWindows", {name: name for name in ("hflm", "carry")}, type=str)
 SuiteOpt = Annotated[SuiteName | None, typer.Option(
     help="A fixed grid instead of --task / --lengths (`ccq-eval tasks` lists them): paper = "
     "S-NIAH-1/2/3 at 1K-8K (and past the training context), perplexity (both protocols) at 4K-20K, "

@@ -111,6 +111,7 @@ class Unit:
 @dataclass
 class RunPlan:
     options: RunOptions
+    store: ResultsStore  # the results folder the units are stored in (options.output)
     units: list[Unit]
     lengths: list[int] | None
     depths: list[float] | None
@@ -120,11 +121,6 @@ class RunPlan:
     device: str = "cpu"  # options.device resolved (resolve_device)
     dtype: str = "float32"  # options.dtype resolved (resolve_dtype)
     notes: list[str] = field(default_factory=list)  # what was left out, and why (shown to the user)
-
-    @property
-    def store(self) -> ResultsStore:
-        """The results folder the units are stored in (options.output)."""
-        return ResultsStore(Path(self.options.output))
 
     @property
     def pending(self) -> list[Unit]:
@@ -167,8 +163,8 @@ def plan_run(
         index, count = parsed.shard
         for position, unit in enumerate(units):
             unit.in_shard = position % count == index - 1
-    return RunPlan(options=options, units=units, lengths=parsed.grid.lengths, depths=parsed.grid.depths,
-                   lm_eval_args=parsed.lm_eval_args, lm_eval_loggers=parsed.lm_eval_loggers,
+    return RunPlan(options=options, store=store, units=units, lengths=parsed.grid.lengths,
+                   depths=parsed.grid.depths, lm_eval_args=parsed.lm_eval_args, lm_eval_loggers=parsed.lm_eval_loggers,
                    task_metadata=task_metadata, device=device, dtype=dtype,
                    notes=tasks.notes + _older_units_note(units))
 

@@ -2,7 +2,7 @@
 
 A CPU evaluation of the small models runs one torch thread per process (runner.cpu_threads: more threads
 per process slow it down), so one process leaves the other cores idle. Helpers run the same plan; every
-unit is taken under its lock (unit_lock.UnitLock), so each is computed once, by whichever process gets
+unit is taken under its lock (store.unit_lock.UnitLock), so each is computed once, by whichever process gets
 to it first, and stored exactly as the command's own process would store it. Each helper sends back the
 units it finished, as it finishes each (the command's reporter prints its line) and as it exits (the
 command's summary counts them as evaluated here, not as done by another worker).

@@ -12,6 +12,7 @@ import test_cli_run
 from test_cli_run import RUN_ARGS, TASK_NAME, FakeLM, invoke
 
 from ccq_eval.cli import common as cli_choices
+from ccq_eval.cli import run as run_command
 from ccq_eval.harness import plan as run_plan
 from ccq_eval.harness import runner, store, suites
 from ccq_eval.harness.options import DTYPE_CHOICES
@@ -177,5 +178,5 @@ def test_tasks_lists_the_suites_and_cli_choices_match_the_plan():
     assert result.exit_code == 0, result.output
     listing = result.output.split("Suites (run --suite NAME):")[1]
     assert listing.split()[0] == "paper" and "S-NIAH-1/2/3 at 1K-8K" in listing
-    assert [s.value for s in cli_choices.SuiteName] == list(suites.SUITES)
+    assert [s.value for s in run_command.SuiteName] == list(suites.SUITES)
     assert [d.value for d in cli_choices.Dtype] == list(DTYPE_CHOICES)

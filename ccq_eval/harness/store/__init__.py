@@ -11,6 +11,7 @@ lm-eval's EvaluationTracker lays out its output (<output>/lm_eval), so that lm-e
     vouch.py           a finished unit's record of its files (checksums.json) and its check
     aggregates.py      every aggregate its samples decide, recomputed from them (lm-eval's aggregations)
     reader.py          reading results back (load_results, StoredUnit), with both checks
+    unit_lock.py       a unit's lock, so that processes sharing the folder compute each unit once
     results_folder.py  ResultsStore: the one object planning and running call, once per phase of a unit
 
 Every file is written atomically (ccq_eval.atomic_io, whose writers this package exports as the writers of

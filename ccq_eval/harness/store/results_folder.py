@@ -28,7 +28,7 @@ from ccq_eval.harness.store.unit_folder import (
     write_spec,
     write_unit,
 )
-from ccq_eval.harness.unit_lock import UnitLock
+from ccq_eval.harness.store.unit_lock import UnitLock
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_ccq.py needs a CUDA GPU")
-    from ccq_eval.model.kernels import ccq_forward
+    from ccq_eval.model.kernels import ccq_chunk_states, ccq_forward
 
     read = ccq_forward._ccq_read_kernel
     all_read_configs = list(read.configs)
@@ -97,8 +97,8 @@ def main() -> None:
                   f"{wall:.1f} |", flush=True)
 
         row("default (autotuned)", forward)
-        NT = triton.cdiv(args.T, ccq_forward.CHUNK)
-        auto = ccq_forward._segment_chunks(NT, K // ccq_forward.STATE_ROWS * H, r.device)
+        NT = triton.cdiv(args.T, ccq_chunk_states.CHUNK)
+        auto = ccq_chunk_states.chunks_per_segment(NT, K // ccq_chunk_states.STATE_ROWS * H, r.device)
         for seg in sorted({auto, *(int(s) for s in args.segments.split(","))}):
             row(f"segment {seg} chunks{' (auto)' if seg == auto else ''}", lambda seg=seg: forward(segment_chunks=seg))
         unit = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()

@@ -231,9 +231,9 @@ def candidate_checks():
     shape, the worst relative L2 error of each path against fp64 (an out-of-bounds access raises
     _triton_bounds.OutOfBounds), and whether the bounds check catches a planted overrun."""
     from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward
+    from ccq_eval.model.kernels.ccq_chunk_states import FirstConfig
 
-    tuned = [x for m in (ccq_forward, ccq_backward, ccq_decode) for x in vars(m).values()
-             if isinstance(x, ccq_forward._FirstConfig)]
+    tuned = [x for m in (ccq_forward, ccq_backward, ccq_decode) for x in vars(m).values() if isinstance(x, FirstConfig)]
     errors, runs = {}, set()
     for candidate in range(max(len(x.configs) for x in tuned)):
         picks = tuple(tuple(sorted(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs.items()))

@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 
-from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward, l2norm_pair, token_logprob
+from ccq_eval.model.kernels import ccq_backward, ccq_chunk_states, ccq_decode, ccq_forward, l2norm_pair, token_logprob
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS) or os.environ.get("TRITON_INTERPRET") == "1",
@@ -47,16 +47,16 @@ READ_TYPES = dict(r=BF16, kappa=BF16, key_inv_norm=F32, log_gamma=F32, lam=F32, 
                   lam_max="fp32", P_in=BF16, m_in=F32, n_in=F32, q_out=BF16, T="i32", NT="i32")
 KERNELS = {
     **{f"chunk_states_{'states' if states else 'totals'}": (
-        ccq_forward._ccq_chunk_states_kernel,
+        ccq_chunk_states.ccq_chunk_states_kernel,
         dict(kappa=BF16, key_inv_norm=F32, log_gamma=F32, seg_P=F32, seg_m=F32, seg_n=F32, seg_decay=F32,
              P_in=BF16, m_in=F32, n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
-        dict(H=6, K=256, C=64, BR=ccq_forward.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
+        dict(H=6, K=256, C=64, BR=ccq_chunk_states.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
        for states in (False, True)},  # Gated DeltaNet-340M's heads: the widest state rows
-    "state_scan": (ccq_forward._ccq_state_scan_kernel,
+    "state_scan": (ccq_chunk_states.ccq_state_scan_kernel,
                    dict(P_in=BF16, m_in=F32, n_in=F32, chunk_decay=F32, P0=F32, m0=F32, n0=F32, P_final=F32,
                         m_final=F32, n_final=F32, NT="i32"),
-                   dict(K=128, BLOCK=ccq_forward.SCAN_BLOCK, KB=128, STEPS=ccq_forward.SCAN_STEPS, HAS_INITIAL=True,
-                        STORE_FINAL=True)),
+                   dict(K=128, BLOCK=ccq_chunk_states.SCAN_BLOCK, KB=128, STEPS=ccq_chunk_states.SCAN_STEPS,
+                        HAS_INITIAL=True, STORE_FINAL=True)),
     "read": (ccq_forward._ccq_read_kernel, READ_TYPES,
              dict(**CHUNK, CENTERED=True, NORMALIZE=True, GATE=True, IEEE=False)),
     "read_k256": (ccq_forward._ccq_read_kernel, READ_TYPES,  # Gated DeltaNet-340M's heads

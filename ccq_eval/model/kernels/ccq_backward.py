@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ccq_eval.model.kernels.ccq_chunk_states import CHUNK, _chunk_rows, _in_chunk_decays, _scan_states, _tuned
-from ccq_eval.model.kernels.ccq_forward import _kernel_gate
+from ccq_eval.model.kernels.ccq_chunk_states import CHUNK, autotuned, chunk_rows, in_chunk_decays, scan_states
+from ccq_eval.model.kernels.ccq_forward import kernel_gate
 from ccq_eval.model.kernels.triton_device import launches_on_input_device
 
 # ------------------------------------------------------------------------------------------ backward
@@ -142,7 +142,7 @@ def _query_pass_dr(r, kappa, m_in, P_in, dq, dr, dPu, gate_weight, dweight_out, 
         tl.store(dr + base[:, None] + js[None, :], grad.to(dr.dtype.element_ty), mask=row_ok)
 
 
-@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
+@autotuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_bwd_query_kernel(
     r, kappa, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, dq,
@@ -158,9 +158,9 @@ def _ccq_bwd_query_kernel(
     c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
-    pos, t, t_ok, _g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    pos, t, t_ok, _g, b, base = chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.exp(b)
-    D = _in_chunk_decays(pos, t_ok, b)
+    D = in_chunk_decays(pos, t_ok, b)
     row_ok = t_ok[:, None]
 
     scores = tl.zeros([C, C], dtype=tl.float32)
@@ -217,7 +217,7 @@ def _ccq_bwd_query_kernel(
                    from_start, E * D, D, n, dalpha, dlam, c, i_bh, i_h, C, K, BK, CENTERED, NORMALIZE, GATE, IEEE)
 
 
-@_tuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "IEEE"])
+@autotuned(configs=_LOCAL_CONFIGS, key=["H", "K", "C", "IEEE"])
 @triton.jit
 def _ccq_bwd_local_kernel(
     r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, chunk_decay_rev,
@@ -233,7 +233,7 @@ def _ccq_bwd_local_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_k * BK + tl.arange(0, BK)
     cols = i_v * BV + tl.arange(0, BV)
-    _pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    _pos, t, t_ok, g, b, base = chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     from_start = tl.where(t_ok, tl.exp(b), 0.0)  # decay from the end of chunk c - 1 to t
     row_ok = t_ok[:, None]
     dPu_rows = tl.load(dPu + base[:, None] + rows[None, :], mask=row_ok, other=0.0) * from_start[:, None]
@@ -256,7 +256,7 @@ def _ccq_bwd_local_kernel(
             tl.store(chunk_decay_rev + i_bh * NT + NT - 1 - c, tl.sum(g, 0))
 
 
-@_tuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "IEEE"])
+@autotuned(configs=_BWD_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "IEEE"])
 @triton.jit
 def _ccq_bwd_key_kernel(
     r, kappa, log_gamma, dPu, dm, dn, Q, g_acc, h_acc,
@@ -273,9 +273,9 @@ def _ccq_bwd_key_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     # The scan left in slot NT - 1 - c the sums over chunks c + 1 .. NT - 1, decayed to the end of c.
     later = (i_bh * (NT + 1) + NT - 1 - c).to(tl.int64)
-    pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    pos, t, t_ok, g, b, base = chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     to_end = tl.where(t_ok, tl.exp(tl.sum(g, 0) - b), 0.0)
-    D = _in_chunk_decays(pos, t_ok, b)
+    D = in_chunk_decays(pos, t_ok, b)
     row_ok = t_ok[:, None]
     out = (i_b * T + t) * H + i_h
 
@@ -351,7 +351,7 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     dn, dlam = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
     dr = torch.empty_like(r)
     if gate is not None:
-        gate_weight, gate_bias, lam_max = _kernel_gate(gate, H, K, r.device)
+        gate_weight, gate_bias, lam_max = kernel_gate(gate, H, K, r.device)
         dweight_parts = torch.empty(NT, B, H, K, **f32)
     else:
         gate_weight = gate_bias = dweight_parts = log_gamma  # unused placeholders
@@ -368,7 +368,7 @@ def ccq_order1_backward(r, kappa, log_gamma, lam, dq, P_in, m_in, n_in, centered
     local_grid = lambda meta: (NT * B * H, K // meta["BK"], K // meta["BV"])  # noqa: E731
     _ccq_bwd_local_kernel[local_grid](r, dPu, dm, dn, log_gamma, Q, g_acc, h_acc, decay_rev, T, NT,
                                       H=H, K=K, C=C, CENTERED=bool(centered), IEEE=ieee)
-    _scan_states(Q, g_acc, h_acc, decay_rev, NT, K)
+    scan_states(Q, g_acc, h_acc, decay_rev, NT, K)
     dkappa = torch.empty(B, T, H, K, **f32) if raw_keys else torch.empty_like(kappa)
     dk = torch.empty_like(kappa) if raw_keys else dkappa
     dc = torch.empty(B, T, H, **f32)

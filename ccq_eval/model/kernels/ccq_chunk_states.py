@@ -1,9 +1,9 @@
 """The chunk layout and chunk states of the fused CCQ read of order 1, which `ccq_forward` and
 `ccq_backward` share.
 
-The forward's stages 1 and 2 (see `ccq_forward`): `_ccq_chunk_states_kernel` walks the sums
+The forward's stages 1 and 2 (see `ccq_forward`): `ccq_chunk_states_kernel` walks the sums
 P = sum w kappa kappa^T, m = sum w kappa and n = sum w chunk by chunk inside segments of the sequence
-that run in parallel, and `_ccq_state_scan_kernel` turns the per-segment sums into the states entering
+that run in parallel, and `ccq_state_scan_kernel` turns the per-segment sums into the states entering
 the segments; a second run of the state kernel then writes the state entering every chunk. The
 backward runs the same scan over its anti-causal sums. Also here: the chunk size, each chunk's rows
 and in-chunk decays as every kernel reads them, and the autotuner wrapper that takes the first
@@ -24,7 +24,7 @@ SCAN_BLOCK = 256  # P entries per scan program: K = 128 gives 64 programs per he
 SCAN_STEPS = 16  # slots loaded at once by the scan (segments in the forward, chunks in the backward)
 
 
-class _FirstConfig:
+class FirstConfig:
     """Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) cannot time candidates: use the first
     (a test may pick another from `configs`)."""
 
@@ -44,11 +44,12 @@ class _FirstConfig:
         return launch
 
 
-_tuned = _FirstConfig if os.environ.get("TRITON_INTERPRET") == "1" else triton.autotune
+# The decorator every ccq kernel is tuned with (the forward, backward and state kernels).
+autotuned = FirstConfig if os.environ.get("TRITON_INTERPRET") == "1" else triton.autotune
 
 
 @triton.jit
-def _chunk_rows(log_gamma, i_b, i_h, c, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+def chunk_rows(log_gamma, i_b, i_h, c, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
     """The C positions of chunk c for batch i_b, head i_h: pos (0..C-1), t, the mask t < T, the log
     decays g (0 past T: padded steps change nothing), b their cumulative sum from the chunk start, and
     each row's offset into [B, T, H, K] tensors."""
@@ -62,7 +63,7 @@ def _chunk_rows(log_gamma, i_b, i_h, c, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 
 @triton.jit
-def _in_chunk_decays(pos, t_ok, b):
+def in_chunk_decays(pos, t_ok, b):
     """D[t, i] = w_{i,t} = exp(b_t - b_i) for i <= t inside the chunk (0 above the diagonal and for
     columns past T)."""
     causal = (pos[:, None] >= pos[None, :]) & t_ok[None, :]
@@ -88,7 +89,7 @@ def _chunk_terms(kappa, key_inv_norm, log_gamma, i_b, i_h, c, rows, T, H: tl.con
     """Chunk c's terms of the state sums: its total log decay G_c, to_end_i = exp(G_c - b_i), the
     weights of kappa_i in m (scale) and of k_i k_i^T in P (outer_scale), its K-wide keys as loaded and
     their `rows` columns in fp32."""
-    _pos, t, t_ok, g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    _pos, t, t_ok, g, b, base = chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     g_chunk = tl.sum(g, 0)
     to_end = tl.where(t_ok, tl.exp(g_chunk - b), 0.0)  # decay from step i to the end of the chunk
     keys = tl.load(kappa + base[:, None] + tl.arange(0, K)[None, :], mask=t_ok[:, None], other=0.0)
@@ -111,9 +112,9 @@ def _add_outer(S, row_keys, weights, keys, IEEE: tl.constexpr):
     return tl.dot(tl.trans((row_keys * weights[:, None]).to(keys.dtype)), keys, S)
 
 
-@_tuned(configs=_STATE_CONFIGS, key=["H", "K", "C", "BR", "NORMALIZE", "IEEE", "STATES"])
+@autotuned(configs=_STATE_CONFIGS, key=["H", "K", "C", "BR", "NORMALIZE", "IEEE", "STATES"])
 @triton.jit
-def _ccq_chunk_states_kernel(
+def ccq_chunk_states_kernel(
     kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
     T, NT, NSEG, SEG,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BR: tl.constexpr,
@@ -227,7 +228,7 @@ def _scan_counts(slots, base, acc, decay_row, NT, STEPS: tl.constexpr):
 # Not autotuned: the scan works in place, and the autotuner's repeated timing runs would accumulate
 # the sums again and again.
 @triton.jit
-def _ccq_state_scan_kernel(
+def ccq_state_scan_kernel(
     P_in, m_in, n_in, chunk_decay, P0, m0, n0, P_final, m_final, n_final,
     NT,
     K: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, STEPS: tl.constexpr,
@@ -269,10 +270,10 @@ def _ccq_state_scan_kernel(
             tl.store(n_final + i_bh, n)
 
 
-def _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None):
-    """Launches _ccq_state_scan_kernel over B*H rows (initial / final: (P, m, n) or None)."""
+def scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None):
+    """Launches ccq_state_scan_kernel over B*H rows (initial / final: (P, m, n) or None)."""
     dummy = n_in  # stands in for absent optional pointers (never read or written)
-    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, P_in.shape[0])](
+    ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, P_in.shape[0])](
         P_in, m_in, n_in, chunk_decay,
         *(initial if initial is not None else (dummy, dummy, dummy)),
         *(final if final is not None else (dummy, dummy, dummy)),
@@ -281,8 +282,8 @@ def _scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None)
     )
 
 
-def _segment_chunks(NT: int, programs_per_segment: int, device) -> int:
-    """Chunks per segment of _ccq_chunk_states_kernel: segments enough for about four programs per
+def chunks_per_segment(NT: int, programs_per_segment: int, device) -> int:
+    """Chunks per segment of ccq_chunk_states_kernel: segments enough for about four programs per
     SM for one batch row, `programs_per_segment` being a row's programs per segment (longer segments
     walk more chunks in series; shorter ones only add entering states to scan). Not from the batch
     size: a row's states then come out the same, bit for bit, whichever rows share its call (batches

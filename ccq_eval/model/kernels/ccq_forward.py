@@ -5,10 +5,10 @@ The unfused path (`ccq._ccq_chunk_kernel`) spends tens of kernel launches per la
 m and n, fla's chunk_simple_gla with its preparation kernels, the polynomial), and on a fast GPU that
 host-side cost, not arithmetic, bounds it. Here the whole read is four launches of three kernels:
 
-1. `_ccq_chunk_states_kernel`, run twice around a scan: the sums P = sum w kappa kappa^T, m and n,
+1. `ccq_chunk_states_kernel`, run twice around a scan: the sums P = sum w kappa kappa^T, m and n,
    walked chunk by chunk (one tensor-core product per chunk, the state in registers) inside segments
    of the sequence that run in parallel. The first run sums each segment from zero;
-2. `_ccq_state_scan_kernel` turns those sums into the state entering every segment (SCAN_STEPS
+2. `ccq_state_scan_kernel` turns those sums into the state entering every segment (SCAN_STEPS
    segments loaded at once); the second run walks the segments again from their entering states and
    writes the state entering every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c],
    n_in[c], once, so the K x K states go through memory once;
@@ -34,19 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ccq_eval.model.kernels.ccq_chunk_states import (  # noqa: F401  (re-exported: every forward kernel, for tests)
+from ccq_eval.model.kernels.ccq_chunk_states import (
     CHUNK,
-    SCAN_BLOCK,
-    SCAN_STEPS,
     STATE_ROWS,
-    _ccq_chunk_states_kernel,
-    _ccq_state_scan_kernel,
-    _chunk_rows,
-    _FirstConfig,
-    _in_chunk_decays,
-    _scan_states,
-    _segment_chunks,
-    _tuned,
+    autotuned,
+    ccq_chunk_states_kernel,
+    chunk_rows,
+    chunks_per_segment,
+    in_chunk_decays,
+    scan_states,
 )
 from ccq_eval.model.kernels.triton_device import launches_on_input_device
 
@@ -144,7 +140,7 @@ def _tiled_chunk_sums(r, kappa, m_in, gate_weight, base, row_ok, state, i_h, C: 
     return scores, r_dot_m_in, gate_logit
 
 
-@_tuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
+@autotuned(configs=_READ_CONFIGS, key=["H", "K", "C", "CENTERED", "NORMALIZE", "GATE", "IEEE"])
 @triton.jit
 def _ccq_read_kernel(
     r, kappa, key_inv_norm, log_gamma, lam, gate_weight, gate_bias, lam_max, P_in, m_in, n_in, q_out,
@@ -156,10 +152,10 @@ def _ccq_read_kernel(
     i_s, c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     state = (i_bh * (NT + 1) + c).to(tl.int64)
-    pos, t, t_ok, _g, b, base = _chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
+    pos, t, t_ok, _g, b, base = chunk_rows(log_gamma, i_b, i_h, c, T, H, K, C)
     row_ok = t_ok[:, None]
     from_start = tl.exp(b)
-    D = _in_chunk_decays(pos, t_ok, b)
+    D = in_chunk_decays(pos, t_ok, b)
 
     # Per chunk, once: the scores r_t . kappa_i and the per-position sums over the head dim.
     if WHOLE:  # the chunk's K-wide rows of r and kappa held once, every product one dot over K
@@ -230,7 +226,7 @@ def supports_head_dim(K: int) -> bool:
 
 
 
-def _kernel_gate(gate, H: int, K: int, device):
+def kernel_gate(gate, H: int, K: int, device):
     """The kernels' gate arguments from gate = (a [H, K] or None, b [H], lam_max): a and b fp32 and
     contiguous, lam_max a float. A None weight is the constant gate lambda = lam_max sigmoid(b), which
     the kernels compute with a zero weight."""
@@ -265,7 +261,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     log_gamma = log_gamma.float().contiguous()
     lam = log_gamma if lam is None else lam.float().contiguous()  # with a gate, lam is never read
     if gate is not None:
-        gate_weight, gate_bias, lam_max = _kernel_gate(gate, H, K, r.device)
+        gate_weight, gate_bias, lam_max = kernel_gate(gate, H, K, r.device)
     else:
         gate_weight, gate_bias, lam_max = log_gamma, log_gamma, 0.0  # unused placeholders
     state_dtype = torch.float32 if ieee else r.dtype
@@ -284,7 +280,7 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
         key_inv_norm = torch.empty(B * T * H, device=r.device, dtype=torch.float32)
         _inverse_norms_kernel[(triton.cdiv(B * T * H, NORM_TILE // K),)](kappa, key_inv_norm, B * T * H, K=K,
                                                                           ROWS=NORM_TILE // K, num_warps=4)
-    SEG = segment_chunks or _segment_chunks(NT, K // STATE_ROWS * H, r.device)
+    SEG = segment_chunks or chunks_per_segment(NT, K // STATE_ROWS * H, r.device)
     NSEG = triton.cdiv(NT, SEG)
     # Segment slot s: the sums over segment s - 1, which the scan turns into the state entering s.
     seg_P = torch.empty(B * H, NSEG + 1, K, K, device=r.device, dtype=torch.float32)
@@ -292,11 +288,11 @@ def ccq_order1_forward(r, kappa, log_gamma, lam, centered: bool = True, initial_
     seg_n = torch.empty(B * H, NSEG + 1, device=r.device, dtype=torch.float32)
     seg_decay = torch.empty(B * H, NSEG, device=r.device, dtype=torch.float32)
     for states in (False, True):
-        _ccq_chunk_states_kernel[(K // STATE_ROWS, NSEG, B * H)](
+        ccq_chunk_states_kernel[(K // STATE_ROWS, NSEG, B * H)](
             kappa, key_inv_norm, log_gamma, seg_P, seg_m, seg_n, seg_decay, P_in, m_in, n_in,
             T, NT, NSEG, SEG, H=H, K=K, C=C, BR=STATE_ROWS, NORMALIZE=raw_keys, IEEE=ieee, STATES=states)
         if not states:
-            _scan_states(seg_P, seg_m, seg_n, seg_decay, NSEG, K, init, final)
+            scan_states(seg_P, seg_m, seg_n, seg_decay, NSEG, K, init, final)
     q = torch.empty_like(r)
     read_grid = lambda meta: (meta["SPLIT"], NT, B * H)  # noqa: E731
     _ccq_read_kernel[read_grid](

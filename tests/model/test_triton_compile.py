@@ -52,7 +52,7 @@ KERNELS = {
              P_in=BF16, m_in=F32, n_in=F32, T="i32", NT="i32", NSEG="i32", SEG="i32"),
         dict(H=6, K=256, C=64, BR=ccq_chunk_states.STATE_ROWS, NORMALIZE=True, IEEE=False, STATES=states))
        for states in (False, True)},  # Gated DeltaNet-340M's heads: the widest state rows
-    "state_scan": (ccq_chunk_states.ccq_state_scan_kernel,
+    "state_scan": (ccq_chunk_states._ccq_state_scan_kernel,
                    dict(P_in=BF16, m_in=F32, n_in=F32, chunk_decay=F32, P0=F32, m0=F32, n0=F32, P_final=F32,
                         m_final=F32, n_final=F32, NT="i32"),
                    dict(K=128, BLOCK=ccq_chunk_states.SCAN_BLOCK, KB=128, STEPS=ccq_chunk_states.SCAN_STEPS,

@@ -3,7 +3,7 @@
 
 The forward's stages 1 and 2 (see `ccq_forward`): `ccq_chunk_states_kernel` walks the sums
 P = sum w kappa kappa^T, m = sum w kappa and n = sum w chunk by chunk inside segments of the sequence
-that run in parallel, and `ccq_state_scan_kernel` turns the per-segment sums into the states entering
+that run in parallel, and `_ccq_state_scan_kernel` turns the per-segment sums into the states entering
 the segments; a second run of the state kernel then writes the state entering every chunk. The
 backward runs the same scan over its anti-causal sums. Also here: the chunk size, each chunk's rows
 and in-chunk decays as every kernel reads them, and the autotuner wrapper that takes the first
@@ -228,7 +228,7 @@ def _scan_counts(slots, base, acc, decay_row, NT, STEPS: tl.constexpr):
 # Not autotuned: the scan works in place, and the autotuner's repeated timing runs would accumulate
 # the sums again and again.
 @triton.jit
-def ccq_state_scan_kernel(
+def _ccq_state_scan_kernel(
     P_in, m_in, n_in, chunk_decay, P0, m0, n0, P_final, m_final, n_final,
     NT,
     K: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, STEPS: tl.constexpr,
@@ -271,9 +271,9 @@ def ccq_state_scan_kernel(
 
 
 def scan_states(P_in, m_in, n_in, chunk_decay, NT, K, initial=None, final=None):
-    """Launches ccq_state_scan_kernel over B*H rows (initial / final: (P, m, n) or None)."""
+    """Launches _ccq_state_scan_kernel over B*H rows (initial / final: (P, m, n) or None)."""
     dummy = n_in  # stands in for absent optional pointers (never read or written)
-    ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, P_in.shape[0])](
+    _ccq_state_scan_kernel[(triton.cdiv(K * K, SCAN_BLOCK) + 1, P_in.shape[0])](
         P_in, m_in, n_in, chunk_decay,
         *(initial if initial is not None else (dummy, dummy, dummy)),
         *(final if final is not None else (dummy, dummy, dummy)),

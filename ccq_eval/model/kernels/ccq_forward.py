@@ -8,7 +8,7 @@ host-side cost, not arithmetic, bounds it. Here the whole read is four launches 
 1. `ccq_chunk_states_kernel`, run twice around a scan: the sums P = sum w kappa kappa^T, m and n,
    walked chunk by chunk (one tensor-core product per chunk, the state in registers) inside segments
    of the sequence that run in parallel. The first run sums each segment from zero;
-2. `ccq_state_scan_kernel` turns those sums into the state entering every segment (SCAN_STEPS
+2. `_ccq_state_scan_kernel` turns those sums into the state entering every segment (SCAN_STEPS
    segments loaded at once); the second run walks the segments again from their entering states and
    writes the state entering every chunk, P_in[c] = sum_{i < start(c)} w kappa_i kappa_i^T, m_in[c],
    n_in[c], once, so the K x K states go through memory once;

@@ -122,8 +122,9 @@ pipeline() {
     done
   fi
   if want tests; then
-  # The README's GPU command (its gpu_long test, which tunes every candidate of fla's kernels in fresh
-  # processes and takes longest, is collected first: tests/conftest.py).
+  # The README's GPU command, with 8 workers instead of its 12: the training processes share the CPU
+  # (its gpu_long test, which tunes every candidate of fla's kernels in fresh processes and takes longest,
+  # is collected first: tests/conftest.py).
   timeout "${TESTS_TIMEOUT:-1500}" python3 -m pytest -m gpu -n 8 -v -rfE --durations=15 -p no:cacheprovider \
     ${GPU_TESTS:-tests} > "$WORK/logs/gpu-tests.log" 2>&1 &
   tests_pid=$!

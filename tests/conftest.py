@@ -49,6 +49,6 @@ def unreachable_hub(monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu_long (minutes each) go first: pytest-xdist hands out tests in collection order, so
-    each starts on a worker at once while the other workers share the short ones, and `pytest -m gpu -n 8`
+    each starts on a worker at once while the other workers share the short ones, and `pytest -m gpu -n 12`
     takes about as long as its longest test rather than that test after the rest."""
     items.sort(key=lambda item: item.get_closest_marker("gpu_long") is None)

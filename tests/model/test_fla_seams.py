@@ -14,10 +14,10 @@ from fla.layers.gla import GatedLinearAttention
 from fla.models import GLAConfig, GLAForCausalLM
 from fla.models.modeling_utils import FLAForCausalLM
 from fla.modules import RMSNorm
+from fla.modules.mlp import GatedMLP, SwiGLULinear
 
 from ccq_eval.model import fla_cpu
 from ccq_eval.model.fla_cpu import dispatch, dqkwg
-from ccq_eval.model.fla_cpu.backend import _rebound_names
 from ccq_eval.model.modeling_ccq import CCQGatedDeltaNet, CCQGatedLinearAttention
 
 # SHA-256 (first 16 hex digits) of inspect.getsource of each fla function ccq-eval runs with its own names
@@ -64,7 +64,7 @@ def test_the_fla_code_ccq_eval_binds_into_is_the_code_it_was_written_against():
 def test_ccq_layers_run_fla_forward_code():
     assert CCQGatedLinearAttention._fla_forward.__code__ is GatedLinearAttention.forward.__code__
     assert CCQGatedDeltaNet._fla_forward.__code__ is GatedDeltaNet.forward.__code__
-    for fla_cls in _rebound_names():
+    for fla_cls in (GatedLinearAttention, GatedDeltaNet, GatedMLP, SwiGLULinear):
         assert fla_cpu.torch_backend_class(fla_cls).forward.__code__ is fla_cls.forward.__code__
 
 

@@ -7,8 +7,9 @@ functions and classes, stay as they are.
 
 Two kinds of subclass forward:
 - norms, convolution, losses (`_device_forwards`): fla's forward on CUDA, a torch forward otherwise;
-- layers and MLPs (`_rebound_names`): fla's own forward, run with the fla op names it calls (chunk_gla,
-  swiglu, ...) bound to this package's dispatchers (`rebind`): fla's code, our name lookups.
+- layers and MLPs (`rebound_methods`): fla's own methods, run with the fla op names they call (chunk_gla,
+  swiglu, ...) bound to this package's dispatchers (`rebind`): fla's code, our name lookups. Which methods
+  and names is read off fla's code against dispatch.OPS, so a family whose ops are in that table runs.
 An fla causal LM itself gets a subclass whose loss computation (fla's code) builds the losses above.
 Activation functions a module took from fla's ACT2FN when it was built (a layer's gate_fn, for
 instance) are replaced on that module by the dispatching ones.
@@ -16,8 +17,11 @@ instance) are replaced on that module by the dispatching ones.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable
 from functools import cache
+from types import FunctionType
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +162,7 @@ def _device_forwards() -> dict[type, tuple[Callable, str]]:
         ShortConvolution,
     )
 
-    return {
+    table = {
         RMSNorm: (_rms_norm_forward_cpu, "x"),
         FusedRMSNormGated: (_rms_norm_gated_forward_cpu, "x"),
         ShortConvolution: (_short_conv_forward_cpu, "x"),
@@ -166,27 +170,53 @@ def _device_forwards() -> dict[type, tuple[Callable, str]]:
         FusedCrossEntropyLoss: (_cross_entropy_forward_cpu, "input"),
         FusedLinearCrossEntropyLoss: (_linear_cross_entropy_forward_cpu, "x"),
     }
+    for family in dispatch.FAMILY_MODULES:
+        for path, entry in family.MODULE_FORWARDS.items():
+            module_name, _, class_name = path.partition(":")
+            table[getattr(importlib.import_module(module_name), class_name)] = entry
+    return table
 
 
 @cache
-def _rebound_names() -> dict[type, dict[str, Callable]]:
-    """fla class -> the op names its forward calls, bound to the dispatchers (fla's forward, our ops)."""
-    from fla.layers.gated_deltanet import GatedDeltaNet
-    from fla.layers.gla import GatedLinearAttention
+def _cpu_unsupported_names() -> dict[str, tuple[Callable, Callable]]:
+    """name -> (fla's function, its replacement) for fla functions with no torch version here: bound where
+    fla's code looks them up, so that a CPU call fails with a message naming them (CUDA calls go to fla's)."""
     from fla.modules.activations import ops
-    from fla.modules.mlp import GatedMLP, SwiGLULinear
 
-    powglu = {name: dispatch.cpu_unsupported(name, getattr(ops, name)) for name in ("powglu", "powglu_linear")}
-    return {
-        GatedLinearAttention: {"chunk_gla": dispatch.chunk_gla, "fused_recurrent_gla": dispatch.fused_recurrent_gla},
-        GatedDeltaNet: {
-            "chunk_gated_delta_rule": dispatch.chunk_gated_delta_rule,
-            "fused_recurrent_gated_delta_rule": dispatch.fused_recurrent_gated_delta_rule,
-            "causal_conv1d": dispatch.causal_conv1d,
-        },
-        GatedMLP: {"swiglu": dispatch.swiglu, **powglu},
-        SwiGLULinear: {"swiglu_linear": dispatch.swiglu_linear},
-    }
+    return {name: (getattr(ops, name), dispatch.cpu_unsupported(name, getattr(ops, name)))
+            for name in ("powglu", "powglu_linear")}
+
+
+def _names_to_bind(function: FunctionType) -> dict[str, Callable]:
+    """The op names `function`'s code looks up as fla's own ops, each with what replaces it."""
+    bound = {}
+    for name in function.__code__.co_names:
+        value = function.__globals__.get(name)
+        if value is None:
+            continue
+        if name in dispatch.OPS and value is dispatch.fla_original(name):
+            bound[name] = dispatch.dispatcher(name)
+        elif name in _cpu_unsupported_names() and value is _cpu_unsupported_names()[name][0]:
+            bound[name] = _cpu_unsupported_names()[name][1]
+    return bound
+
+
+@cache
+def rebound_methods(cls: type) -> dict[str, Callable]:
+    """name -> fla's method of `cls` with the op names it calls bound to the dispatchers (fla's code, our
+    ops), for every method `cls` takes from an fla class whose code calls an op of dispatch.OPS. A method
+    that a class outside fla overrides (a CCQ layer's forward) is left alone."""
+    methods = {}
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("fla."):
+            continue
+        for name, value in vars(klass).items():
+            if not isinstance(value, FunctionType) or name in methods or inspect.getattr_static(cls, name) is not value:
+                continue
+            names = _names_to_bind(value)
+            if names:
+                methods[name] = rebind(value, **names)
+    return methods
 
 
 def loss_on_any_device(compute_logits_and_loss: Callable) -> Callable:
@@ -198,10 +228,11 @@ def loss_on_any_device(compute_logits_and_loss: Callable) -> Callable:
                   FusedLinearCrossEntropyLoss=torch_backend_class(FusedLinearCrossEntropyLoss))
 
 
-def _served_base(cls: type) -> type | None:
-    """The fla class in the tables whose forward `cls` runs (cls itself or a subclass that inherits it)."""
+def _device_forward_base(cls: type) -> type | None:
+    """The fla class of the module table whose forward `cls` runs (cls itself or a subclass that inherits
+    it), or None."""
     for base in cls.__mro__:
-        if base in _device_forwards() or base in _rebound_names():
+        if base in _device_forwards():
             return base if cls.forward is base.forward else None
     return None
 
@@ -215,15 +246,13 @@ def torch_backend_class(cls: type) -> type | None:
     if _is_fla_causal_lm(cls):
         members = {"_compute_logits_and_loss": loss_on_any_device(cls._compute_logits_and_loss)}
     else:
-        base = _served_base(cls)
-        if base is None:
-            return None
-        if base in _device_forwards():
+        members = dict(rebound_methods(cls))
+        base = _device_forward_base(cls)
+        if base is not None:
             cpu_forward, tensor_arg = _device_forwards()[base]
-            forward = _device_dispatching(base.forward, cpu_forward, tensor_arg)
-        else:
-            forward = rebind(base.forward, **_rebound_names()[base])
-        members = {"forward": forward}
+            members["forward"] = _device_dispatching(base.forward, cpu_forward, tensor_arg)
+        if not members:
+            return None
     return type(cls.__name__, (cls,), {**members, "__module__": __name__, "__qualname__": cls.__qualname__,
                                        "_ccq_torch_backend": True, "__reduce_ex__": _reduce_backend_module})
 

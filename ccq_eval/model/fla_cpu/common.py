@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -152,3 +153,20 @@ def maybe_checkpoint(fn: Callable, *args: torch.Tensor | None):
     if needs_grad(*args):
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
+
+
+@dataclass(frozen=True)
+class FlaOp:
+    """One fla op: where fla defines it and what serves it off CUDA (an entry of dispatch.OPS).
+
+    Args:
+        module: the fla module that defines the op (the original is looked up there, never patched).
+        torch_impl: the torch version; its parameter names are fla's.
+        from_kwargs: names fla takes through `**kwargs` that the torch version honours.
+        cuda_only: arguments that must be None off CUDA (NotImplementedError otherwise).
+    """
+
+    module: str
+    torch_impl: Callable
+    from_kwargs: tuple[str, ...] = ()
+    cuda_only: tuple[str, ...] = ()

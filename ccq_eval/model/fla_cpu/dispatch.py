@@ -15,11 +15,12 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
+from ccq_eval.model.fla_cpu import delta_variants, mamba2, retention, rwkv7
+from ccq_eval.model.fla_cpu.common import FlaOp
 from ccq_eval.model.fla_cpu.delta_rule import (
     torch_chunk_gated_delta_rule,
     torch_fused_recurrent_gated_delta_rule,
@@ -45,24 +46,6 @@ from ccq_eval.model.fla_cpu.modules import (
     torch_swish,
 )
 
-
-@dataclass(frozen=True)
-class FlaOp:
-    """One fla op: where fla defines it and what serves it off CUDA.
-
-    Args:
-        module: the fla module that defines the op (the original is looked up there, never patched).
-        torch_impl: the torch version; its parameter names are fla's.
-        from_kwargs: names fla takes through `**kwargs` that the torch version honours.
-        cuda_only: arguments that must be None off CUDA (NotImplementedError otherwise).
-    """
-
-    module: str
-    torch_impl: Callable
-    from_kwargs: tuple[str, ...] = ()
-    cuda_only: tuple[str, ...] = ()
-
-
 OPS: dict[str, FlaOp] = {
     "chunk_gla": FlaOp("fla.ops.gla.chunk", torch_chunk_gla),
     "fused_recurrent_gla": FlaOp("fla.ops.gla.fused_recurrent", torch_fused_recurrent_gla),
@@ -84,6 +67,15 @@ OPS: dict[str, FlaOp] = {
     "sigmoid": FlaOp("fla.modules.activations.ops", torch_sigmoid),
     "logsigmoid": FlaOp("fla.modules.activations.ops", torch_logsigmoid),
 }
+
+# The families beyond GLA and Gated DeltaNet, one module each with its own OPS (and MODULE_FORWARDS, which
+# backend.py reads): merged here so that one table still decides what serves every op.
+FAMILY_MODULES = (delta_variants, mamba2, retention, rwkv7)
+for _family in FAMILY_MODULES:
+    _twice = sorted(set(OPS) & set(_family.OPS))
+    if _twice:
+        raise RuntimeError(f"{_family.__name__} serves ops that another table serves already: {_twice}")
+    OPS.update(_family.OPS)
 
 
 @cache
@@ -133,7 +125,9 @@ def _cuda_function(name: str) -> Callable:
     return fla_original(name)
 
 
-def _dispatcher(name: str) -> Callable:
+@cache
+def dispatcher(name: str) -> Callable:
+    """Op `name` with fla's signature: fla's function on CUDA tensors, the torch version on any other device."""
     first = next(iter(inspect.signature(OPS[name].torch_impl).parameters))
 
     def op(*args, **kwargs):
@@ -147,22 +141,22 @@ def _dispatcher(name: str) -> Callable:
     return op
 
 
-chunk_gla = _dispatcher("chunk_gla")
-fused_recurrent_gla = _dispatcher("fused_recurrent_gla")
-chunk_simple_gla = _dispatcher("chunk_simple_gla")
-fused_recurrent_simple_gla = _dispatcher("fused_recurrent_simple_gla")
-chunk_gated_delta_rule = _dispatcher("chunk_gated_delta_rule")
-fused_recurrent_gated_delta_rule = _dispatcher("fused_recurrent_gated_delta_rule")
-l2norm = _dispatcher("l2norm")
-causal_conv1d = _dispatcher("causal_conv1d")
-causal_conv1d_update = _dispatcher("causal_conv1d_update")
-rms_norm = _dispatcher("rms_norm")
-rms_norm_gated = _dispatcher("rms_norm_gated")
-swiglu = _dispatcher("swiglu")
-swiglu_linear = _dispatcher("swiglu_linear")
-swish = _dispatcher("swish")
-sigmoid = _dispatcher("sigmoid")
-logsigmoid = _dispatcher("logsigmoid")
+chunk_gla = dispatcher("chunk_gla")
+fused_recurrent_gla = dispatcher("fused_recurrent_gla")
+chunk_simple_gla = dispatcher("chunk_simple_gla")
+fused_recurrent_simple_gla = dispatcher("fused_recurrent_simple_gla")
+chunk_gated_delta_rule = dispatcher("chunk_gated_delta_rule")
+fused_recurrent_gated_delta_rule = dispatcher("fused_recurrent_gated_delta_rule")
+l2norm = dispatcher("l2norm")
+causal_conv1d = dispatcher("causal_conv1d")
+causal_conv1d_update = dispatcher("causal_conv1d_update")
+rms_norm = dispatcher("rms_norm")
+rms_norm_gated = dispatcher("rms_norm_gated")
+swiglu = dispatcher("swiglu")
+swiglu_linear = dispatcher("swiglu_linear")
+swish = dispatcher("swish")
+sigmoid = dispatcher("sigmoid")
+logsigmoid = dispatcher("logsigmoid")
 
 
 def cpu_unsupported(name: str, original: Callable) -> Callable:

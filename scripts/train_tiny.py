@@ -246,13 +246,13 @@ def initial_model(spec: ModelSpec, settings: TrainSettings):
     torch.manual_seed(settings.seed)
     if not settings.init_from:
         return build_model(spec, settings.context, settings.smoke, settings.seed)
-    from ccq_eval.model.loading import SUPPORTED_MODEL_TYPES, read_config
+    from ccq_eval.model.loading import checkpoint_family, read_config
     from ccq_eval.model.modeling_ccq import prepare_runtime
 
     prepare_runtime()
     folder = init_folder(spec, settings)
     config = read_config(folder, **ccq_gate_fields(settings)) if spec.ccq else read_config(folder)
-    _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]
+    model_cls = checkpoint_family(folder).model_class
     model, info = model_cls.from_pretrained(folder, config=config, dtype=torch.float32, use_safetensors=True,
                                             local_files_only=True, output_loading_info=True)
     # Only CCQ's gate may be absent (a baseline's checkpoint has none); it starts at its initial values.

@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 # Linear attention has no positional limit; without a user/task value we allow this much.
 DEFAULT_MAX_LENGTH = 32768
+# The slice size that puts any text through the model in one call (models whose cache takes one token per call).
+WHOLE_TEXT = 1 << 62
 
 __all__ = ["DEFAULT_MAX_LENGTH", "CCQEvalLM", "TokenNLL"]
 
@@ -239,6 +241,8 @@ class CCQEvalLM(LM):
             getattr(model, "config", None), "_name_or_path", type(model).__name__)
         self._device = self.runtime.device
         max_length, chunk_size, logits_chunk = _checked_limits(max_length, chunk_size, logits_chunk)
+        if not self.runtime.sliced_cache:  # a cache that takes one token per call: each text in one forward
+            chunk_size, share_contexts = WHOLE_TEXT, False
         self.truncator = Truncator(self.codec, max_length, default_truncation)
         asked_batch_size = _parse_batch_size(batch_size)
         fixed_batch_size, self.cuda_graphs = resolve_fast_path(

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ccq_eval.model.families import family_of
+
 
 def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
     """(backbone, LM head) of an fla causal LM, whose logits are exactly lm_head(backbone(...)[0])
@@ -49,6 +51,8 @@ class ModelRuntime:
         model: the model.
         device: the device of its parameters (made the current CUDA device when it is one).
         backbone, lm_head: an fla model's decoder and output embeddings, else None.
+        sliced_cache: whether a text can go through the model in slices of several tokens carrying one cache
+            (False for fla's Mamba family, whose cache takes one token per call once it holds a state).
         recurrent: a purely recurrent fla model (no hybrid attention layers, config.attn): it keeps no
             per-position state, so prompts of different lengths can decode in one batch.
     """
@@ -67,6 +71,8 @@ class ModelRuntime:
             "cache" if "cache" in params else "past_key_values")
         self.has_logits_to_keep = "logits_to_keep" in params
         self.backbone, self.lm_head = _backbone_and_head(model)
+        family = family_of(getattr(getattr(model, "config", None), "model_type", None))
+        self.sliced_cache = family is None or family.sliced_cache
         self.recurrent = self.backbone is not None and not getattr(model.config, "attn", None)
 
     @property

@@ -48,16 +48,16 @@ class InspectOptions:
 
 def check_models(names: list[str]) -> dict[str, Path]:
     """name -> checkpoint folder, refusing models without GLA / Gated DeltaNet layers before loading."""
-    from ccq_eval.model.loading import SUPPORTED_MODEL_TYPES, read_config, resolve_checkpoint
+    from ccq_eval.model.loading import checkpoint_family, resolve_checkpoint
 
     folders = {}
     for name in names:
         folder = resolve_checkpoint(name)
-        config = read_config(folder)
-        if SUPPORTED_MODEL_TYPES[config.model_type][2] is None:
+        family = checkpoint_family(folder)
+        if not family.has_ccq:
             raise InspectError(
-                f"{name} is a {config.model_type} model (softmax attention): inspect reads the recurrent state of "
-                "GLA / Gated DeltaNet models; pass one of those (e.g. tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq)")
+                f"{name} is a {family.model_type} model: inspect reads the CCQ read of GLA / Gated DeltaNet models; "
+                "pass one of those (e.g. tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq)")
         folders[name] = folder
     return folders
 

@@ -1,12 +1,15 @@
 """Load a checkpoint by registered name, local HF folder, or hub id, safely.
 
 Safe by default: weights from safetensors only (pickle files, which can run code when loaded, need
-`allow_pickle=True`), and no remote code unless `trust_remote_code=True`. fla GLA / Gated DeltaNet
-checkpoints load into the CCQ classes with `ccq=False` by default, so they compute exactly fla's model
-while getting the project's generation fix and CPU backend; `ccq=True` attaches CCQ to them with its
-parameters at their initial values (training-free); `ccq_lambda` does so with the constant gate at
-exactly that lambda (what `ccq-eval run --ccq-attach` sweeps). transformers' Llama checkpoints (the
-softmax-attention reference) load as they are; they have no CCQ.
+`allow_pickle=True`), and no remote code unless `trust_remote_code=True`. Which classes load a checkpoint
+follows its config.json `model_type` (families.family_of):
+- fla GLA / Gated DeltaNet load into the CCQ classes with `ccq=False` by default, so they compute exactly
+  fla's model while getting the project's generation fix and CPU backend; `ccq=True` attaches CCQ to them
+  with its parameters at their initial values (training-free); `ccq_lambda` does so with the constant gate
+  at exactly that lambda (what `ccq-eval run --ccq-attach` sweeps);
+- every other fla family loads into fla's own classes, with fla_cpu's backend and the generation fix;
+- any transformers causal LM (Llama, Qwen2, Mistral, ...) loads as transformers defines it.
+Only the CCQ classes have CCQ.
 """
 
 from __future__ import annotations
@@ -21,31 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ccq_eval.errors import UserError
 from ccq_eval.logs import transformers_errors_only
-from ccq_eval.model import checkpoint
-from ccq_eval.model.modeling_ccq import (
-    CCQConfigMixin,
-    CCQGatedDeltaNetConfig,
-    CCQGatedDeltaNetForCausalLM,
-    CCQGLAConfig,
-    CCQGLAForCausalLM,
-    prepare_runtime,
-)
+from ccq_eval.model import checkpoint, fla_cpu
+from ccq_eval.model.families import Family, config_cpu_blocker, family_of, unknown_type_message
+from ccq_eval.model.modeling_ccq import CCQConfigMixin, prepare_runtime
 from ccq_eval.model.registry import MODEL_REGISTRY_PATH as REGISTRY_FILE
 from ccq_eval.model.registry import MODELS_DIR, ModelEntry, RegistryError, load_model_registry
 
-# model_type in config.json -> (config class, model class, whether CCQ is on unless the user says;
-# None: the model has no CCQ, e.g. the softmax-attention reference).
-SUPPORTED_MODEL_TYPES = {
-    "gla": (CCQGLAConfig, CCQGLAForCausalLM, False),
-    "ccq_gla": (CCQGLAConfig, CCQGLAForCausalLM, True),
-    "gated_deltanet": (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, False),
-    "ccq_gated_deltanet": (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM, True),
-    "llama": (LlamaConfig, LlamaForCausalLM, None),
-}
+# The CCQ classes' model types with CCQ on unless the user says otherwise (the plain fla types load with it off).
+CCQ_ON_BY_DEFAULT = ("ccq_gla", "ccq_gated_deltanet")
 SAFE_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -118,23 +107,47 @@ def _config_file_fields(folder: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from error
 
 
-def read_config(folder: Path, ccq: bool | None = None, **overrides):
-    """The CCQ-class config for a checkpoint folder, validated; `ccq` overrides the checkpoint's flag."""
-    config_file = folder / "config.json"
+def checkpoint_family(folder: Path) -> Family:
+    """The family that loads the checkpoint in `folder` (its config.json model_type); ModelLoadError naming
+    the file when no installed library knows it."""
     fields = _config_file_fields(folder)
     model_type = fields.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{config_file}: unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-    config_cls, _, ccq_default = SUPPORTED_MODEL_TYPES[model_type]
+    family = family_of(model_type)
+    if family is None:
+        remote = (" Its config names code of its own (auto_map), which ccq-eval does not run."
+                  if fields.get("auto_map") else "")
+        raise ModelLoadError(f"{folder / 'config.json'}: {unknown_type_message(model_type)}.{remote}")
+    return family
+
+
+def check_runs_on(folder: Path, device: str) -> None:
+    """ModelLoadError, in one line naming the checkpoint, its family, the reason and the alternative, when
+    the checkpoint in `folder` cannot run on `device` (a family with no CPU version of its ops)."""
+    if str(device).startswith("cuda"):
+        return
+    family = checkpoint_family(folder)
+    blocker = config_cpu_blocker(family, _config_file_fields(folder))
+    if blocker:
+        raise ModelLoadError(f"{folder}: a {family.model_type} model cannot run on {device}: {blocker}; run it "
+                             "with --device cuda on a GPU machine")
+
+
+def read_config(folder: Path, ccq: bool | None = None, **overrides):
+    """The config of a checkpoint folder in its family's config class, validated (the CCQ class for GLA and
+    Gated DeltaNet); `ccq` overrides the checkpoint's CCQ flag."""
+    config_file = folder / "config.json"
+    fields = _config_file_fields(folder)
+    family = checkpoint_family(folder)
+    model_type = family.model_type
+    config_cls = family.config_class
     for key in ("model_type", "architectures", "transformers_version", "auto_map"):
         fields.pop(key, None)
-    if ccq_default is None:
+    if not family.has_ccq:
         if ccq:
-            raise ModelLoadError(f"{config_file}: model_type {model_type!r} has no CCQ (CCQ applies to GLA and "
-                                 "Gated DeltaNet); leave ccq unset for this model")
+            raise ModelLoadError(f"{config_file}: model_type {model_type!r} has no CCQ (ccq-eval's CCQ classes are "
+                                 "GLA and Gated DeltaNet); leave ccq unset for this model")
     else:
-        fields.setdefault("ccq", ccq_default)
+        fields.setdefault("ccq", model_type in CCQ_ON_BY_DEFAULT)
         if ccq is not None:
             fields["ccq"] = ccq
     fields.update(overrides)
@@ -212,11 +225,12 @@ def ccq_attach_config(folder: Path, lam: float, fields: Mapping[str, Any] | None
     reserved field, or a value the config refuses."""
     fields = dict(fields or {})
     check_ccq_attach_fields(fields)
-    model_type = _config_file_fields(folder).get("model_type")
-    kind = SUPPORTED_MODEL_TYPES.get(model_type)
-    if kind is not None and kind[2] is None:
-        raise ModelLoadError(f"cannot attach CCQ to {folder.name}: a {model_type} model has no CCQ (it applies to "
-                             "GLA and Gated DeltaNet); attach it to a plain GLA / Gated DeltaNet checkpoint")
+    family = checkpoint_family(folder)
+    model_type = family.model_type
+    if not family.has_ccq:
+        raise ModelLoadError(f"cannot attach CCQ to {folder.name}: a {model_type} model has no CCQ in ccq-eval (it "
+                             "attaches to GLA and Gated DeltaNet); attach it to a plain GLA / Gated DeltaNet "
+                             "checkpoint")
     current = read_config(folder)
     if current.ccq:
         raise ModelLoadError(f"cannot attach CCQ to {folder.name}: it is a CCQ checkpoint already (model_type "
@@ -277,6 +291,8 @@ def load_model(
     prepare_runtime()
     torch_dtype = resolve_dtype(dtype)
     folder = resolve_checkpoint(name_or_path)
+    family = checkpoint_family(folder)
+    check_runs_on(folder, str(device))
     if ccq_lambda is None:
         if ccq_fields:
             raise ModelLoadError("ccq_fields belong to a CCQ attachment: give ccq_lambda too")
@@ -284,7 +300,7 @@ def load_model(
     else:
         config = ccq_attach_config(folder, ccq_lambda, ccq_fields)
     use_safetensors = _check_weights(folder, allow_pickle)
-    _, model_cls, _ = SUPPORTED_MODEL_TYPES[config.model_type]  # the CCQ class of either family
+    model_cls = family.model_class
     try:
         # Attaching CCQ, the gate is missing from the weights by design: transformers' load report would call
         # it "newly initialized"; _check_loaded_keys below judges the keys in every case.
@@ -312,4 +328,16 @@ def load_model(
             f"{folder} has no usable tokenizer files ({error}); save the tokenizer with the checkpoint "
             "(tokenizer.save_pretrained(folder))") from error
     check_tokenizer_fits(folder, model, tokenizer)
+    if family.source == "fla":
+        fla_cpu.use_torch_backend(model)
+        model.register_forward_pre_hook(read_generate_cache_keyword, with_kwargs=True)
     return model.to(device).eval(), tokenizer
+
+
+def read_generate_cache_keyword(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook for fla's own causal LMs: transformers >= 5.2x's generate() passes the recurrent
+    cache as `cache`, which fla 0.6.0's forward ignores (it reads `past_key_values`), so decoding would
+    restart from an empty state every step. The CCQ classes do the same in their forward."""
+    if kwargs.get("cache") is not None and kwargs.get("past_key_values") is None:
+        kwargs["past_key_values"] = kwargs.pop("cache")
+    return args, kwargs

@@ -54,7 +54,7 @@ def test_inspect_on_distractor_needles(tmp_path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["-m", "tiny-transformer"], "softmax attention"),
+    (["-m", "tiny-transformer"], "a llama model"),
     (["-m", "tiny-gla", "-t", "ppl"], "choose one of s-niah-1"),
     (["-m", "tiny-gla", "-t", "ruler-cwe"], "niah-multikey-1"),
     (["-m", "tiny-gla", "--lengths", "1q"], "--lengths: cannot parse"),

@@ -200,5 +200,5 @@ def test_transformer_is_refused_in_one_line():
     from ccq_eval.inspection import InspectError
     from ccq_eval.inspection.run import check_models
 
-    with pytest.raises(InspectError, match=r"softmax attention.*GLA / Gated DeltaNet"):
+    with pytest.raises(InspectError, match=r"a llama model.*GLA / Gated DeltaNet"):
         check_models(["tiny-transformer"])

@@ -194,11 +194,11 @@ def test_bad_checkpoints_give_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(str(empty))
 
-    folder = _save(_fla_model("gla"), tmp_path / "mamba")
+    folder = _save(_fla_model("gla"), tmp_path / "unknown")
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "mamba"
+    config["model_type"] = "not_a_family"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'mamba'.*gated_deltanet"):
+    with pytest.raises(ModelLoadError, match=r"unknown model_type 'not_a_family'.*ccq-eval models --families"):
         load_model(str(folder))
 
     # A pickle-only checkpoint: refused without the opt-in, before anything is unpickled.

@@ -1,0 +1,135 @@
+"""Every model family: the list read off fla's and transformers' registrations, where each runs, the errors
+a checkpoint of an unknown or CPU-less family gets, and, per family that runs on the CPU, a tiny random
+checkpoint loaded by ccq-eval's loader whose adapter scores exactly as the model's own forward and decodes
+exactly as the model's own greedy generate()."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import fla.models
+import pytest
+import torch
+from adapter_support import full_token_nll, one_torch_thread  # noqa: F401
+from family_support import CPU_FAMILIES, byte_level_tokenizer, tiny_checkpoint
+from lm_eval.api.instance import Instance
+from transformers import PretrainedConfig
+
+from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.model.families import ONE_TOKEN_CACHE_LAYERS, family_of, fla_families
+from ccq_eval.model.loading import ModelLoadError, load_model
+
+TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness"
+
+
+def test_every_causal_lm_fla_registers_is_a_family():
+    configs = [value for name in fla.models.__all__
+               if inspect.isclass(value := getattr(fla.models, name)) and issubclass(value, PretrainedConfig)]
+    families = fla_families()
+    assert len(families) >= 35
+    for config_class in configs:
+        family = families[config_class.model_type]
+        assert family.config_class is config_class and family.model_class.__module__.startswith("fla.models.")
+    assert family_of("llama").source == family_of("qwen2").source == family_of("mistral").source == "transformers"
+    assert family_of("gla").has_ccq and family_of("ccq_gated_deltanet").has_ccq and not family_of("kda").has_ccq
+    assert family_of("not_a_family") is None
+
+
+def test_the_one_token_cache_layers_are_those_whose_fla_code_says_so():
+    """families.ONE_TOKEN_CACHE_LAYERS holds exactly the fla layer modules that refuse a several-token slice
+    through a cache holding a state (the adapter scores texts through them in one forward)."""
+    import fla.layers
+
+    refusing = {f"fla.layers.{path.stem}" for path in Path(fla.layers.__file__).parent.glob("*.py")
+                if "cached decoding only supports a single new token" in path.read_text(encoding="utf-8")}
+    assert refusing == {layer.partition(":")[0] for layer in ONE_TOKEN_CACHE_LAYERS}
+    assert not family_of("mamba2").sliced_cache and family_of("gla").sliced_cache
+
+
+@pytest.mark.parametrize("model_type", CPU_FAMILIES)
+def test_the_promised_families_run_on_the_cpu(model_type):
+    assert family_of(model_type).cpu_blocker is None
+
+
+@pytest.mark.parametrize("model_type", ["transformer", "gsa"])
+def test_a_family_without_cpu_ops_stops_before_loading_in_one_line(tmp_path, model_type):
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))  # no weights: never read
+    with pytest.raises(ModelLoadError) as error:
+        load_model(str(folder))
+    message = str(error.value)
+    assert "\n" not in message and str(folder) in message and f"a {model_type} model cannot run on cpu" in message
+    assert "--device cuda" in message
+
+
+def test_a_hybrid_config_with_softmax_attention_layers_stops_on_the_cpu(tmp_path):
+    folder = tiny_checkpoint("gated_deltanet", tmp_path / "hybrid")
+    config = json.loads((folder / "config.json").read_text())
+    config["attn"] = {"layers": [1], "num_heads": 2}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"softmax attention \(flash-attn, GPU only\).*--device cuda"):
+        load_model(str(folder))
+
+
+def test_unknown_family_remote_code_and_mismatched_weights_are_named(tmp_path):
+    folder = tiny_checkpoint("mamba", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mamba9", "auto_map": {"x": "y"}}))
+    with pytest.raises(ModelLoadError, match=r"config\.json: unknown model_type 'mamba9'.*fla \(0\.6\.0\).*"
+                                             r"ccq-eval models --families.*auto_map"):
+        load_model(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ModelLoadError, match=r"weights lack .* tensors the config needs"):
+        load_model(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    with pytest.raises(ModelLoadError, match=r"does not match the tensor shapes of its weights"):
+        load_model(str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"model_type .mamba. has no CCQ"):
+        load_model(str(folder), ccq=True)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", *CPU_FAMILIES])
+def test_the_adapter_scores_and_decodes_as_the_model_itself(tmp_path, model_type):
+    """Per family: the loader's model (float64) in the adapter: rolling log-likelihood equals one full
+    forward of the model, greedy generate_until equals the model's own greedy generate()."""
+    folder = tiny_checkpoint(model_type, tmp_path / model_type)
+    model, tokenizer = load_model(str(folder), dtype="float64")
+    saved = byte_level_tokenizer(model_type)
+    assert tokenizer.encode(TEXT, add_special_tokens=False) == saved.encode(TEXT, add_special_tokens=False)
+    # 37 divides neither the text nor the prompt: partial slices through the carried cache
+    lm = CCQEvalLM(model=model, tokenizer=tokenizer, chunk_size=37)
+    (value,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (TEXT,), 0)])
+    reference = full_token_nll(model, tokenizer.encode(TEXT, add_special_tokens=False))
+    assert torch.allclose(torch.tensor(value.token_nll, dtype=torch.float64), reference, atol=1e-8, rtol=0)
+
+    prompt = "Once upon a time, in a land far away"
+    (text,) = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 12}), 0)])
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                   pad_token_id=tokenizer.pad_token_id)
+    assert text == tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("model_type", ["delta_net", "kda", "rwkv7"])
+def test_prompts_of_different_lengths_decode_together_as_alone(tmp_path, model_type):
+    """CPU generation batch: prompts prefilled one by one, their recurrent states stacked and decoded
+    together, give each prompt's batch-1 answer."""
+    model, tokenizer = load_model(str(tiny_checkpoint(model_type, tmp_path / model_type)), dtype="float64")
+    prompts = ["Once upon a time", "It was the best of times, it was", "Call me", "A tale of two cities."]
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 9}), i) for i, p in enumerate(prompts)]
+    rows = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda module, args, kwargs: rows.append(
+        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        together = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, chunk_size=16).generate_until(requests)
+    finally:
+        hook.remove()
+    assert max(rows) == 3  # decode steps of three stacked states
+    alone = [CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1).generate_until([request])[0]
+             for request in requests]
+    assert together == alone

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 FAMILY_NAMES = {"gla": "GLA (gated linear attention)", "gdn": "Gated DeltaNet",
-                "llama": "softmax-attention Transformer (Llama architecture)"}
+                "llama": "softmax-attention Transformer (Llama architecture)", "delta_net": "DeltaNet",
+                "kda": "KDA (Kimi Delta Attention)", "mamba2": "Mamba2",
+                "precond_gdn": "Preconditioned Gated DeltaNet"}
 
 
 def software_versions() -> dict:
@@ -56,7 +58,8 @@ def describe(spec: ModelSpec, params: int, settings: TrainSettings, metrics: dic
     """The registry's one-line description: what the model is, what its CCQ gate is, and what its last
     training stage froze (shared bit for bit with its twin)."""
     kind = ("with CCQ on the read" if spec.ccq else "baseline, no CCQ" if spec.twin
-            else "the upper-bound reference for the linear models")
+            else "the upper-bound reference for the linear models" if spec.family == "llama"
+            else "a linear-attention baseline to compare CCQ with (fla's own model, no CCQ)")
     if spec.ccq and settings.ccq_gate == "constant":
         lam = f"lambda {settings.ccq_init_lambda:g}" if settings.ccq_init_lambda is not None else "its initial lambda"
         kind += f" through a constant gate ({lam}, not learned)"
@@ -114,12 +117,16 @@ def card_head(spec: ModelSpec, settings: TrainSettings, info: dict) -> list[str]
             fairness = (f"Its backbone is its twin `{spec.twin}`'s, unchanged: only CCQ's gate was trained, so the "
                         "two differ in the CCQ read alone.")
     else:
-        what = "(softmax attention with a KV cache), the upper-bound reference row"
+        what = ("(softmax attention with a KV cache), the upper-bound reference row" if spec.family == "llama"
+                else "(fla's own model, no CCQ), a baseline of another linear-attention family to compare CCQ with")
         fairness = ("It is trained with the same data stream, seed, steps, batch, context and optimiser as the "
-                    "linear-attention models, at about the same size.")
+                    "other embedded models, at about the same size.")
     if spec.family == "llama":
         architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); rotary positions; "
                         "plain transformers checkpoint")
+    elif not spec.twin:
+        architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); plain fla checkpoint (loads with fla "
+                        "alone; `ccq_eval` loads it in fla's classes, on the CPU through its torch backend)")
     else:
         architecture = (f"- Architecture: `{info['model_type']}` ({fmt}); CCQ: "
                         + (f"on ({info['ccq_settings']})" if spec.ccq

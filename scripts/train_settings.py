@@ -19,13 +19,14 @@ DEFAULT_STEPS = 3000
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # "gla" | "gdn" | "llama"
+    family: str  # "gla" | "gdn" (CCQ twins) | "llama" | one of FLA_OWN_FAMILIES (baselines without a twin)
     ccq: bool
+    in_default_run: bool = True  # registered with "default": true (`ccq-eval run` with no --model runs it)
 
     @property
     def twin(self) -> str | None:
-        """The model that differs from this one only in the CCQ flag (None for the Transformer)."""
-        if self.family == "llama":
+        """The model that differs from this one only in the CCQ flag (None for a model without a CCQ twin)."""
+        if self.family not in ("gla", "gdn"):
             return None
         return self.name.removesuffix("-ccq") if self.ccq else self.name + "-ccq"
 
@@ -38,8 +39,15 @@ MODEL_SPECS = {
         ModelSpec("tiny-gdn", "gdn", False),
         ModelSpec("tiny-gdn-ccq", "gdn", True),
         ModelSpec("tiny-transformer", "llama", False),
+        ModelSpec("tiny-deltanet", "delta_net", False, in_default_run=False),
+        ModelSpec("tiny-kda", "kda", False, in_default_run=False),
+        ModelSpec("tiny-mamba2", "mamba2", False, in_default_run=False),
+        ModelSpec("tiny-precond-gdn", "precond_gdn", False, in_default_run=False),
     )
 }
+# The baselines trained in fla's own classes (no CCQ twin): family -> fla model_type.
+FLA_OWN_FAMILIES = {"delta_net": "delta_net", "kda": "kda", "mamba2": "mamba2",
+                    "precond_gdn": "precond_gated_deltanet"}
 
 
 @dataclass
@@ -92,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODEL_SPECS),
-                        help=f"comma-separated subset of {', '.join(MODEL_SPECS)} (default: all five, in turn)")
+                        help=f"comma-separated subset of {', '.join(MODEL_SPECS)} (default: all, in turn)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for <name>/ checkpoints and registry.json (default: models/ of the repo; "
                              "--smoke: a new temporary folder)")

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Train the embedded demonstration checkpoints: tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq and
-the softmax-attention reference tiny-transformer.
+"""Train the embedded demonstration checkpoints: tiny-gla, tiny-gla-ccq, tiny-gdn, tiny-gdn-ccq, the
+softmax-attention reference tiny-transformer, and the linear-attention baselines tiny-deltanet,
+tiny-kda, tiny-mamba2 and tiny-precond-gdn (fla's own classes, no CCQ twin).
 
 Within a family (GLA, Gated DeltaNet) the two models share everything but the CCQ flag: shape,
 initial backbone weights (same seed; CCQ's gate parameters consume no random numbers), data
-stream, token budget, context length and optimiser; the Transformer gets the same data, seed, steps
+stream, token budget, context length and optimiser; the other models get the same data, seed, steps
 and optimiser. Data: scripts/tiny_data.py (embedded corpora, train split only, and synthetic
 in-context recall documents in our own wording, with several questions each and a distance
 curriculum).
@@ -55,6 +56,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from model_card import config_summary, describe, git_commit, hardware, model_card, software_versions  # noqa: E402
 from train_settings import (  # noqa: E402
+    FLA_OWN_FAMILIES,
     MODEL_SPECS,
     ModelSpec,
     TrainSettings,
@@ -77,25 +79,38 @@ VOCAB_SIZE = 384  # ByT5: 3 specials + 256 bytes + 125 extra ids
 # DeltaNet: expand_v 2; both: short convolution of width 4, MLP ratio 4, untied embeddings). GLA's
 # short convolution (off by fla's default) lets a layer see the bytes just before a value, which
 # in-context recall needs. The Transformer is the softmax-attention reference: transformers' Llama
-# with the same width, depth and MLP, 4 heads of 64. All sized for the 8 MB limit in bf16.
+# with the same width, depth and MLP, 4 heads of 64. The other baselines keep fla's defaults but for width,
+# depth and heads (short convolutions on, as fla's defaults have them); Mamba2 blocks have no MLP, so it
+# gets twice the layers for about the same size. All sized for the 8 MB limit in bf16 (3.3M-3.7M parameters).
 SHAPES = {
     "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "use_short_conv": True},
     "gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
     "llama": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
               "intermediate_size": 768},
+    "delta_net": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2},
+    "kda": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
+    "mamba2": {"hidden_size": 256, "num_hidden_layers": 8, "num_heads": 8, "head_dim": 64, "expand": 2,
+               "state_size": 64, "n_groups": 1},
+    "precond_gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
 }
 SMOKE_SHAPES = {
     "gla": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "use_short_conv": True},
     "gdn": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16},
     "llama": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
               "intermediate_size": 96},
+    "delta_net": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2},
+    "kda": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16},
+    "mamba2": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16, "expand": 2,
+               "state_size": 16, "n_groups": 1},
+    "precond_gdn": {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 16},
 }
 
 
 # ---------------------------------------------------------------------------------------- models
 def model_config(spec: ModelSpec, context: int, smoke: bool):
-    """The config of a model: the CCQ class for the linear families (baselines: ccq=False, i.e.
-    exactly fla's model), transformers' LlamaConfig for the Transformer."""
+    """The config of a model: the CCQ class for GLA and Gated DeltaNet (baselines: ccq=False, i.e. exactly
+    fla's model), fla's own config for the other linear baselines, transformers' LlamaConfig for the
+    Transformer."""
     shape = (SMOKE_SHAPES if smoke else SHAPES)[spec.family]
     common = {
         "vocab_size": VOCAB_SIZE, "pad_token_id": tiny_data.PAD_ID, "eos_token_id": tiny_data.EOS_ID,
@@ -107,6 +122,11 @@ def model_config(spec: ModelSpec, context: int, smoke: bool):
         from transformers import LlamaConfig
 
         return LlamaConfig(**shape, **common, tie_word_embeddings=False, rope_theta=10000.0)
+    if spec.family in FLA_OWN_FAMILIES:
+        import fla  # noqa: F401  (registers its model types with the Auto classes)
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(FLA_OWN_FAMILIES[spec.family], **shape, **common)
     config_cls = CCQGLAConfig if spec.family == "gla" else CCQGatedDeltaNetConfig
     return config_cls(**shape, **common, ccq=spec.ccq)
 
@@ -119,6 +139,12 @@ def build_model(spec: ModelSpec, context: int, smoke: bool, seed: int):
         from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(config)
+    if spec.family in FLA_OWN_FAMILIES:
+        from transformers import AutoModelForCausalLM
+
+        from ccq_eval.model import fla_cpu
+
+        return fla_cpu.use_torch_backend(AutoModelForCausalLM.from_config(config))  # the CPU runs it too
     model_cls = CCQGLAForCausalLM if spec.family == "gla" else CCQGatedDeltaNetForCausalLM
     return model_cls(config)
 
@@ -400,10 +426,10 @@ def heldout_metrics(model, settings: TrainSettings) -> dict:
 def save_weights(model, spec: ModelSpec, folder: Path, save_dtype: str) -> None:
     """config.json + model.safetensors. Baselines are saved as plain fla models (model_type gla /
     gated_deltanet, no CCQ parameters): fla alone loads them, and ccq_eval loads them with ccq off.
-    The Transformer is a plain transformers Llama checkpoint."""
+    The Transformer and the other baselines are plain transformers / fla checkpoints as they are."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
     model = copy.deepcopy(model).to("cpu", dtype)
-    if spec.ccq or spec.family == "llama":
+    if spec.ccq or spec.twin is None:
         model.config.architectures = [type(model).__name__]
         model.save_pretrained(folder)  # transformers 5 writes safetensors only
         return
@@ -523,7 +549,7 @@ def register_models(out: Path, names: list[str], default: bool = True) -> Path:
             entries[name] = {
                 "path": name,
                 "description": describe(spec, info["parameters"], settings, info["heldout"]),
-                "default": default,
+                "default": default and spec.in_default_run,
             }
             # The card is rendered from the log, so a corrected template reaches shipped models too.
             (folder / "README.md").write_text(model_card(spec, settings, info), encoding="utf-8")

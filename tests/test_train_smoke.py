@@ -19,6 +19,7 @@ import train_settings  # noqa: E402
 import train_tiny  # noqa: E402
 
 from ccq_eval.data.corpora import load_corpus  # noqa: E402
+from ccq_eval.model.families import family_of  # noqa: E402
 from ccq_eval.model.loading import load_model  # noqa: E402
 
 # Small enough for a loaded 2-core CI machine; 320 tokens leave room for synthetic recall docs.
@@ -132,7 +133,9 @@ def test_full_shapes_fit_the_checkpoint_limit():
         model = train_tiny.build_model(spec, train_settings.CONTEXT, smoke=False, seed=0)
         sizes[name] = train_tiny.count_parameters(model, spec.ccq)
         assert sizes[name] * 2 < train_tiny.MAX_CHECKPOINT_BYTES - 100_000, (name, sizes[name])
-        assert model.config.hidden_size == 256 and model.config.num_hidden_layers == 4
+        # Mamba2's blocks have no MLP: twice the layers for about the same size
+        assert model.config.hidden_size == 256 and model.config.num_hidden_layers == (8 if spec.family == "mamba2"
+                                                                                      else 4)
     # CCQ adds only its gate per head and layer: a_h (head_k numbers) and b_h.
     assert sizes["tiny-gla-ccq"] - sizes["tiny-gla"] == 4 * 2 * (64 + 1)  # GLA head_k = 256 * 0.5 / 2
     assert sizes["tiny-gdn-ccq"] - sizes["tiny-gdn"] == 4 * 2 * (64 + 1)  # GDN head_dim 64
@@ -295,6 +298,21 @@ def test_bad_model_name_is_refused_with_the_choices():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_smoke_new_family_baselines_train_save_and_load(tmp_path):
+    """The baselines of other families (fla's own classes, no twin): trained a few steps on the CPU through
+    fla_cpu's ops (backward included), saved as plain fla checkpoints, loaded by ccq-eval's loader."""
+    names = "tiny-deltanet,tiny-kda,tiny-mamba2,tiny-precond-gdn"
+    results = train_tiny.main([*SMOKE_ARGS, "--models", names, "--out", str(tmp_path)])
+    for name, model_type in zip(names.split(","), ("delta_net", "kda", "mamba2", "precond_gated_deltanet")):
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["model_type"] == model_type and not any(key.startswith("ccq") for key in config)
+        assert math.isfinite(results[name]["heldout"]["heldout_perplexity"])
+        model, _ = load_model(str(tmp_path / name))
+        assert type(model).__name__ == family_of(model_type).model_class.__name__  # fla's own class
+        assert "fla's own model" in (tmp_path / name / "README.md").read_text()
+
+
 def test_smoke_gated_deltanet_twins(tmp_path):
     results = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-gdn,tiny-gdn-ccq", "--out", str(tmp_path)])
     for name, model_type in (("tiny-gdn", "gated_deltanet"), ("tiny-gdn-ccq", "ccq_gated_deltanet")):

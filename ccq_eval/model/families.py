@@ -23,6 +23,7 @@ CPU_LAYERS = frozenset({
     "fla.layers.gla:GatedLinearAttention",
     "fla.layers.gated_deltanet:GatedDeltaNet",
     "fla.layers.mamba:Mamba",
+    "fla.layers.rwkv7:RWKV7Attention",
 })
 # fla layers whose cache, once it holds a state, takes one new token per call (each raises "cached decoding
 # only supports a single new token per step"; tests/model/test_families.py finds them in fla's source): a

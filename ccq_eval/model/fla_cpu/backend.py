@@ -173,7 +173,10 @@ def _device_forwards() -> dict[type, tuple[Callable, str]]:
     for family in dispatch.FAMILY_MODULES:
         for path, entry in family.MODULE_FORWARDS.items():
             module_name, _, class_name = path.partition(":")
-            table[getattr(importlib.import_module(module_name), class_name)] = entry
+            module_class = getattr(importlib.import_module(module_name), class_name)
+            if module_class in table:
+                raise RuntimeError(f"{family.__name__} serves {path}, which another table serves already")
+            table[module_class] = entry
     return table
 
 

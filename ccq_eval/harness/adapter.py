@@ -92,18 +92,20 @@ def _parse_cuda_graphs(value: bool | str) -> bool | None:
 
 
 def resolve_fast_path(device_type: str, recurrent: bool, batch_size: int | None, cuda_graphs: bool | None,
-                      *, model_name: str = "the model") -> tuple[int | None, bool]:
+                      *, model_name: str = "the model", measured: bool = True) -> tuple[int | None, bool]:
     """(batch size, CUDA graphs on) from what was asked, None meaning "auto". Auto is the fast path
     for a recurrent fla model on CUDA: graph replay, and batch size None, i.e. each batch as many rows
     as free GPU memory holds for its longest request (ccq_eval.harness.batching), where decoding several
     prompts together is what makes generation fast (one row's decode step leaves the GPU idle). Eager
     batch 1 elsewhere (CPU, other models) and when graphs are turned off. cuda_graphs=True where graphs
-    cannot apply is an error, not a silent fallback."""
+    cannot apply is an error, not a silent fallback. `measured`: whether the family's fast path has been
+    checked against batch 1 on a GPU (families.Family.gpu_fast_path_measured); auto leaves an unmeasured
+    family on the eager batch-1 path, cuda_graphs=True still asks for it."""
     fits = device_type == "cuda" and recurrent
     if cuda_graphs and not fits:
-        raise ValueError("cuda_graphs=True needs a recurrent fla model (GLA / Gated DeltaNet) on a CUDA "
-                         f"device; got {model_name} on {device_type}")
-    graphs = fits if cuda_graphs is None else cuda_graphs
+        raise ValueError("cuda_graphs=True needs a recurrent fla model on a CUDA device; got "
+                         f"{model_name} on {device_type}")
+    graphs = (fits and measured) if cuda_graphs is None else cuda_graphs
     return batch_size or (None if graphs else 1), graphs
 
 
@@ -247,7 +249,8 @@ class CCQEvalLM(LM):
         asked_batch_size = _parse_batch_size(batch_size)
         fixed_batch_size, self.cuda_graphs = resolve_fast_path(
             self._device.type, self.runtime.recurrent, asked_batch_size,
-            _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name)
+            _parse_cuda_graphs(cuda_graphs), model_name=self.runtime.name,
+            measured=self.runtime.gpu_fast_path_measured)
         cpu_auto = asked_batch_size is None and self._device.type == "cpu"
         cpu_generation = CPU_GENERATION_BATCH if cpu_auto and self.runtime.recurrent else None
         self.sizer = self._batch_sizer(fixed_batch_size, chunk_size, logits_chunk, cpu_generation,

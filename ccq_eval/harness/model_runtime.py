@@ -53,6 +53,8 @@ class ModelRuntime:
         backbone, lm_head: an fla model's decoder and output embeddings, else None.
         sliced_cache: whether a text can go through the model in slices of several tokens carrying one cache
             (False for fla's Mamba family, whose cache takes one token per call once it holds a state).
+        gpu_fast_path_measured: whether its family's CUDA fast path (graphs, memory batching) was checked
+            against batch 1 (families.GPU_FAST_PATH_MEASURED); the adapter's auto mode uses it only then.
         recurrent: a purely recurrent fla model (no hybrid attention layers, config.attn): it keeps no
             per-position state, so prompts of different lengths can decode in one batch.
     """
@@ -73,6 +75,7 @@ class ModelRuntime:
         self.backbone, self.lm_head = _backbone_and_head(model)
         family = family_of(getattr(getattr(model, "config", None), "model_type", None))
         self.sliced_cache = family is None or family.sliced_cache
+        self.gpu_fast_path_measured = family is not None and family.gpu_fast_path_measured
         self.recurrent = self.backbone is not None and not getattr(model.config, "attn", None)
 
     @property

@@ -24,6 +24,13 @@ CPU_LAYERS = frozenset({
     "fla.layers.gated_deltanet:GatedDeltaNet",
     "fla.layers.mamba:Mamba",
     "fla.layers.rwkv7:RWKV7Attention",
+    "fla.layers.delta_net:DeltaNet",
+    "fla.layers.kda:KimiDeltaAttention",
+    "fla.layers.precond_gated_deltanet:PrecondGatedDeltaNet",
+    "fla.layers.precond_kda:PrecondKDA",
+    "fla.layers.mamba2:Mamba2",
+    "fla.layers.multiscale_retention:MultiScaleRetention",
+    "fla.layers.hgrn2:HGRN2Attention",
 })
 # fla layers whose cache, once it holds a state, takes one new token per call (each raises "cached decoding
 # only supports a single new token per step"; tests/model/test_families.py finds them in fla's source): a
@@ -34,6 +41,10 @@ ONE_TOKEN_CACHE_LAYERS = frozenset({
     "fla.layers.mamba3:Mamba3",
     "fla.layers.log_linear_mamba2:LogLinearMamba2",
 })
+# Model types whose CUDA fast path (graphed decode and scoring, batches sized by free memory) the GPU tests
+# tie to batch 1 (tests/harness/test_ruler_batch_gpu.py, tests/model/test_graphed_decode.py); the adapter
+# runs other families eagerly at batch 1 on CUDA unless asked otherwise.
+GPU_FAST_PATH_MEASURED = frozenset({"gla", "gated_deltanet", "ccq_gla", "ccq_gated_deltanet"})
 # fla's softmax attention: flash-attn's kernels only (fla/layers/attn.py imports flash_attn), so a family
 # made of it, or a hybrid config that puts it in some layers (`attn`), needs a GPU with flash-attn.
 FLA_ATTENTION = "fla.layers.attn:Attention"
@@ -66,6 +77,10 @@ class Family:
     def sliced_cache(self) -> bool:
         """Whether a text can go through the model in slices of several tokens with one carried cache."""
         return not ONE_TOKEN_CACHE_LAYERS.intersection(self.layers)
+
+    @property
+    def gpu_fast_path_measured(self) -> bool:
+        return self.model_type in GPU_FAST_PATH_MEASURED
 
     @property
     def has_ccq(self) -> bool:

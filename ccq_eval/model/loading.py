@@ -95,6 +95,14 @@ def resolve_checkpoint(name_or_path: str) -> Path:
             f"Use a registered name ({known}) or a local checkpoint folder.") from error
 
 
+def _special_float(fields: dict[str, Any]) -> Any:
+    """transformers writes the floats JSON cannot hold (inf, nan) as {"__float__": "Infinity"} (Mamba2's
+    dt_limit, for instance): read them back as floats, as its own config loader does."""
+    if set(fields) == {"__float__"} and fields["__float__"] in ("Infinity", "-Infinity", "NaN"):
+        return float(fields["__float__"])
+    return fields
+
+
 def _config_file_fields(folder: Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.exists():
@@ -102,7 +110,7 @@ def _config_file_fields(folder: Path) -> dict[str, Any]:
             f"{folder} has no config.json: a checkpoint folder needs config.json and model.safetensors "
             "(a Hugging Face model folder, e.g. written by save_pretrained)")
     try:
-        return json.loads(config_file.read_text(encoding="utf-8"))
+        return json.loads(config_file.read_text(encoding="utf-8"), object_hook=_special_float)
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from error
 

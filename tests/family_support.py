@@ -23,7 +23,9 @@ SHAPES: dict[str, dict] = {
     "precond_gated_deltanet": {"num_heads": 2, "head_dim": 32},
     "precond_kda": {"num_heads": 2, "head_dim": 32},
     "mamba": {"state_size": 8},
-    "mamba2": {"num_heads": 4, "head_dim": 32, "expand": 2, "state_size": 16, "n_groups": 1},
+    # residual_in_fp32 (Mamba2's default) would round a float64 model's residual stream to float32
+    "mamba2": {"num_heads": 4, "head_dim": 32, "expand": 2, "state_size": 16, "n_groups": 1,
+               "residual_in_fp32": False},
     "retnet": {"num_heads": 2},
     "hgrn2": {"num_heads": 2, "expand_ratio": 32},
     "rwkv7": {"head_dim": 32},

@@ -195,10 +195,12 @@ def _hybrid_attention_blocker(attn: object) -> str | None:
 
 
 def config_cpu_blocker(family: Family, config_fields: dict) -> str | None:
-    """Why this checkpoint of `family` cannot run on the CPU (None: it can): its own layers, or an fla hybrid
-    config with softmax-attention layers (`attn`), which need flash-attn."""
+    """Why this checkpoint of `family` cannot run on the CPU (None: it can): its own layers, an fla hybrid
+    config with softmax-attention layers (`attn`), which need flash-attn, or fla's attention residuals."""
     if family.source == "transformers":
         return None
+    if config_fields.get("attnres_block_size"):
+        return "its config turns on fla's attention residuals (\"attnres_block_size\"), a triton-only kernel"
     return _cpu_blocker(family.layers) or _hybrid_attention_blocker(config_fields.get("attn"))
 
 

@@ -65,12 +65,16 @@ def test_a_family_without_cpu_ops_stops_before_loading_in_one_line(tmp_path, mod
     assert "--device cuda" in message
 
 
-def test_a_hybrid_config_with_softmax_attention_layers_stops_on_the_cpu(tmp_path):
-    folder = tiny_checkpoint("gated_deltanet", tmp_path / "hybrid")
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("attn", {"layers": [1], "num_heads": 2}, r"softmax attention \(flash-attn, GPU only\)"),
+    ("attnres_block_size", 2, r"attention residuals .* triton-only"),
+])
+def test_a_config_with_gpu_only_parts_stops_on_the_cpu(tmp_path, field, value, reason):
+    folder = tiny_checkpoint("kda", tmp_path / "kda")
     config = json.loads((folder / "config.json").read_text())
-    config["attn"] = {"layers": [1], "num_heads": 2}
+    config[field] = value
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"softmax attention \(flash-attn, GPU only\).*--device cuda"):
+    with pytest.raises(ModelLoadError, match=reason + ".*--device cuda"):
         load_model(str(folder))
 
 
@@ -142,3 +146,21 @@ def test_only_measured_families_take_the_cuda_fast_path_by_default():
     assert resolve_fast_path("cuda", True, None, None, measured=False) == (1, False)
     assert resolve_fast_path("cuda", True, None, True, measured=False) == (None, True)  # asked for: allowed
     assert resolve_fast_path("cuda", True, None, None, measured=True) == (None, True)
+
+
+def test_mamba2_default_fused_loss_runs_on_the_cpu():
+    """fla's Mamba2 derives from FLAPreTrainedModel alone, not FLAForCausalLM: its fused loss (on by
+    default) is still built as the backend's class, and equals the plain cross entropy of its logits."""
+    import torch.nn.functional as F
+    from family_support import COMMON, SHAPES
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ccq_eval.model import fla_cpu
+
+    config = AutoConfig.for_model("mamba2", **COMMON, **SHAPES["mamba2"])
+    assert config.fuse_cross_entropy
+    model = fla_cpu.use_torch_backend(AutoModelForCausalLM.from_config(config)).double()
+    ids = torch.randint(3, 259, (2, 40))
+    loss = model(input_ids=ids, labels=ids).loss
+    logits = model(input_ids=ids).logits
+    assert torch.allclose(loss, F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()), atol=1e-10)

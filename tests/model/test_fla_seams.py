@@ -34,6 +34,19 @@ FLA_SOURCES = {
     "fla.ops.simple_gla.chunk.chunk_simple_gla": "0c66b0b2eb547da5",
     "fla.ops.simple_gla.chunk.ChunkSimpleGLAFunction.backward": "b666a489102f358c",
     "fla.ops.simple_gla.chunk.chunk_simple_gla_bwd": "c1cfa33191106a58",
+    # the other families' layers whose op names the backend binds (or whose CPU forward follows fla's control
+    # flow: Mamba2, RWKV7's feed-forward, the gated norm, rotary embeddings)
+    "fla.layers.delta_net.DeltaNet.forward": "95810c54f4ae7336",
+    "fla.layers.hgrn2.HGRN2Attention.forward": "0f9f494baf79ef0b",
+    "fla.layers.kda.KimiDeltaAttention.forward": "fc5dedde41cb3d29",
+    "fla.layers.mamba2.Mamba2.forward": "4b562fa0289480d4",
+    "fla.layers.multiscale_retention.MultiScaleRetention.forward": "6d6c4c3c407309cf",
+    "fla.layers.precond_gated_deltanet.PrecondGatedDeltaNet.forward": "b4bbe24e1d5f06cc",
+    "fla.layers.precond_kda.PrecondKDA.forward": "869ff713db41afb2",
+    "fla.layers.rwkv7.RWKV7Attention.forward": "53ed44c88c388a1f",
+    "fla.models.rwkv7.modeling_rwkv7.RWKV7FeedForward.forward": "71893321628cbcb2",
+    "fla.modules.norm.layernorm_gated.RMSNormGated.forward": "341db4f44340805e",
+    "fla.modules.rotary.ops.RotaryEmbedding.forward": "a46539c556634dd8",
 }
 
 

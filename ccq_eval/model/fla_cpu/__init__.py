@@ -1,9 +1,13 @@
-"""A torch backend for flash-linear-attention's triton-only ops, so that fla's GLA and Gated DeltaNet
-models run on CPU (fla 0.6). CUDA tensors keep fla's kernels.
+"""A torch backend for flash-linear-attention's triton-only ops, so that fla's models run on CPU (fla 0.6):
+GLA and Gated DeltaNet, and DeltaNet, KDA, Preconditioned Gated DeltaNet / KDA, Mamba2, RetNet, HGRN2 and
+RWKV7 (ccq_eval.model.families.CPU_LAYERS). CUDA tensors keep fla's kernels.
 
-- `linear_attention`, `delta_rule`, `modules`, `dqkwg`: the torch implementations, one op family
-  each (`torch_*`, device-agnostic, also used by the GPU tests as references).
-- `dispatch`: one table (`OPS`) and the dispatchers with fla's names and signatures.
+- `linear_attention`, `delta_rule`, `modules`, `dqkwg`: the torch implementations for GLA and Gated
+  DeltaNet, one op family each (`torch_*`, device-agnostic, also used by the GPU tests as references);
+- `delta_variants` (with `delta_general`), `mamba2`, `retention`, `rwkv7`: the other families, each with
+  its own OPS and MODULE_FORWARDS tables;
+- `dispatch`: one table (`OPS`, the family tables merged in) and the dispatchers with fla's names and
+  signatures.
 - `backend`: `use_torch_backend(model)` makes one model's fla modules call the dispatchers (subclasses
   of fla's classes, fla's forward code with our op names); fla itself is never patched, so any other
   fla model in the process behaves as without ccq-eval.
@@ -13,7 +17,8 @@ to the dtype fla's kernel would return; recurrent states come back in the comput
 chunked forms are chunkwise (chunk size 64, padded tails) and never build a T x T matrix; long
 sequences run in segments of SEGMENT_TOKENS, each checkpointed under autograd.
 
-Algorithms follow the GLA and Gated DeltaNet papers (Yang et al. 2023 / 2024); the code is ours.
+Algorithms follow the papers of each family (GLA and Gated DeltaNet: Yang et al. 2023 / 2024); the code is
+ours, tied to fla's naive references by the tests.
 """
 
 from ccq_eval.model.fla_cpu.backend import rebind, torch_backend_class, use_torch_backend

@@ -1,4 +1,4 @@
-"""fla's GLA / Gated DeltaNet model modules on CPU, for one model at a time; fla itself is never changed.
+"""fla's model modules on CPU, for one model at a time; fla itself is never changed.
 
 `use_torch_backend(model)` gives each fla module of `model` a subclass of its fla class whose forward
 dispatches on the device of its input: CUDA tensors run fla's own forward (triton), any other device
@@ -273,11 +273,14 @@ def _unpickle_backend_module(fla_cls: type, state: dict) -> nn.Module:
 
 
 def _is_fla_causal_lm(cls: type) -> bool:
-    """An fla causal LM whose loss is fla's own (a class of ours that defines its own is left alone)."""
-    from fla.models.modeling_utils import FLAForCausalLM
+    """An fla causal LM whose loss is fla's own: its forward computes it with fla's _compute_logits_and_loss
+    (FLAForCausalLM's subclasses, and fla's Mamba family, which derives from FLAPreTrainedModel alone); a class
+    of ours that defines its own loss is left alone."""
+    from fla.models.modeling_utils import FLAPreTrainedModel
 
-    return (issubclass(cls, FLAForCausalLM)
-            and cls._compute_logits_and_loss is FLAForCausalLM._compute_logits_and_loss)
+    return (issubclass(cls, FLAPreTrainedModel)
+            and cls._compute_logits_and_loss is FLAPreTrainedModel._compute_logits_and_loss
+            and "_compute_logits_and_loss" in inspect.unwrap(cls.forward).__code__.co_names)
 
 
 @cache

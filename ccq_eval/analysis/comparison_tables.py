@@ -9,7 +9,7 @@ adjusted one; the confidence intervals are per comparison, not adjusted.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -209,13 +209,29 @@ def _summary_picks(comparisons: Comparisons) -> list[tuple[str, str, pd.Series]]
     return picks
 
 
+def _by_backbone(table: pd.DataFrame, comparisons: list, backbones: Mapping[str, str | None]) -> pd.DataFrame:
+    """The summary with its rows grouped by the variant's backbone (a `backbone` column first), where some row
+    sets a variant against a baseline of another backbone; as it is otherwise."""
+    pairs = {f"{variant} vs {baseline}": (backbones.get(variant), backbones.get(baseline))
+             for baseline, variant, _ in comparisons}
+    if not any(None not in pair and pair[0] != pair[1] for pair in pairs.values()):
+        return table
+    grouped = table.copy()
+    grouped.insert(0, "backbone", [pairs[label][0] or "?" for label in grouped.index])
+    order = sorted(range(len(grouped)), key=lambda i: (grouped["backbone"].iloc[i],
+                                                       pairs[grouped.index[i]][1] or "?"))
+    return grouped.iloc[order]
+
+
 def comparison_summary(comparisons: Comparisons, p_adjust: str = DEFAULT_P_ADJUST,
-                       alpha: float = DEFAULT_ALPHA) -> pd.DataFrame:
+                       alpha: float = DEFAULT_ALPHA, backbones: Mapping[str, str | None] | None = None) -> pd.DataFrame:
     """compare_models' frames of several (baseline, variant) pairs as one table: a row per pair, a column
     per task, each cell "delta [CI low, CI high], p = P" and the significance mark, over all of the task's
     paired samples (S-NIAH and the other RULER tasks: every length pooled) or, where a task has no such
     group (the perplexity sweep: one value per length), at its longest length ("@2048" in the column's
-    name). P is adjusted by `p_adjust` over the cells of this table, the raw p-value beside it."""
+    name). P is adjusted by `p_adjust` over the cells of this table, the raw p-value beside it. `backbones`
+    (model -> family without CCQ): rows that set a model against another family's are grouped by backbone."""
+    comparisons = list(comparisons)
     picks = _summary_picks(comparisons)
     raw = np.array([float(row["p_value"]) for _, _, row in picks])
     adjusted = adjust_p_values(raw, p_adjust)
@@ -229,16 +245,17 @@ def comparison_summary(comparisons: Comparisons, p_adjust: str = DEFAULT_P_ADJUS
                      f"({METHOD_NAMES[p_adjust]}; raw {p_value:.2g})")
         rows.setdefault(label, {})[column] = text
     table = pd.DataFrame.from_dict(rows, orient="index").rename_axis("comparison")
+    table = _by_backbone(table, comparisons, backbones or {})
     table.attrs["p_family"] = family_size(raw)
     return table
 
 
 def render_summary(comparisons: Comparisons, fmt: str = "markdown", alpha: float = DEFAULT_ALPHA,
-                   p_adjust: str = DEFAULT_P_ADJUST) -> str:
+                   p_adjust: str = DEFAULT_P_ADJUST, backbones: Mapping[str, str | None] | None = None) -> str:
     """comparison_summary as `compare --summary` prints it, with the note that says how to read it."""
     check_p_adjust(p_adjust)
     comparisons = list(comparisons)
-    table = comparison_summary(comparisons, p_adjust, alpha)
+    table = comparison_summary(comparisons, p_adjust, alpha, backbones)
     if fmt == "csv":
         return csv_safe(table).to_csv()
     if fmt == "latex":

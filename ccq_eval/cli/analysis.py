@@ -94,10 +94,12 @@ def table(
 
 def compare(
     results: ResultsArg,
-    baseline: Annotated[str | None, typer.Option(
-        help="Model name of the baseline (as in the results); default: every CCQ pair NAME / NAME-ccq and every "
+    baseline: Annotated[list[str] | None, typer.Option(
+        help="Model name of the baseline (as in the results; repeat it to set each variant against several, e.g. "
+        "the baselines of other families); default: every CCQ pair NAME / NAME-ccq and every "
         "`run --ccq-attach` lambda against its plain model.")] = None,
-    variant: Annotated[str | None, typer.Option(help="Model name of the variant.")] = None,
+    variant: Annotated[list[str] | None, typer.Option(
+        help="Model name of the variant (repeat it for several: each is set against each baseline).")] = None,
     metric: Annotated[str | None, typer.Option(
         help="Metric to compare (default: each task's primary one; a zero-shot task: each metric of the papers' "
         "table, LAMBADA's perplexity and acc).")] = None,
@@ -108,7 +110,8 @@ def compare(
     p_adjust: PAdjustOpt = PAdjust.holm,
     summary: Annotated[bool, typer.Option(
         help="One table, a row per comparison and a column per task: delta [CI], p over all of a task's samples "
-        "(perplexity: at the longest length).")] = False,
+        "(perplexity: at the longest length); rows that set a model against another family's are grouped by "
+        "backbone.")] = False,
     output: OutputFileOpt = None,
 ) -> None:
     """Variant vs baseline per task and length: delta, paired bootstrap CI, McNemar / sign-test p-value,
@@ -133,7 +136,7 @@ def compare(
                 fail(f"{results} holds no CCQ pair NAME / NAME-ccq and no --ccq-attach sweep with its plain model "
                      f"(models: {names}); name the two models with --baseline and --variant")
         else:
-            pairs = [(baseline, variant)]
+            pairs = [(base, var) for var in dict.fromkeys(variant) for base in dict.fromkeys(baseline)]
         compared_models = {name for pair in pairs for name in pair}
         missing = [unit.missing_samples() for unit in units if unit.model in compared_models]
         if any(missing):  # its rows would be left out without a word
@@ -142,8 +145,12 @@ def compare(
                                                      alpha=alpha, p_adjust=p_adjust.value)) for base, var in pairs]
     except UserError as exc:
         fail(str(exc))
-    render = stats.render_summary if summary else stats.render_comparisons
-    emit(render(compared, format.value, alpha=alpha, p_adjust=p_adjust.value), output)
+    if summary:
+        backbones = {unit.model: unit.backbone for unit in units}
+        emit(stats.render_summary(compared, format.value, alpha=alpha, p_adjust=p_adjust.value, backbones=backbones),
+             output)
+    else:
+        emit(stats.render_comparisons(compared, format.value, alpha=alpha, p_adjust=p_adjust.value), output)
 
 
 def figures(

@@ -176,6 +176,8 @@ class LmEvalUnitEvaluator:
         samples = results.pop("samples", {}) or {}
         meta = {
             "model_config_sha256": model_config_sha256(model),
+            # the family that ran (`compare --summary` groups by it): config.json's model_type as loaded
+            "model_type": getattr(getattr(model, "config", None), "model_type", None),
             "truncation": truncation,
             "requests_from_cache": wrapped.cached_count,
             "requests_computed": wrapped.computed_count,

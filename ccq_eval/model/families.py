@@ -18,7 +18,8 @@ import inspect
 from dataclasses import dataclass
 from functools import cache
 
-# fla layers (module:class) whose every op fla_cpu serves on the CPU (tests/model/test_fla_cpu_*.py).
+# fla layers (module:class) that run on the CPU: every op served by fla_cpu (tests/model/test_fla_cpu_*.py), or
+# torch already (fla's Mamba); tests/model/test_families.py runs a tiny model of each family through the adapter.
 CPU_LAYERS = frozenset({
     "fla.layers.gla:GatedLinearAttention",
     "fla.layers.gated_deltanet:GatedDeltaNet",
@@ -104,7 +105,7 @@ def _cpu_blocker(layers: tuple[str, ...]) -> str | None:
     other layers is the hybrid option (config `attn`), checked per checkpoint by config_cpu_blocker."""
     own_layers = [layer for layer in layers if layer != FLA_ATTENTION] or list(layers)
     if not own_layers:
-        return "its modeling code names no fla layer ccq-eval knows"
+        return "its modeling code names no fla layer, so ccq-eval cannot tell which ops it needs"
     if own_layers == [FLA_ATTENTION]:
         return "fla's softmax attention runs on flash-attn's GPU kernels only"
     missing = [layer.partition(":")[2] for layer in own_layers if layer not in CPU_LAYERS]

@@ -61,6 +61,13 @@ class StoredUnit:
         return str(name)
 
     @property
+    def backbone(self) -> str | None:
+        """The model's family without CCQ (meta.json's model_type, `ccq_` dropped); None where a unit does not
+        record it (units stored before it did, lm-eval's layout)."""
+        model_type = self.meta.get("model_type")
+        return model_type.removeprefix("ccq_") if isinstance(model_type, str) else None
+
+    @property
     def spec(self) -> dict[str, Any]:
         """What the unit was asked to compute (its unit.json, in the current form), {} for lm-eval's layout."""
         if not is_unit_results(self.results_path):

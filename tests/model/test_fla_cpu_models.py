@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_support import prefill_then_decode
 from fla.models import (
     GatedDeltaNetConfig,
     GatedDeltaNetForCausalLM,
@@ -94,17 +95,8 @@ def test_chunked_prefill_then_decode_equals_full_forward(name):
     ids = torch.randint(0, VOCAB, (2, 160))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        cache = Cache()
-        pieces = []
-        # slices above 64 tokens run the chunk kernels, slices <= 64 the recurrent ones
-        for a, b in [(0, 70), (70, 100), (100, 150)]:
-            out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
-            assert out.past_key_values is cache
-            pieces.append(out.logits)
-        for t in range(150, 160):
-            pieces.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
-    assert cache.get_seq_length() == 160
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-9, atol=1e-9)
+    logits, _ = prefill_then_decode(model, ids)
+    torch.testing.assert_close(logits, full, rtol=1e-9, atol=1e-9)
 
 
 def test_decode_with_autograd_enabled_matches_no_grad():

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_support import CHUNKED_PREFILL, prefill_then_decode
 from fla.models.utils import Cache
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -372,18 +373,12 @@ def test_prefill_then_decode_equals_full_forward(name):
     ids = torch.randint(0, VOCAB, (2, 160))
     # RetNet / HGRN2: slices above 64 tokens run the chunk kernels, slices <= 64 the recurrent ones.
     # Mamba2 (fla 0.6) takes one prefill and then single tokens only (see the refusal test).
-    prefill = [(0, 150)] if name.startswith("mamba2") else [(0, 70), (70, 100), (100, 150)]
+    prefill = ((0, 150),) if name.startswith("mamba2") else CHUNKED_PREFILL
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        assert torch.isfinite(full).all()
-        cache = Cache()
-        pieces = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in prefill]
-        for t in range(150, 160):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            assert out.past_key_values is cache
-            pieces.append(out.logits)
-    assert cache.get_seq_length() == 160
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-8, atol=1e-8)
+    assert torch.isfinite(full).all()
+    logits, _ = prefill_then_decode(model, ids, prefill)
+    torch.testing.assert_close(logits, full, rtol=1e-8, atol=1e-8)
 
 
 def test_mamba2_model_refuses_a_multi_token_step_with_a_cache_as_fla():

@@ -13,6 +13,7 @@ import fla.models  # noqa: F401  (registers fla's configs with transformers' Aut
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_support import prefill_then_decode
 from fla.models.utils import Cache
 from fla.modules.norm.layernorm import group_norm_ref, layer_norm_ref
 from fla.modules.token_shift import token_shift_ref
@@ -307,18 +308,9 @@ def test_chunked_prefill_then_decode_equals_full_forward(fuse_norm):
     ids = torch.randint(0, VOCAB, (2, 160))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        cache = Cache()
-        pieces = []
-        # slices of 64 tokens or more run the chunk form, shorter ones (no grad) the recurrent one
-        for a, b in [(0, 70), (70, 100), (100, 150)]:
-            out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
-            assert out.past_key_values is cache
-            pieces.append(out.logits)
-        for t in range(150, 160):
-            pieces.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
-    assert cache.get_seq_length() == 160
+    logits, cache = prefill_then_decode(model, ids)
     assert cache[0]["recurrent_state"].dtype == F64
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(logits, full, rtol=1e-9, atol=1e-9)
 
 
 def test_decode_with_autograd_enabled_matches_no_grad():

@@ -248,9 +248,14 @@ def config_summary(model) -> str:
         return (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads of "
                 f"{c.hidden_size // c.num_attention_heads}, MLP {c.intermediate_size}")
     parts = [f"hidden {c.hidden_size}", f"{c.num_hidden_layers} layers", f"{c.num_heads} heads"]
-    layer = model.model.layers[0].attn
-    parts.append(f"head_k {layer.head_k_dim}, head_v {layer.head_v_dim}")
-    parts.append(f"MLP {model.model.layers[0].mlp.intermediate_size}")
+    block = model.base_model.layers[0]  # fla's blocks hold their token mixer as `attn` (Mamba2: `mixer`)
+    layer = getattr(block, "attn", None) or block.mixer
+    if hasattr(layer, "head_k_dim"):
+        parts.append(f"head_k {layer.head_k_dim}, head_v {layer.head_v_dim}")
+    else:
+        parts.append(f"head_dim {layer.head_dim}, state {layer.ssm_state_size}")
+    if getattr(block, "mlp", None) is not None:
+        parts.append(f"MLP {block.mlp.intermediate_size}")
     if getattr(c, "use_short_conv", False):
         parts.append(f"short conv {c.conv_size}")
     return ", ".join(parts)

@@ -173,7 +173,8 @@ def _heatmap_labels(ax: plt.Axes, image, values: np.ndarray, vmax: float) -> Non
 
 def ruler_heatmaps(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAULT_THRESHOLD) -> list[Path]:
     """RULER's task x length accuracy, one figure per model with the average row beneath its tasks and the
-    effective length at `threshold` in the title; drawn when the results hold RULER tasks beyond S-NIAH."""
+    effective length at `threshold` in the title (a model without RULER's 13 tasks has none: the title says how
+    many it has); drawn when the results hold RULER tasks beyond S-NIAH."""
     if not set(ruler.ruler_values(tidy)["family"]) - {"s-niah"}:
         return []
     paths = []
@@ -190,9 +191,10 @@ def ruler_heatmaps(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAU
             ax.axhline(len(block.tasks) - 0.5, color="white", linewidth=2)
             ax.set_xlabel("context length (tokens)")
             _heatmap_labels(ax, image, values, 100.0)
-            effective = ruler.effective_length_label(block.effective, block.lengths)
-            ax.set_title(f"{block.model}: RULER accuracy by task and length\n"
-                         f"effective length {effective} (average at or above {threshold:g})")
+            effective = (f"effective length {block.effective_label} (average at or above {threshold:g})"
+                         if block.complete else
+                         f"no effective length: {block.ruler_task_count} of {ruler.RULER_TASK_COUNT} RULER tasks")
+            ax.set_title(f"{block.model}: RULER accuracy by task and length\n{effective}")
             fig.colorbar(image, ax=ax, shrink=0.8, label="accuracy")
             paths += save_figure(fig, out, f"ruler_heatmap_{safe_name(block.model)}")
     return paths

@@ -14,6 +14,11 @@ threshold at the shortest length has none ("<4K"), one above it at every length 
 longest (">128K"). Tables here write those "below 4K" and "at least 128K". Precisely: lengths are taken
 in increasing order, and the effective length is the last one before the first length whose average is
 below the threshold, failed (NaN / inf) or undefined (a task of the model lacks that length).
+
+RULER's average, and so its effective length, is over its 13 tasks: a model whose results hold fewer (or
+other tasks of the families beside them) gets its average over the tasks it has, labelled with their count,
+and no effective length, since an average over a few tasks (S-NIAH alone is far easier than the rest) is
+not comparable with RULER's threshold or with another model's effective length.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ RULER_FAMILIES: tuple[TaskFamily, ...] = (S_NIAH, RULER_NIAH, RULER_VT, RULER_AG
 RULER_FAMILY_NAMES = tuple(family.name for family in RULER_FAMILIES)
 DEFAULT_THRESHOLD = 85.6  # RULER's: Llama-2-7B's average at 4K, in % (its README)
 RULER_TASK_COUNT = len(RULER_TASKS)
+NOT_DEFINED = "n/a"  # the effective length of a model without RULER's full task set
 
 
 def ruler_order(task: str, family: str) -> tuple[int, int, str]:
@@ -92,7 +98,8 @@ class RulerBlock:
     """One model's RULER results: `values` is task x length (lm-eval task names in RULER's order, lengths in
     tokens), `present` says which of those cells the results hold (a failed, non-finite value included),
     `averages` the mean over all the tasks at each length where every task has a value (NaN when one of them
-    failed), `effective` the effective length at `threshold`."""
+    failed), `effective` the effective length at `threshold`, None where the average is below it at the
+    shortest length and where the block does not hold RULER's 13 tasks (`complete`)."""
 
     model: str
     values: pd.DataFrame
@@ -115,6 +122,17 @@ class RulerBlock:
         return sum(task in RULER_TASKS for task in self.tasks)
 
     @property
+    def complete(self) -> bool:
+        """Whether the block holds exactly RULER's 13 tasks, the set its average and effective length are
+        defined over."""
+        return set(self.tasks) == set(RULER_TASKS)
+
+    @property
+    def effective_label(self) -> str:
+        """The effective length as printed: 'n/a' for a block without RULER's full task set."""
+        return effective_length_label(self.effective, self.lengths) if self.complete else NOT_DEFINED
+
+    @property
     def average_label(self) -> str:
         ruler = f"{self.ruler_task_count} of {RULER_TASK_COUNT}"
         others = len(self.tasks) - self.ruler_task_count
@@ -133,8 +151,9 @@ def _model_block(model: str, own: pd.DataFrame, threshold: float) -> RulerBlock:
         if present[length].all():  # a task without this length leaves it without an average
             column = values[length]
             averages[length] = math.fsum(column) / len(column) if column.map(math.isfinite).all() else math.nan
+    complete = set(tasks) == set(RULER_TASKS)
     return RulerBlock(model, values, present, averages, float(threshold),
-                      effective_length(lengths, averages, threshold))
+                      effective_length(lengths, averages, threshold) if complete else None)
 
 
 def ruler_blocks(tidy: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD) -> list[RulerBlock]:
@@ -169,7 +188,7 @@ def summary_frame(blocks: Sequence[RulerBlock]) -> pd.DataFrame:
         line: dict[str, object] = {"tasks": f"{block.ruler_task_count} of {RULER_TASK_COUNT}"}
         for length in lengths:
             line[length_label(length)] = _shown(block.averages[length]) if length in block.averages else None
-        line["effective length"] = effective_length_label(block.effective, block.lengths)
+        line["effective length"] = block.effective_label
         rows[block.model] = line
     frame = pd.DataFrame.from_dict(rows, orient="index", dtype=object)
     frame.index.name = "model"
@@ -178,10 +197,12 @@ def summary_frame(blocks: Sequence[RulerBlock]) -> pd.DataFrame:
 
 def ruler_note(threshold: float) -> str:
     return (f"accuracy in % (RULER string match); average: over the model's RULER tasks at each length, '-' "
-            f"where one of them lacks that length; effective length: the longest length whose average, and "
-            f"the average at every shorter length, is at or above {threshold:g} (RULER's threshold "
-            f"{DEFAULT_THRESHOLD:g} is Llama-2-7B's average at 4K); 'below L': below it already at the "
-            f"shortest length L; 'at least L': at or above it at every length evaluated, the longest being L")
+            f"where one of them lacks that length; effective length: only for a model with all "
+            f"{RULER_TASK_COUNT} of RULER's tasks ('{NOT_DEFINED}' otherwise: an average over fewer tasks is not "
+            f"RULER's), the longest length whose average, and the average at every shorter length, is at or above "
+            f"{threshold:g} (RULER's threshold {DEFAULT_THRESHOLD:g} is Llama-2-7B's average at 4K); 'below L': "
+            f"below it already at the shortest length L; 'at least L': at or above it at every length "
+            f"evaluated, the longest being L")
 
 
 def ruler_tables(tidy: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD) -> list[tuple[str, pd.DataFrame]]:

@@ -11,6 +11,7 @@ from ccq_eval import logs
 from ccq_eval.cli.common import Dtype, given_path, path_option
 from ccq_eval.cli.errors import fail
 from ccq_eval.errors import UserError
+from ccq_eval.harness.run_options import DEFAULT_SEED
 
 
 def inspect(
@@ -20,7 +21,8 @@ def inspect(
         "CCQ; repeat for several.")],
     task: Annotated[str, typer.Option("--task", "-t", help=(
         "s-niah-1, s-niah-2, s-niah-3, or a task with distractor needles: niah-multikey-1/2/3, "
-        "niah-multivalue, niah-multiquery."))] = "s-niah-1",
+        "niah-multivalue, niah-multiquery (the names `run` takes; their lm-eval names ccq_... too)."))]
+    = "s-niah-1",
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, e.g. 1k,4k (k = 1024).")] = "1k",
     depths: Annotated[str, typer.Option(help="Needle depths in percent, e.g. 0,50,100.")] = "0,50,100",
     output: Annotated[Path, typer.Option("--output", "-o", parser=path_option, metavar="PATH",
@@ -33,9 +35,9 @@ def inspect(
     baseline_lambda: Annotated[float | None, typer.Option(
         help="Constant lambda of the CCQ read computed for baselines (default: the gate's initial value, "
         "ccq_lambda_max * sigmoid(ccq_gate_bias_init) = 2 for the default config).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the task's keys and values (the tasks' default: 42; "
-                                            "`run` passes its --seed, 0 by default: give that to inspect a "
-                                            "run's prompts).")] = 42,
+    seed: Annotated[int, typer.Option(help="Seed of the task's keys and values, as `run --seed` (the same "
+                                            "default: a run's prompts unless it was given another).")]
+    = DEFAULT_SEED,
     mechanism_figure: Annotated[Path | None, typer.Option(
         help="Also write one small PNG here (e.g. docs/ccq-mechanism.png): the needle share of the read per "
         "layer, CCQ's read against the plain one (lambda = 0), one panel per model.")] = None,

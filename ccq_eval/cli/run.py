@@ -13,6 +13,7 @@ from ccq_eval import logs
 from ccq_eval.cli.common import Dtype, given_path, path_option
 from ccq_eval.cli.errors import debugging, fail, one_line
 from ccq_eval.errors import UserError
+from ccq_eval.harness.run_options import DEFAULT_SEED
 
 if TYPE_CHECKING:  # the harness is imported lazily (argument errors appear at once)
     from ccq_eval.harness.plan import RunPlan
@@ -25,7 +26,8 @@ ModelOpt = Annotated[list[str], typer.Option(
 TaskOpt = Annotated[list[str], typer.Option(
     "--task", "-t", metavar="<task>",
     help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot; "
-    "`ccq-eval tasks` lists them) or lm-eval task name; repeat for several. Default: s-niah and ppl.")]
+    "`ccq-eval tasks` lists them) or lm-eval task name, but for those of lm-eval's RULER port (ruler_vt, "
+    "niah_single_1, ...: use ours); repeat for several. Default: s-niah and ppl.")]
 # Values of --suite (ccq_eval.harness.suites.SUITES, listed here so that --help needs no import).
 SuiteName = Enum("SuiteName", {name: name for name in ("paper", "ruler", "zeroshot")}, type=str)
 # Values of --rolling-windows (ccq_eval.harness.zeroshot.ROLLING_PROTOCOLS).
@@ -108,7 +110,7 @@ def run(
     dtype: DtypeOpt = Dtype.auto,
     batch_size: BatchSizeOpt = None,
     max_length: MaxLengthOpt = None,
-    seed: SeedOpt = 0,
+    seed: SeedOpt = DEFAULT_SEED,
     output: OutputOpt = Path("results/latest"),
     lm_eval_arg: LmEvalArgOpt = [],  # noqa: B006
     longbench_dir: LongBenchDirOpt = None,

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The seed of `ccq-eval run` and `ccq-eval inspect` when none is given: one value, so that inspect looks at the
+# prompts a run evaluates. It stays 0, the seed every committed result under results/ was made with.
+DEFAULT_SEED = 0
+
 
 @dataclass
 class RunOptions:
@@ -20,7 +24,7 @@ class RunOptions:
     dtype: str | None = "auto"  # resolve_dtype
     batch_size: int | None = None  # None: the adapter's auto (from free memory on the fast path, else 1)
     max_length: int | None = None
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     output: Path = Path("results/latest")
     lm_eval_args: list[str] = field(default_factory=list)
     longbench_dir: Path | None = None

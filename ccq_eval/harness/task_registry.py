@@ -7,7 +7,9 @@ users type.
     list_tasks()                          -> {user-facing name: one-line description}
 
 User aliases: s-niah (all three), s-niah-1/2/3, ppl (both protocols), ppl-buckets, ppl-sweep,
-longbench, longbench-e; our lm-eval names (ccq_...) and any lm-eval task name work too.
+longbench, longbench-e, the RULER ones (ALIASES); our lm-eval names (ccq_...) and any lm-eval task name
+work too, but for those of lm-eval's RULER port (LMEVAL_RULER_PORT), which stop with a line naming ours.
+`run --task` and `inspect --task` both resolve names here.
 Groups of ours resolve to their leaf tasks, so a run can store and resume them one by one.
 """
 
@@ -46,6 +48,9 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     "s-niah-3": (("ccq_s_niah_3",), "S-NIAH-3: UUID in essays"),
     "niah-multikey": (("ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_niah_multikey_3"),
                       "RULER multi-key NIAH: distractor needles in essays; needles as haystack (words, UUIDs)"),
+    "niah-multikey-1": (("ccq_niah_multikey_1",), "RULER multi-key NIAH 1: three distractor needles in essays"),
+    "niah-multikey-2": (("ccq_niah_multikey_2",), "RULER multi-key NIAH 2: needles (words) as the haystack"),
+    "niah-multikey-3": (("ccq_niah_multikey_3",), "RULER multi-key NIAH 3: needles (UUIDs) as the haystack"),
     "niah-multivalue": (("ccq_niah_multivalue",), "RULER multi-value NIAH: four values under one key"),
     "niah-multiquery": (("ccq_niah_multiquery",), "RULER multi-query NIAH: four keys asked at once"),
     "ruler-vt": (("ccq_ruler_vt",), "RULER variable tracking: follow a chain of assignments"),
@@ -64,12 +69,35 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
 # Alias targets that are lm-eval's own tasks, not ours: they resolve as they are.
 LMEVAL_ALIAS_TARGETS = frozenset(ZEROSHOT_TASKS)
 
+# lm-eval's own port of RULER (lm_eval/tasks/ruler, lm-eval 0.4.13): its task names, its tag and the name of
+# ours that runs the same RULER task. The port is not run under these names, nor quietly swapped for ours:
+# its prompts, sizes, grid and QA scoring differ from ours (each task folder's README lists how), so numbers
+# under its name would not be its numbers; it also loads its tokenizer from the hub and downloads its essays,
+# and its variable-tracking example search never ends with a byte-level tokenizer. A name of it stops
+# planning with one line that names ours (lm-eval's own CLI, `ccq-eval lm-eval run`, still runs the port).
+LMEVAL_RULER_PORT: dict[str, str] = {
+    **{f"niah_single_{i}": f"s-niah-{i}" for i in (1, 2, 3)},
+    **{f"niah_multikey_{i}": f"niah-multikey-{i}" for i in (1, 2, 3)},
+    "niah_multivalue": "niah-multivalue",
+    "niah_multiquery": "niah-multiquery",
+    "ruler_vt": "ruler-vt",
+    "ruler_cwe": "ruler-cwe",
+    "ruler_fwe": "ruler-fwe",
+    "ruler_qa_squad": "ccq_ruler_qa_squad",
+    "ruler_qa_hotpot": "ccq_ruler_qa_hotpot",
+    "longcxt": "ruler",  # the port's tag of its 13 tasks (its group `ruler` is our alias)
+}
+
 
 class UnknownTaskError(UserError, KeyError, ValueError):
     """A task name that is neither an alias, one of our tasks, nor an lm-eval task."""
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+class LmEvalPortTaskError(UnknownTaskError):
+    """A name of lm-eval's RULER port (LMEVAL_RULER_PORT); the message names ours."""
 
 
 def tasks_dir() -> Path:
@@ -247,22 +275,38 @@ def list_tasks() -> dict[str, str]:
     return names
 
 
+def lmeval_ruler_port_message(name: str) -> str:
+    """The one line that stops a name of lm-eval's RULER port (LMEVAL_RULER_PORT) and names ours."""
+    ours = LMEVAL_RULER_PORT[name]
+    targets = ALIASES[ours][0] if ours in ALIASES else (ours,)
+    if len(targets) > 1:  # an alias of several tasks: what it holds
+        which = f"{ours} ({ALIASES[ours][1]})"
+    else:  # an alias of one task with its lm-eval name, or that name alone
+        which = ours if targets[0] == ours else f"{ours} ({targets[0]})"
+    return (f"task {name!r} is lm-eval's own port of RULER, which ccq-eval does not run: ours is {which}; "
+            f"docs/tasks.md says how it follows RULER, and lm-eval's CLI runs the port (ccq-eval lm-eval run "
+            f"--tasks {name} ...)")
+
+
 def valid_names_message() -> str:
     return (f"valid names: {', '.join(ALIASES)}; our lm-eval tasks: {', '.join(our_task_names())}; "
             "or any lm-eval task name (see `lm-eval ls tasks`)")
 
 
-def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list[str]:
+def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True, ours_only: bool = False) -> list[str]:
     """User task names -> lm-eval task names, in order, without duplicates.
 
     Aliases and our groups expand to leaf tasks (unless expand_groups=False); other lm-eval
-    names pass through when lm-eval knows them. Raises UnknownTaskError (a KeyError) naming
-    the valid choices."""
+    names pass through when lm-eval knows them (never with ours_only), but for those of lm-eval's
+    RULER port (LMEVAL_RULER_PORT). Raises UnknownTaskError (a KeyError) naming the valid choices,
+    or for a name of the port, ours."""
     if isinstance(names, str):
         names = [part.strip() for part in names.split(",") if part.strip()]
     index = _our_index()
     resolved: list[str] = []
     for name in names:
+        if name in LMEVAL_RULER_PORT and name not in ALIASES and name not in index:
+            raise LmEvalPortTaskError(lmeval_ruler_port_message(name))
         if name in ALIASES:
             targets = list(ALIASES[name][0])
             missing = [t for t in targets if t not in index and t not in LMEVAL_ALIAS_TARGETS]
@@ -271,7 +315,7 @@ def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True) -> list
                                        "does not define (is that task family installed?)")
         elif name in index:
             targets = [name]
-        elif not name.startswith("ccq_") and name in _default_index():  # ccq_ names are ours only
+        elif not ours_only and not name.startswith("ccq_") and name in _default_index():  # ccq_ names: ours only
             resolved += [name] if name not in resolved else []
             continue
         else:

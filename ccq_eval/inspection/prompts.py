@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ccq_eval.harness.run_options import DEFAULT_SEED
 from ccq_eval.inspection import InspectError
 
 # The task folder (ccq_eval.tasks.<folder>.utils) whose generate_docs builds each variant's prompts.
@@ -27,10 +28,9 @@ VARIANT_FOLDERS = {
     "niah_multivalue": "ruler_niah",
     "niah_multiquery": "ruler_niah",
 }
-# `ccq-eval inspect --task` names -> variant: the alias (s-niah-1, niah-multikey-2), the lm-eval task name
-# (ccq_s_niah_1) and the variant itself (s_niah_1).
-TASKS = {name: variant for variant in VARIANT_FOLDERS
-         for name in (variant.replace("_", "-"), f"ccq_{variant}", variant)}
+# The lm-eval task of each variant; `inspect --task` takes `run --task`'s names for them (ccq_eval.harness.
+# task_registry: the alias, s-niah-1 or niah-multikey-2, or the lm-eval name, ccq_s_niah_1).
+VARIANT_TASKS = {f"ccq_{variant}": variant for variant in VARIANT_FOLDERS}
 # Every needle of these tasks reads "One of the special magic {numbers|uuids} for {key} is: {value}."
 # (RULER's needle, tasks/s_niah/construction.py); the value is digits or a UUID.
 _NEEDLE = re.compile(r"One of the special magic (?:numbers|uuids) for \S+ is: (?P<value>[0-9a-f-]+)\.")
@@ -57,10 +57,23 @@ class NeedlePrompt:
 
 
 def resolve_task(name: str) -> str:
-    if name not in TASKS:
-        choices = ", ".join(variant.replace("_", "-") for variant in VARIANT_FOLDERS)
-        raise InspectError(f"inspect --task {name!r}: choose one of {choices}")
-    return TASKS[name]
+    """An `inspect --task` name -> its variant, through `run`'s vocabulary, so that both commands take the
+    same names for the same task; a name of lm-eval's RULER port stops with `run`'s line that names ours."""
+    from ccq_eval.harness.task_registry import LMEVAL_RULER_PORT, LmEvalPortTaskError, UnknownTaskError, resolve_tasks
+
+    choices = ", ".join(variant.replace("_", "-") for variant in VARIANT_FOLDERS)
+    try:
+        tasks = resolve_tasks([name], ours_only=True)
+    except LmEvalPortTaskError as error:  # name ours where inspect reads it, else list inspect's tasks
+        if resolve_tasks([LMEVAL_RULER_PORT[name]])[0] in VARIANT_TASKS:
+            raise InspectError(str(error)) from None
+        raise InspectError(f"inspect --task {name!r}: choose one of {choices}") from None
+    except UnknownTaskError:
+        raise InspectError(f"inspect --task {name!r}: choose one of {choices}") from None
+    if len(tasks) != 1 or tasks[0] not in VARIANT_TASKS:
+        raise InspectError(f"inspect --task {name!r}: choose one of {choices} (one task; their lm-eval names "
+                           "ccq_s_niah_1, ... work too)")
+    return VARIANT_TASKS[tasks[0]]
 
 
 def task_utils(variant: str):
@@ -98,7 +111,8 @@ def char_span_to_tokens(tokenizer: Any, text: str, start: int, end: int) -> tupl
     return bounds[0], bounds[1]
 
 
-def needle_prompts(task: str, tokenizer_spec: str, lengths: list[int], depths: list[float], seed: int = 42,
+def needle_prompts(task: str, tokenizer_spec: str, lengths: list[int], depths: list[float],
+                   seed: int = DEFAULT_SEED,
                    samples_per_cell: int = 1) -> list[NeedlePrompt]:
     """The prompts of one NIAH task for a tokenizer (a folder or 'byt5'), with token spans."""
     variant = resolve_task(task)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from ccq_eval.analysis.formatting import csv_safe
+from ccq_eval.harness.run_options import DEFAULT_SEED
 from ccq_eval.inspection import InspectError
 from ccq_eval.inspection.prompts import needle_prompts, resolve_task
 
@@ -41,7 +42,7 @@ class InspectOptions:
     dtype: str = "float32"
     positions: int = DEFAULT_POSITIONS
     baseline_lambda: float | None = None
-    seed: int = 42
+    seed: int = DEFAULT_SEED
     samples_per_cell: int = 1
     mechanism_figure: Path | None = None  # also write figures.mechanism_figure's PNG here
 

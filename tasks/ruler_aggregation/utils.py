@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from ccq_eval.tasks.s_niah.construction import (
+    METRIC_LENGTHS,
     as_dataset,
     cell_rng,
     doc_to_target,
@@ -296,6 +297,29 @@ class FweSample(NamedTuple):
     answer_counts: list[int]
 
 
+def fwe_minimum_length(tokenizer: Any, ranked: Sequence[str], shuffle_seed: int, start: int) -> int:
+    """The smallest nominal length from `start` on whose own smallest text with a defined answer fits it.
+    The vocabulary grows with the length ((length - 50) // 50 words) and with it that smallest text
+    (27 words with a 4-word vocabulary, 53 from 5 words on), so the length a too-short length's text would
+    need is not enough: each candidate is sized with its own vocabulary, `ranked`'s words first and more
+    coded words drawn after them (the smallest texts show only the first five or so ranks). The tokens a
+    candidate needs never fall as it grows, so stepping to them finds the smallest."""
+    def vocabulary(size: int) -> list[str]:  # `ranked`, then the same extra words for every size
+        extra = [word for word in draw_coded_words(random.Random(shuffle_seed), size + len(ranked))
+                 if word not in ranked]
+        return list(ranked) + extra[: max(0, size - len(ranked))]
+
+    candidate = start
+    while True:
+        words = vocabulary(fwe_vocab_size(candidate))
+        size = fwe_min_words(len(words))
+        text = fwe_question(fwe_context(words, size, shuffle_seed)[0])
+        needed = prompt_token_count(tokenizer, text) + FWE_BUDGET
+        if needed <= candidate:
+            return candidate
+        candidate = needed
+
+
 def make_fwe_sample(tokenizer: Any, ranked: Sequence[str], shuffle_seed: int, *, length: int,
                     guess: int) -> FweSample:
     """The prompt with the largest num_words that fits length - FWE_BUDGET tokens."""
@@ -307,10 +331,17 @@ def make_fwe_sample(tokenizer: Any, ranked: Sequence[str], shuffle_seed: int, *,
         return prompt_token_count(tokenizer, fwe_question(fwe_context(ranked, n, shuffle_seed)[0]))
 
     if count(minimum) > target:
+        here = count(minimum) + FWE_BUDGET
+        needed = fwe_minimum_length(tokenizer, ranked, shuffle_seed, here)
+        declared = next((n for n in METRIC_LENGTHS if n >= needed), None)
+        why = "" if needed == here else (
+            f"; a longer length has a larger vocabulary ({fwe_vocab_size(needed)} words at {needed}) and so a "
+            f"longer smallest text (num_words {fwe_min_words(fwe_vocab_size(needed))})")
         raise AggregationError(
             f"length {length} is too small for {FWE_TASK}: the smallest text with a defined answer "
             f"(num_words {minimum}) takes {count(minimum)} tokens of this tokenizer and the generation budget "
-            f"is {FWE_BUDGET}, so the minimum length is {count(minimum) + FWE_BUDGET}"
+            f"is {FWE_BUDGET}{why}, so the minimum length is {needed}"
+            + (f" (the shortest length with a metric: {declared})" if declared else "")
         )
     n = fit_count(count, target=target, guess=guess, minimum=minimum)
     context, answer = fwe_context(ranked, n, shuffle_seed)

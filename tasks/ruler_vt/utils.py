@@ -78,8 +78,8 @@ def chain_statements(names: Sequence[str], value: str) -> list[str]:
 
 
 def draw_names(rng: random.Random, count: int, letters: int) -> list[str]:
-    """`count` distinct names of `letters` random uppercase letters (RULER: random.choices, redrawn
-    until distinct)."""
+    """`count` distinct names of `letters` random uppercase letters, a duplicate drawn again (RULER draws
+    with random.choices too; a duplicate fails its sample, which it draws again: README difference 5)."""
     names: list[str] = []
     while len(names) < count:
         name = "".join(rng.choices(string.ascii_uppercase, k=letters))

@@ -1,7 +1,8 @@
 """RULER's own view (table --view ruler), its figures, and `compare` over the RULER tasks, on a small results
 folder written here: five RULER tasks of five families at 1K and 2K, 12 samples per length, with accuracies
-chosen so that the averages and effective lengths are known by hand; `compare` on it shows p-values
-adjusted for their number (Holm) beside the raw ones."""
+chosen so that the averages are known by hand (five of RULER's 13 tasks: no effective length); the effective
+length on a tidy table of all 13 tasks built here; `compare` on it shows p-values adjusted for their number
+(Holm) beside the raw ones."""
 
 from __future__ import annotations
 
@@ -121,14 +122,48 @@ def test_every_ruler_task_has_its_own_name_under_its_family_label():
         assert name.startswith(label) and len(name) > len(label) and "ccq" not in name, (task, name)
 
 
+def _full_tidy(averages: dict[str, dict[int, float]], drop: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A tidy table of RULER's 13 tasks (less `drop`) per model, every task at each length scoring the
+    model's average there, so the average is known exactly."""
+    from ccq_eval.analysis.tidy import task_family
+    from ccq_eval.harness.task_registry import RULER_TASKS
+
+    rows = [{"model": model, "task": task, "family": task_family(task), "length": length, "value": value,
+             "primary": True, "depth": math.nan, "bucket": None}
+            for model, per_length in averages.items() for task in RULER_TASKS if task not in drop
+            for length, value in per_length.items()]
+    return pd.DataFrame(rows)
+
+
+FULL = {BASE: {1024: 100.0, 2048: 85.0}, TWIN: {1024: 95.0, 2048: 95.0}, SWEEP: {1024: 85.0, 2048: 100.0}}
+
+
 @pytest.mark.parametrize(("threshold", "expected"), [
     (ruler.DEFAULT_THRESHOLD, {BASE: 1024, TWIN: 2048, SWEEP: None}),  # SWEEP: 85.0 at 1K, so none
     (85.0, {BASE: 2048, TWIN: 2048, SWEEP: 2048}),  # an average equal to the threshold passes
     (95.0, {BASE: 1024, TWIN: 2048, SWEEP: None}),
     (100.0, {BASE: 1024, TWIN: None, SWEEP: None}),
 ])
-def test_effective_length_at_thresholds(tidy, threshold, expected):
-    assert {block.model: block.effective for block in ruler.ruler_blocks(tidy, threshold)} == expected
+def test_effective_length_at_thresholds_over_rulers_thirteen_tasks(threshold, expected):
+    blocks = ruler.ruler_blocks(_full_tidy(FULL), threshold)
+    assert all(block.complete and block.ruler_task_count == 13 for block in blocks)
+    assert {block.model: block.effective for block in blocks} == expected
+
+
+def test_no_effective_length_without_rulers_full_task_set(tidy):
+    """An average over fewer than RULER's 13 tasks is not RULER's: it is printed with its task count, and no
+    effective length is, however high it is (here every one of these blocks would pass at 85.0)."""
+    from ccq_eval.harness.task_registry import RULER_QA_TASKS
+
+    for frame, count in ((tidy, 5), (_full_tidy(FULL, drop=RULER_QA_TASKS), 11)):
+        for block in ruler.ruler_blocks(frame, 85.0):
+            assert not block.complete and block.ruler_task_count == count
+            assert block.effective is None and block.effective_label == "n/a"
+        summary = ruler.summary_frame(ruler.ruler_blocks(frame, 85.0))
+        assert set(summary["effective length"]) == {"n/a"}
+    full = tables.render_tables(_full_tidy(FULL), "markdown", "ruler")
+    assert f"| {TWIN} | 13 of 13 | 95.00 | 95.00 | at least 2K |" in full
+    assert f"| {SWEEP} | 13 of 13 | 85.00 | 100.00 | below 1K |" in full
 
 
 def test_effective_length_stops_at_a_failed_or_undefined_average():
@@ -146,24 +181,27 @@ def test_table_view_ruler_prints_the_summary_and_a_block_per_model(tidy):
     text = tables.render_tables(tidy, "markdown", "ruler")
     assert "### RULER average per length and effective length (threshold 85.6)" in text
     assert "| model | tasks | 1K | 2K | effective length |" in text
-    assert f"| {BASE} | 5 of 13 | 100.00 | 85.00 | 1K |" in text
-    assert f"| {TWIN} | 5 of 13 | 95.00 | 95.00 | at least 2K |" in text
-    assert f"| {SWEEP} | 5 of 13 | 85.00 | 100.00 | below 1K |" in text
+    assert f"| {BASE} | 5 of 13 | 100.00 | 85.00 | n/a |" in text
+    assert f"| {TWIN} | 5 of 13 | 95.00 | 95.00 | n/a |" in text
+    assert f"| {SWEEP} | 5 of 13 | 85.00 | 100.00 | n/a |" in text
+    assert "effective length: only for a model with all 13 of RULER's tasks" in text
     block = text.split(f"### RULER accuracy per task and length: {BASE}\n\n")[1].split("\n\n")[0].splitlines()
     names = [display_task(task) for task in TASKS]  # in RULER's order
     assert block[2:] == [f"| {names[0]} | 100.00 | 100.00 |", f"| {names[1]} | 100.00 | 75.00 |",
                          f"| {names[2]} | 100.00 | 100.00 |", f"| {names[3]} | 100.00 | 50.00 |",
                          f"| {names[4]} | 100.00 | 100.00 |", "| average (5 of 13 tasks) | 100.00 | 85.00 |"]
-    higher = tables.render_tables(tidy, "markdown", "ruler", threshold=100.0)
-    assert f"| {BASE} | 5 of 13 | 100.00 | 85.00 | 1K |" in higher
-    assert f"| {TWIN} | 5 of 13 | 95.00 | 95.00 | below 1K |" in higher
+    higher = tables.render_tables(_full_tidy(FULL), "markdown", "ruler", threshold=100.0)
+    assert f"| {BASE} | 13 of 13 | 100.00 | 85.00 | 1K |" in higher
+    assert f"| {TWIN} | 13 of 13 | 95.00 | 95.00 | below 1K |" in higher
 
 
 def test_table_view_ruler_csv_and_bad_input(tidy):
     text = tables.render_tables(tidy, "csv", "ruler")
     summary = text.split("\n\n")[0].split("\n", 1)[1]
     frame = pd.read_csv(pd.io.common.StringIO(summary), index_col="model")
-    assert frame.loc[BASE, "2K"] == pytest.approx(85.0) and frame.loc[TWIN, "effective length"] == "at least 2K"
+    assert frame.loc[BASE, "2K"] == pytest.approx(85.0)
+    assert pd.isna(frame.loc[TWIN, "effective length"])  # "n/a": not defined over 5 of RULER's 13 tasks
+    assert summary.splitlines()[1].endswith(",n/a")
     with pytest.raises(ValueError, match="--threshold 101"):
         tables.render_tables(tidy, "markdown", "ruler", threshold=101)
     with pytest.raises(ValueError, match="no per-length value of a RULER task"):
@@ -194,6 +232,8 @@ def test_figures_per_family_and_heatmaps_per_model(drawn, tidy, tmp_path):
     image = stems[f"ruler_heatmap_{figures.safe_name(BASE)}"].axes[0].get_images()[0].get_array()
     assert np.asarray(image)[-1].tolist() == [100.0, 85.0]
     assert np.asarray(image)[3].tolist() == [100.0, 50.0]  # RULER cwe
+    title = stems[f"ruler_heatmap_{figures.safe_name(BASE)}"].axes[0].get_title()
+    assert "no effective length: 5 of 13 RULER tasks" in title and "effective length 1K" not in title
 
 
 def test_line_plot_legends_lie_outside_every_axes(drawn, tidy, tmp_path):
@@ -293,7 +333,7 @@ def test_report_shows_the_ruler_view_adjusted_comparisons_and_ruler_samples(resu
     assert "<h3>RULER average per length and effective length (threshold 85.6)</h3>" in page
     for model in RIGHT:
         assert f"<h3>RULER accuracy per task and length: {html.escape(model)}</h3>" in page
-    assert "<td>at least 2K</td>" in page and "<td>below 1K</td>" in page
+    assert "<td>at least 2K</td>" not in page and "<td>below 1K</td>" not in page  # 5 of 13 tasks: none
     assert "<th>p (Holm)</th><th>p (raw)</th>" in page and "Holm&#x27;s step-down method over a family of 30" in page
     # the sample browser lists the failures of every RULER family, not S-NIAH's alone: cwe (no depth) one
     # cell per length, the others one per (length, depth) (samples 9, 10 and 11 fail: one per depth)
@@ -318,7 +358,7 @@ def test_cli_table_ruler_threshold_and_compare_p_adjust(results):
     strict = runner.invoke(cli.app, ["table", str(results), "--view", "ruler", "--threshold", "100"])
     assert default.exit_code == strict.exit_code == 0, default.output + strict.output
     assert "(threshold 85.6)" in default.output and "(threshold 100)" in strict.output
-    assert default.output != strict.output  # the twin's effective length changes at 100 (above)
+    assert default.output != strict.output  # the title and the note name the threshold
     bad = runner.invoke(cli.app, ["table", str(results), "--view", "ruler", "--threshold", "101"])
     assert bad.exit_code == 2 and "--threshold 101" in bad.output
     holm = runner.invoke(cli.app, ["compare", str(results), "--baseline", BASE, "--variant", TWIN])

@@ -125,3 +125,45 @@ def test_tasks_name_a_tokenizer_by_registered_name_or_by_name_and_fingerprint(tm
     plan = _plan(tmp_path, models=["tiny-gla"], tasks=["s-niah-1"], depths="50")
     assert plan.units[0].task_metadata["tokenizer"] == "tiny-gla"
     assert "tokenizer" not in plan.units[0].spec["task_metadata"]  # not part of what the unit computes
+
+
+# ------------------------------------------------------------------ task names: lm-eval's RULER port and ours
+def test_lm_evals_ruler_port_names_stop_in_one_line_that_names_ours(tmp_path):
+    """lm-eval's own RULER tasks (its port) are not run under their names: planning stops at once, before
+    lm-eval's task index is built, with one line that names our task and lm-eval's CLI for the port."""
+    from ccq_eval.harness.task_registry import ALIASES, LMEVAL_RULER_PORT
+
+    assert set(LMEVAL_RULER_PORT) >= {"ruler_vt", "niah_single_1", "niah_multikey_3", "ruler_qa_hotpot", "longcxt"}
+    for name, ours in LMEVAL_RULER_PORT.items():
+        with pytest.raises(run_plan.PlanError) as error:
+            _plan(tmp_path, tasks=["s-niah-1", name])
+        message = str(error.value)
+        assert "\n" not in message and f"'{name}' is lm-eval's own port of RULER" in message, message
+        assert f"ours is {ours}" in message and f"--tasks {name}" in message
+        targets = ALIASES[ours][0] if ours in ALIASES else (ours,)
+        assert len(targets) > 1 or targets[0] in message  # a single task's lm-eval name as well
+
+
+def test_run_names_ours_for_ruler_vt_on_the_command_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from ccq_eval import cli
+
+    result = CliRunner().invoke(cli.app, ["run", "-m", "tiny-gdn", "-t", "ruler_vt", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "ours is ruler-vt (ccq_ruler_vt)" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_and_inspect_take_the_same_task_names(tmp_path):
+    """Every name `inspect --task` takes, `run --task` takes for the same task (niah-multikey-1 included)."""
+    from ccq_eval.harness.task_registry import RegistryTaskCatalog
+    from ccq_eval.inspection.prompts import VARIANT_FOLDERS, resolve_task
+
+    catalog = RegistryTaskCatalog()  # what planning resolves --task through
+    for variant in VARIANT_FOLDERS:
+        for name in (variant.replace("_", "-"), f"ccq_{variant}"):
+            assert resolve_task(name) == variant, name
+            assert catalog.resolve(name) == [f"ccq_{variant}"], name
+    plan = _plan(tmp_path, tasks=["niah-multikey-1"], depths="50")
+    assert [unit.task for unit in plan.units] == ["ccq_niah_multikey_1"]

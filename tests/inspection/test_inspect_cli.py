@@ -88,3 +88,32 @@ def test_inspect_on_gpu_matches_cpu(tmp_path):
         assert gpu["read_residual"].max() < 1e-2
         for column in ("needle_share_on", "needle_share_off", "sigma_eff_rank", "q_move_answer"):
             assert (gpu[column] - cpu[column]).abs().max() < 2e-2 * max(1.0, cpu[column].abs().max()), column
+
+
+def test_inspect_and_run_share_one_default_seed():
+    """`inspect` without --seed reads the prompts `run` without --seed evaluates."""
+    import inspect as signature_of
+
+    from ccq_eval.cli.inspect import inspect
+    from ccq_eval.cli.run import run
+    from ccq_eval.harness.run_options import DEFAULT_SEED, RunOptions
+    from ccq_eval.inspection.prompts import needle_prompts
+    from ccq_eval.inspection.run import InspectOptions
+
+    defaults = {signature_of.signature(function).parameters["seed"].default
+                for function in (inspect, run, needle_prompts)}
+    assert defaults == {RunOptions().seed} == {InspectOptions(models=[]).seed} == {DEFAULT_SEED}
+
+
+@pytest.mark.parametrize(("task", "message"), [
+    ("niah_multikey_1", "ours is niah-multikey-1 (ccq_niah_multikey_1)"),  # lm-eval's port: run's line
+    ("niah_single_2", "ours is s-niah-2 (ccq_s_niah_2)"),
+    ("s_niah_1", "choose one of s-niah-1"),  # not a name `run` takes
+    ("niah-multikey", "choose one of s-niah-1"),  # three tasks
+    ("ruler_vt", "choose one of s-niah-1"),  # the port's, but inspect does not read vt
+])
+def test_inspect_takes_runs_task_names_only(tmp_path, task, message):
+    out = tmp_path / "inspect"
+    result = CliRunner().invoke(cli.app, ["inspect", "-m", "tiny-gdn", "-t", task, "-o", str(out)])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert "\n" not in result.output.strip() and not out.exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ccq_eval.harness.run_options import DEFAULT_SEED
 from ccq_eval.inspection import InspectError
 from ccq_eval.inspection.prompts import needle_prompts, task_utils
 
@@ -55,7 +56,8 @@ def test_distractor_spans_decode_to_the_other_keys_needles(task, tokenizer):
     tok = task_utils("s_niah_1").load_tokenizer(tokenizer)
     prompts = needle_prompts(task, tokenizer, [1024], [0, 50, 100])
     docs = task_utils(task.replace("-", "_")).generate_docs(task.replace("-", "_"), tokenizer=tokenizer,
-                                                            lengths=[1024], depths=[0, 50, 100])
+                                                            lengths=[1024], depths=[0, 50, 100],
+                                                            seed=DEFAULT_SEED)  # inspect's default is run's
     for prompt, doc in zip(prompts, docs, strict=True):
         assert len(prompt.distractors) == len(doc["distractor_char_offsets"]) >= 1
         target = tok.decode(prompt.input_ids[slice(*prompt.needle)]).strip()

@@ -266,6 +266,25 @@ def test_lengths_out_of_reach_are_explained(monkeypatch):
         ag.generate_docs(ag.CWE_TASK, tokenizer="byt5", lengths=[256])
     with pytest.raises(ag.AggregationError, match=r"length 256 is too small for ccq_ruler_fwe.*minimum length is"):
         ag.generate_docs(ag.FWE_TASK, tokenizer="byt5", lengths=[512, 256])
+    # the minimum fwe gives is one that fits: a longer length has a larger vocabulary, whose smallest text with
+    # a defined answer is longer (53 words from 5 words on, 27 with 256's 4), so 256's own text does not tell it
+    tokenizer = ag.load_tokenizer("byt5")
+
+    def fwe_fits(length: int) -> bool:
+        ranked, shuffle_seed = ag.draw_fwe(ag.cell_rng(42, ag.FWE_TASK, length, ag.NO_DEPTH, 0, family=ag.FAMILY),
+                                           length)
+        try:
+            ag.make_fwe_sample(tokenizer, ranked, shuffle_seed, length=length, guess=64)
+        except ag.AggregationError:
+            return False
+        return True
+
+    for length in (256, 512):
+        with pytest.raises(ag.AggregationError, match=r"so the minimum length is (\d+) \(the shortest length with a "
+                                                      r"metric: 1024\)$") as error:
+            ag.generate_docs(ag.FWE_TASK, tokenizer="byt5", lengths=[length])
+        minimum = int(re.search(r"minimum length is (\d+)", str(error.value)).group(1))
+        assert minimum == 639 and fwe_fits(minimum) and not fwe_fits(minimum - 1), (length, minimum)
     # a pool too small for the length (the real one runs out only at the longest lengths)
     monkeypatch.setattr(ag, "load_words", lambda: tuple(f"word{i}" for i in range(60)))
     with pytest.raises(ag.AggregationError, match="more than the 60 distinct words of the word pool"):

@@ -103,6 +103,56 @@ def test_wording_is_rulers():
     assert vt.chain_statements(["AB", "CD", "EF"], "123") == ["VAR AB = 123", "VAR CD = VAR AB ", "VAR EF = VAR CD "]
 
 
+class WordCounter:
+    """A tokenizer stand-in for the port: one token per whitespace-separated word."""
+
+    def __call__(self, text: str):
+        return unittest.mock.Mock(input_ids=text.split())
+
+
+@contextlib.contextmanager
+def port_random_state(seed: int):
+    """The port draws from Python's and numpy's global generators: seed them, and put them back after."""
+    state, np_state = port.random.getstate(), port.np.random.get_state()
+    port.random.seed(seed)
+    port.np.random.seed(seed)
+    try:
+        yield
+    finally:
+        port.random.setstate(state)
+        port.np.random.set_state(np_state)
+
+
+def test_the_ports_example_keeps_one_random_value_where_ours_draws_one_per_sample(capsys):
+    """README: the port draws its example's value at random once (RULER: 12345, replaced per sample) and keeps
+    it in every sample, its randomize_icl renaming the variables only; ours draws each sample's example."""
+    with port_random_state(0):
+        example = port.sys_vartrack_w_noise_random(WordCounter(), 1, 500, incremental=5)[0]
+        samples = port.sys_vartrack_w_noise_random(WordCounter(), 4, 1500, icl_example=example)
+    capsys.readouterr()  # the port prints its search
+    (value,) = set(re.findall(r"VAR [A-Z]{3} = (\d+)", example["input"]))
+    assert value != "12345"
+    for sample in samples:
+        head = sample["input"].split("\n\n\n\nMemorize")[0]  # the example, before the question
+        assert re.findall(r"VAR [A-Z]{3} = (\d+)", head) == [value]
+        assert not set(example["outputs"]) & set(re.findall(r"VAR ([A-Z]{3}) ", head))  # renamed
+    ours = {vt.draw_sample(vt.cell_rng(42, vt.TASK, 1024, 50, index, family="ccq-ruler-vt")).example_value
+            for index in range(4)}
+    assert len(ours) == 4
+
+
+def test_duplicate_names_fail_rulers_chain_and_ours_are_always_distinct():
+    """README difference 5: a duplicate among the first five names makes RULER's (and the port's)
+    generate_chains start a second chain and fail, so the sample is drawn again; ours redraws the name."""
+    names = itertools.cycle(["AAAAA", "BBBBB", "AAAAA", "CCCCC", "DDDDD", "EEEEE"])
+    with (unittest.mock.patch.object(port.random, "choices", lambda population, k: list(next(names))),
+          pytest.raises(IndexError)):
+        port.generate_chains(1, 4)
+    drawn = iter(["AAAAA", "BBBBB", "AAAAA", "CCCCC", "DDDDD", "EEEEE"])
+    rng = unittest.mock.Mock(choices=lambda population, k: list(next(drawn)))
+    assert vt.draw_names(rng, 5, 5) == ["AAAAA", "BBBBB", "CCCCC", "DDDDD", "EEEEE"]
+
+
 # ------------------------------------------------------------------ generated docs: fit and answers
 GRID = {"lengths": [1024, 2048], "depths": [0, 50, 100], "samples_per_cell": 1}
 

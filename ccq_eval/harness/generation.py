@@ -16,11 +16,10 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
-from ccq_eval.errors import UserError
 from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.resume import request_keys
-from ccq_eval.harness.scoring import Scorer, batches
+from ccq_eval.harness.scoring import NonFiniteOutputError, Scorer, batches, non_finite_message
 from ccq_eval.harness.tokens import TokenCodec, on_threads
 from ccq_eval.harness.truncation import Truncator
 
@@ -141,14 +140,12 @@ class PrefillAhead:
         self._pool.shutdown(wait=True)
 
 
-class NonFiniteGenerationError(UserError, RuntimeError):
+class NonFiniteGenerationError(NonFiniteOutputError):
     """The model gave NaN or infinite logits while generating: its answers would be arbitrary tokens, so
     the unit fails (as a NaN log-likelihood fails a scored unit) instead of being stored as wrong answers."""
 
 
-NON_FINITE_GENERATION = ("the model gave NaN or infinite logits while generating, so its answers mean "
-                         "nothing and the unit failed: look for NaN / inf weights in the checkpoint, or use "
-                         "a smaller --ccq-attach lambda")
+NON_FINITE_GENERATION = non_finite_message("logits while generating")
 
 
 def as_bool(value: Any) -> bool:

@@ -17,6 +17,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import CacheHook
 from tqdm import tqdm
 
+from ccq_eval.errors import UserError
 from ccq_eval.harness import short_requests
 from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
@@ -34,6 +35,33 @@ DEFAULT_LOGITS_CHUNK = 4096
 # HFLM's max_length when neither the model config nor the tokenizer names one (HFLM._DEFAULT_MAX_LENGTH):
 # the window of the HFLM rolling protocol then.
 HFLM_DEFAULT_WINDOW = 2048
+
+
+class NonFiniteOutputError(UserError, RuntimeError):
+    """The model gave NaN or infinite numbers where a unit needs finite ones (a log-likelihood while scoring,
+    logits while generating): its answers would be arbitrary (an argmax over NaN picks the first choice), so
+    the unit fails and nothing of it is stored, instead of being stored as a score."""
+
+
+def non_finite_message(what: str, where: str = "") -> str:
+    """One line: the model gave NaN or infinite `what` (`where`: which task and request), so the unit failed,
+    and what to look at."""
+    return (f"the model gave NaN or infinite {what}{f' ({where})' if where else ''}, so its answers mean "
+            "nothing and the unit failed: look for NaN / inf weights in the checkpoint, or use a smaller "
+            "--ccq-attach lambda")
+
+
+def check_finite_loglikelihoods(requests: Sequence[Instance], answers: Sequence[tuple[float, bool]]) -> None:
+    """NonFiniteOutputError naming the task and the first document whose log-likelihood is NaN or infinite,
+    and how many of the requests are; nothing when every answer is finite."""
+    bad = [i for i, (logprob, _) in enumerate(answers) if not math.isfinite(logprob)]
+    if not bad:
+        return
+    first = requests[bad[0]]
+    tasks = sorted({str(requests[i].task_name) for i in bad})
+    where = (f"task {', '.join(tasks)}: {answers[bad[0]][0]} for doc {first.doc_id}, non-finite in {len(bad)} of "
+             f"the {len(requests)} loglikelihood requests scored together")
+    raise NonFiniteOutputError(non_finite_message("log-likelihoods", where))
 
 
 class TokenNLL(float):
@@ -249,10 +277,10 @@ class Scorer:
         with tqdm(total=len(rows), desc="ccq loglikelihood", disable=disable_tqdm) as progress:
             scored = short_requests.score_rows(self, rows, n_scored, share=self.share_contexts, pad_id=self.pad_id,
                                                progress=progress)
-        results: list[tuple[float, bool]] = []
-        for request, (logprob, greedy) in zip(requests, scored, strict=True):
-            answer = (float(logprob.double().sum()), bool(greedy.all()))  # no tokens: (0.0, True)
-            results.append(answer)
+        results = [(float(logprob.double().sum()), bool(greedy.all()))  # no tokens: (0.0, True)
+                   for logprob, greedy in scored]
+        check_finite_loglikelihoods(requests, results)  # before any answer reaches a cache
+        for request, answer in zip(requests, results, strict=True):
             cache_hook.add_partial("loglikelihood", request.args, answer)
         return results
 

@@ -5,6 +5,8 @@
     task_specs(task_manager, names, data_dir)   -> what to hand TaskManager.load: a name, or the task built
                                                    from lm-eval's config with its data source pointed at
                                                    <data_dir>/<task>/<split>.jsonl
+    check_rows(task, path, dataset)             -> None, or ZeroshotDataError naming the file, line and field of
+                                                   the first row the task's config cannot score
     rolling_protocol(task, asked)               -> "hflm" | "carry": how loglikelihood_rolling scores a task
 
 The suite is what fla's README runs for "the task results reported in the GLA paper" (lm-eval's HFLM,
@@ -17,7 +19,9 @@ user's datasets cache). Where neither holds it, ZeroshotDataError says in one li
 missing and the command that fetches it on a machine with the hub. A folder of local files in each
 dataset's schema (`data_dir`, one `<task>/<split>.jsonl` per split) replaces the source through the
 config's own keys (dataset_path json, dataset_kwargs.data_files), so the path from config to score stays
-lm-eval's.
+lm-eval's. Every row of those files is checked first (check_rows: the fields the task's config reads, their
+types, label ranges): a bad row stops the unit with one line naming the file, the line and the field, before
+anything is scored.
 
 Protocol: lm-eval's HFLM scores wikitext (loglikelihood_rolling) in disjoint windows of its max_length,
 each read afresh; the ccq adapter by default reads a whole text in one recurrent pass. The suite's
@@ -27,7 +31,8 @@ the adapter records which protocol scored each task in its model info (results["
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,8 +41,8 @@ from ccq_eval.errors import UserError
 from ccq_eval.task_families import ZEROSHOT_AVERAGED, ZEROSHOT_PAPER_COLUMNS, ZEROSHOT_TASKS
 
 __all__ = ["ROLLING_PROTOCOLS", "ZEROSHOT_AVERAGED", "ZEROSHOT_PAPER_COLUMNS", "ZEROSHOT_TASKS", "ZeroshotDataError",
-           "check_data", "load_tasks", "local_overrides", "missing_data_message", "rolling_protocol", "task_specs",
-           "unreachable_hub_message"]
+           "check_data", "check_rows", "load_tasks", "local_overrides", "missing_data_message", "rolling_protocol",
+           "row_problem", "task_specs", "unreachable_hub_message"]
 
 # How loglikelihood_rolling scores a text: "hflm", lm-eval HFLM's disjoint windows of max_length tokens with
 # one token of context, each window read from an empty state; "carry", the whole text in one pass, the
@@ -128,16 +133,138 @@ def local_overrides(name: str, config: dict[str, Any], data_dir: str | Path) -> 
     return overrides
 
 
+# The fields of a dataset row that a task's lm-eval config reads (doc_to_text, doc_to_target, doc_to_choice,
+# process_docs), in order, each with its check: what the value must be, or None when it is. A check may read
+# fields checked before it (a label's range is its row's number of endings). lm-eval scores a label out of
+# range, or of another type, as a wrong answer, and turns a null text into "None" in the prompt.
+RowCheck = Callable[[Any, dict[str, Any]], str | None]
+
+
+def _text(value: Any, row: dict[str, Any]) -> str | None:
+    return None if isinstance(value, str) else "a string"
+
+
+def _words(value: Any, row: dict[str, Any]) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "a non-empty string"
+
+
+def _texts(value: Any, row: dict[str, Any]) -> str | None:
+    ok = isinstance(value, list) and value and all(isinstance(item, str) for item in value)
+    return None if ok else "a non-empty list of strings"
+
+
+def _one_of(*allowed: Any) -> RowCheck:
+    """Exactly one of `allowed`, type included (1 is not "1", and false is not 0)."""
+    def check(value: Any, row: dict[str, Any]) -> str | None:
+        if any(type(value) is type(choice) and value == choice for choice in allowed):
+            return None
+        return "one of " + ", ".join(json.dumps(choice) for choice in allowed)
+    return check
+
+
+def _blank_in_sentence(value: Any, row: dict[str, Any]) -> str | None:
+    return None if isinstance(value, str) and "_" in value else "a string with the blank _ the options fill"
+
+
+def _choices(value: Any, row: dict[str, Any]) -> str | None:
+    ok = (isinstance(value, dict) and _texts(value.get("text"), row) is None
+          and _texts(value.get("label"), row) is None and len(value["text"]) == len(value["label"]))
+    return None if ok else '{"text": [choices], "label": [their labels]}, two lists of strings of one length'
+
+
+def _answer_key(value: Any, row: dict[str, Any]) -> str | None:
+    labels = row["choices"]["label"]
+    ok = isinstance(value, str) and value.lstrip() in labels  # openbookqa's config strips it, arc's has none to strip
+    return None if ok else "one of the row's choices.label " + json.dumps(labels)
+
+
+def _ending_index(value: Any, row: dict[str, Any]) -> str | None:
+    endings = len(row["endings"])
+    ok = ((isinstance(value, str) and value.isdigit()) or (type(value) is int)) and 0 <= int(value) < endings
+    return None if ok else f"the index of the right ending, 0 to {endings - 1} (a string such as \"0\")"
+
+
+_CHOICE_QA: tuple[tuple[str, RowCheck], ...] = (("question", _text), ("choices", _choices),
+                                                 ("answerKey", _answer_key))
+ROW_FIELDS: dict[str, tuple[tuple[str, RowCheck], ...]] = {
+    "wikitext": (("page", _text),),
+    "lambada_openai": (("text", _words),),
+    "piqa": (("goal", _text), ("sol1", _text), ("sol2", _text), ("label", _one_of(0, 1))),
+    "hellaswag": (("activity_label", _text), ("ctx_a", _text), ("ctx_b", _text), ("endings", _texts),
+                  ("label", _ending_index)),
+    "winogrande": (("sentence", _blank_in_sentence), ("option1", _text), ("option2", _text),
+                   ("answer", _one_of("1", "2"))),
+    "arc_easy": _CHOICE_QA,
+    "arc_challenge": _CHOICE_QA,
+    "boolq": (("question", _text), ("passage", _text), ("label", _one_of(0, 1))),
+    "sciq": tuple((name, _text) for name in ("question", "support", "correct_answer", "distractor1", "distractor2",
+                                             "distractor3")),
+    "copa": (("premise", _words), ("choice1", _words), ("choice2", _words), ("question", _one_of("cause", "effect")),
+             ("label", _one_of(0, 1))),
+    "openbookqa": (("question_stem", _text), ("choices", _choices), ("answerKey", _answer_key)),
+    "social_iqa": (("context", _text), ("question", _text), ("answerA", _text), ("answerB", _text), ("answerC", _text),
+                   ("label", _one_of("1", "2", "3"))),
+}
+
+
+def _shown(value: Any) -> str:
+    """A row's value as its JSON spells it (null, 5, {"a": 1}), cut to 60 characters."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def row_problem(name: str, row: Any) -> str | None:
+    """What makes one parsed row of task `name`'s data unusable ("field 'label' is 5, expected one of 0, 1"),
+    or None; None for every row of a task without an entry in ROW_FIELDS."""
+    fields = ROW_FIELDS.get(name, ())
+    if not isinstance(row, dict):
+        return f"expected a JSON object (a row of {name}'s dataset), got {_shown(row)}"
+    for field, check in fields:
+        if field not in row:
+            return f"field '{field}' is missing"
+        expected = check(row[field], row)
+        if expected is not None:
+            return f"field '{field}' is {_shown(row[field])}, expected {expected}"
+    return None
+
+
+def check_rows(name: str, path: str | Path, dataset: str | None = None) -> None:
+    """ZeroshotDataError naming `path`, the line and the field of the first row of task `name`'s local data
+    file that lm-eval's config cannot score as it means to (row_problem), and saying what to do; also for a
+    line that is not JSON and a file with no row. `dataset`: the hub dataset whose schema the file follows."""
+    schema = f"rows in {dataset}'s schema" if dataset else "rows in the dataset's schema"
+    fix = f"fix or remove that row (--zeroshot-dir holds {schema})"
+    rows = 0
+    with open(path, encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ZeroshotDataError(f"{path} line {line_number}: not valid JSON ({error}); {fix}") from None
+            problem = row_problem(name, row)
+            if problem is not None:
+                raise ZeroshotDataError(f"{path} line {line_number}: {problem}; {fix}")
+            rows += 1
+    if not rows:
+        raise ZeroshotDataError(f"{path} holds no rows: give task {name} its split there, {schema}")
+
+
 def task_specs(task_manager: Any, names: list[str], data_dir: str | Path | None = None) -> list[Any]:
     """For each name, what TaskManager.load takes: the name itself, or, where `data_dir` has the task's
     files, the lm-eval Task built from its registered config with local_overrides applied (the config's
-    YAML, hooks and metadata as lm-eval builds them; config_source stays that YAML)."""
+    YAML, hooks and metadata as lm-eval builds them; config_source stays that YAML), once every row of those
+    files passed check_rows."""
     specs: list[Any] = []
     for name in names:
-        overrides = local_overrides(name, task_config(task_manager, name), data_dir) if data_dir else None
+        config = task_config(task_manager, name)
+        overrides = local_overrides(name, config, data_dir) if data_dir else None
         if overrides is None:
             specs.append(name)
             continue
+        for path in overrides["dataset_kwargs"]["data_files"].values():  # every row, before lm-eval reads any
+            check_rows(name, path, config.get("dataset_path"))
         with _data_errors(name, {"dataset_path": "json", "dataset_name": None}):
             loaded = task_manager.load([{"group": _CARRIER_GROUP, "task": [{"task": name, **overrides}]}])
         specs.append(loaded["tasks"][name])

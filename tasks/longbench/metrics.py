@@ -264,14 +264,20 @@ def _paragraph_id(ground_truth: str, pattern: str) -> str:
     return found[0]
 
 
+# The paragraph number of a retrieval gold answer ("Paragraph 3", "段落3"), per metric.
+PARAGRAPH_PATTERNS = {"retrieval_score": r"Paragraph (\d+)", "retrieval_zh_score": r"段落(\d+)"}
+
+
 def retrieval_score(prediction: str, ground_truth: str, **_: object) -> float:
     """Share of the integers in the prediction that equal N of the gold "Paragraph N"."""
-    return _fraction_equal(re.findall(r"\d+", prediction), _paragraph_id(ground_truth, r"Paragraph (\d+)"))
+    return _fraction_equal(re.findall(r"\d+", prediction),
+                           _paragraph_id(ground_truth, PARAGRAPH_PATTERNS["retrieval_score"]))
 
 
 def retrieval_zh_score(prediction: str, ground_truth: str, **_: object) -> float:
     """Share of the integers in the prediction that equal N of the gold "段落N"."""
-    return _fraction_equal(re.findall(r"\d+", prediction), _paragraph_id(ground_truth, r"段落(\d+)"))
+    return _fraction_equal(re.findall(r"\d+", prediction),
+                           _paragraph_id(ground_truth, PARAGRAPH_PATTERNS["retrieval_zh_score"]))
 
 
 # ---------------------------------------------------------------------------------------------

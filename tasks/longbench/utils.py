@@ -13,11 +13,14 @@ Metadata keys read by `load_longbench` (from TaskManager(metadata=...) or lm-eva
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from ccq_eval.tasks.longbench import metrics, spec
+
+from ccq_eval.errors import UserError
 
 HUB_REPO_ID = "THUDM/LongBench"
 HUB_ZIP_NAME = "data.zip"
@@ -72,7 +75,71 @@ def _lines_from_hub(file_name: str) -> tuple[list[str], str]:
     return text.splitlines(), f"{zip_path}:{member}"
 
 
+class LongBenchDataError(UserError, ValueError):
+    """A LongBench data file or record that cannot be scored as LongBench scores it; the message names the
+    file, the line and the field, and what to do."""
+
+
+def _shown(value: Any) -> str:
+    """A record's value as its JSON spells it (null, 5, {"a": 1}), cut to 60 characters."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_text_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def record_problem(raw: Any, dataset: str) -> str | None:
+    """What makes one parsed line of `dataset`'s file unusable ("field 'context' is null, expected ..."), or
+    None. A record must hold the fields the prompt and the metric read, of the official types: `input` and
+    `context` strings, `answers` a non-empty list of strings (the score is the best over them, so an empty
+    list would score 0 whatever the model answers), `length` an integer (LongBench-E's bucket); where present,
+    `dataset`, `language` and `_id` strings and `all_classes` a list of strings or null. trec and lsht need
+    `all_classes` (their metric matches the classes), the passage-retrieval datasets gold answers that name
+    the paragraph ("Paragraph 3", "段落3")."""
+    if not isinstance(raw, dict):
+        return f"expected a JSON object (a LongBench record), got {_shown(raw)}"
+    missing = [name for name in ("input", "context", "answers", "length") if name not in raw]
+    if missing:
+        return f"record lacks {', '.join(missing)}; LongBench records have fields {', '.join(RECORD_FIELDS)}"
+    for name in ("input", "context"):
+        if not isinstance(raw[name], str):
+            return f"field '{name}' is {_shown(raw[name])}, expected a string"
+    answers = raw["answers"]
+    if not _is_text_list(answers):
+        return f"field 'answers' is {_shown(answers)}, expected a list of strings (the gold answers)"
+    if not answers:
+        return "field 'answers' is an empty list: a record needs at least one gold answer"
+    length = raw["length"]
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        return f"field 'length' is {_shown(length)}, expected a whole number >= 0 (the record's length)"
+    for name in ("dataset", "language", "_id"):
+        if raw.get(name) is not None and not isinstance(raw[name], str):
+            return f"field '{name}' is {_shown(raw[name])}, expected a string or null"
+    named = raw.get("dataset")
+    if isinstance(named, str):
+        # A record naming another LongBench dataset means the file is not the one its name says.
+        base = named[:-2] if named.endswith("_e") and named[:-2] in spec.DATASET_PROMPT else named
+        if base in spec.DATASET_PROMPT and base != dataset:
+            return f"record of dataset {named!r}, expected {dataset!r}"
+    all_classes = raw.get("all_classes")
+    if all_classes is not None and not _is_text_list(all_classes):
+        return f"field 'all_classes' is {_shown(all_classes)}, expected a list of strings or null"
+    metric = spec.DATASET_METRIC[dataset]
+    if metric == "classification_score" and not all_classes:
+        return f"field 'all_classes' is {_shown(all_classes)}: {dataset} is scored against its list of classes"
+    if metric in metrics.PARAGRAPH_PATTERNS:
+        for answer in answers:
+            if not re.search(metrics.PARAGRAPH_PATTERNS[metric], answer):
+                return (f"gold answer {_shown(answer)} in field 'answers' names no paragraph "
+                        f"(pattern {metrics.PARAGRAPH_PATTERNS[metric]!r}), which {dataset} is scored by")
+    return None
+
+
 def _parse_records(lines: list[str], source: str, dataset: str) -> list[dict[str, Any]]:
+    """The records of `dataset`'s file, each checked (record_problem) before anything is scored: a bad line
+    stops the unit with LongBenchDataError naming the file, the line and the field."""
     records = []
     for line_number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -80,35 +147,16 @@ def _parse_records(lines: list[str], source: str, dataset: str) -> list[dict[str
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source} line {line_number}: not valid JSON ({err})") from err
-        if not isinstance(raw, dict):
-            raise ValueError(
-                f"{source} line {line_number}: expected a JSON object, got {type(raw).__name__}")
-        missing = [field for field in ("input", "context", "answers", "length") if field not in raw]
-        if missing:
-            raise ValueError(f"{source} line {line_number}: record lacks {', '.join(missing)}; LongBench "
-                             f"records have fields {', '.join(RECORD_FIELDS)}")
-        answers = raw["answers"]
-        if isinstance(answers, str) or not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
-            raise ValueError(f"{source} line {line_number}: 'answers' must be a list of strings, got {answers!r}")
-        all_classes = raw.get("all_classes")
-        if all_classes is not None and not isinstance(all_classes, list):
-            raise ValueError(f"{source} line {line_number}: 'all_classes' must be a list or null")
-        named = raw.get("dataset")
-        if isinstance(named, str):
-            # A record naming another LongBench dataset means the file is not the one its name says.
-            base = named[:-2] if named.endswith("_e") and named[:-2] in spec.DATASET_PROMPT else named
-            if base in spec.DATASET_PROMPT and base != dataset:
-                raise ValueError(f"{source} line {line_number}: record of dataset {named!r}, "
-                                 f"expected {dataset!r}")
+            raise LongBenchDataError(f"{source} line {line_number}: not valid JSON ({err}); fix or remove "
+                                     "that line") from err
+        problem = record_problem(raw, dataset)
+        if problem is not None:
+            raise LongBenchDataError(f"{source} line {line_number}: {problem}; fix or remove that record")
         record = {field: raw.get(field) for field in RECORD_FIELDS}
-        record["length"] = int(raw["length"])
-        record["input"] = str(raw["input"])
-        record["context"] = str(raw["context"])
         record["ccq_dataset"] = dataset
         records.append(record)
     if not records:
-        raise ValueError(f"{source} holds no records")
+        raise LongBenchDataError(f"{source} holds no records: give the official {dataset} file")
     return records
 
 

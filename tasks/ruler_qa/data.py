@@ -109,30 +109,131 @@ def _missing_message(dataset: str, reason: str) -> str:
     )
 
 
+# ---------------------------------------------------------------- checking the records
+def _shown(value: Any) -> str:
+    """A value as its JSON spells it (null, 5, {"a": 1}), cut to 60 characters."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text_problem(value: Any, name: str) -> str | None:
+    """Why `value` cannot be the text `name` (a prompt part or a gold answer): not a string, or blank (a blank
+    gold answer is a substring of every output, so it would score 100 whatever the model says)."""
+    if not isinstance(value, str):
+        return f"field '{name}' is {_shown(value)}, expected a string"
+    if not value.strip():
+        return f"field '{name}' is {_shown(value)}, an empty string"
+    return None
+
+
+def _record_error(source: str, where: str, problem: str, fix: str) -> QAError:
+    return QAError(f"{source} {where}: {problem}; {fix}")
+
+
+def _list_at(container: Any, key: str, source: str, where: str, fix: str) -> list[Any]:
+    value = container.get(key) if isinstance(container, dict) else None
+    if not isinstance(value, list):
+        shown = "missing" if not isinstance(container, dict) or key not in container else _shown(value)
+        raise _record_error(source, where, f"field '{key}' is {shown}, expected a list", fix)
+    return value
+
+
+def check_squad(raw: Any, source: str) -> None:
+    """QAError naming the file, the record (its place in the JSON and its id) and the field, for the first
+    SQuAD record RULER QA cannot use: every paragraph's `context` a non-empty string; every question a dict
+    with `is_impossible` true or false where present and, when answerable (the only questions asked), a
+    non-empty `question` and a non-empty `answers` list of {"text": non-empty string}."""
+    fix = "fix or remove that record (the official SQuAD v2 dev file has none such)"
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
+        raise QAError(f"{source} is not a SQuAD v2 file: expected "
+                      '{"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}')
+    for a, article in enumerate(raw["data"]):
+        for p, paragraph in enumerate(_list_at(article, "paragraphs", source, f"data[{a}]", fix)):
+            where = f"data[{a}].paragraphs[{p}]"
+            problem = _text_problem(paragraph.get("context"), "context") if isinstance(paragraph, dict) else \
+                f"expected a JSON object, got {_shown(paragraph)}"
+            if problem:
+                raise _record_error(source, where, problem, fix)
+            for q, qa in enumerate(_list_at(paragraph, "qas", source, where, fix)):
+                at = f"{where}.qas[{q}]"
+                if not isinstance(qa, dict):
+                    raise _record_error(source, at, f"expected a JSON object, got {_shown(qa)}", fix)
+                at += f" (id {qa['id']})" if isinstance(qa.get("id"), str) else ""
+                impossible = qa.get("is_impossible", False)
+                if not isinstance(impossible, bool):
+                    raise _record_error(source, at, f"field 'is_impossible' is {_shown(impossible)}, expected true "
+                                        "or false", fix)
+                if impossible:  # never asked: RULER leaves unanswerable questions out
+                    continue
+                problem = _text_problem(qa.get("question"), "question")
+                if problem is None:
+                    answers = qa.get("answers")
+                    if not isinstance(answers, list) or not answers:
+                        problem = (f"field 'answers' is {_shown(answers)}, expected a non-empty list of "
+                                   "{\"text\": ...} for an answerable question")
+                    else:
+                        problem = next((f"in field 'answers', entry {k} is {_shown(answer)}, expected "
+                                        "{\"text\": a non-empty string}"
+                                        for k, answer in enumerate(answers)
+                                        if not isinstance(answer, dict) or _text_problem(answer.get("text"), "text")),
+                                       None)
+                if problem:
+                    raise _record_error(source, at, problem, fix)
+
+
+def check_hotpotqa(raw: Any, source: str) -> None:
+    """QAError naming the file, the record (its place in the list and its _id) and the field, for the first
+    HotpotQA record RULER QA cannot use: a dict with a non-empty `question` and `answer`, `supporting_facts`
+    a list of [title, sentence index] and `context` a list of [title, [sentences]], titles and sentences
+    strings."""
+    fix = "fix or remove that record (the official HotpotQA dev distractor file has none such)"
+    if not isinstance(raw, list):
+        raise QAError(f"{source} is not a HotpotQA distractor file: expected a JSON list of records, "
+                      f"got {_shown(raw)}")
+    for r, record in enumerate(raw):
+        at = f"record {r}"
+        if not isinstance(record, dict):
+            raise _record_error(source, at, f"expected a JSON object, got {_shown(record)}", fix)
+        at += f" (_id {record['_id']})" if isinstance(record.get("_id"), str) else ""
+        problem = _text_problem(record.get("question"), "question") or _text_problem(record.get("answer"), "answer")
+        if problem is None:
+            facts = record.get("supporting_facts")
+            if not isinstance(facts, list) or not all(
+                    isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], int)
+                    for f in facts):
+                problem = f"field 'supporting_facts' is {_shown(facts)}, expected a list of [title, sentence index]"
+        if problem is None:
+            paragraphs = record.get("context")
+            if not isinstance(paragraphs, list) or not paragraphs or not all(
+                    isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], list)
+                    and all(isinstance(sentence, str) for sentence in c[1]) for c in paragraphs):
+                problem = (f"field 'context' is {_shown(paragraphs)}, expected a non-empty list of "
+                           "[title, [sentences]]")
+        if problem:
+            raise _record_error(source, at, problem, fix)
+
+
 # ---------------------------------------------------------------- readers (RULER qa.py)
 def read_squad(raw: Any, source: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """RULER's read_squad on the parsed official SQuAD v2 JSON."""
-    try:
-        articles = raw["data"]
-        documents = sorted({p["context"] for article in articles for p in article["paragraphs"]})
-        index = {text: i for i, text in enumerate(documents)}
-        questions = []
-        for article in articles:
-            article_docs = [index[p["context"]] for p in article["paragraphs"]]
-            for paragraph in article["paragraphs"]:
-                gold = index[paragraph["context"]]
-                for qa in paragraph["qas"]:
-                    if qa.get("is_impossible", False):  # SQuAD v2 marks every question; v1.1 has none
-                        continue
-                    questions.append({
-                        "query": qa["question"],
-                        "outputs": [answer["text"] for answer in qa["answers"]],
-                        "context": [gold],
-                        "more_context": [i for i in article_docs if i != gold],
-                    })
-    except (KeyError, TypeError) as err:
-        raise QAError(f"{source} is not a SQuAD v2 file ({type(err).__name__}: {err}): expected "
-                      '{"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}') from None
+    """RULER's read_squad on the parsed official SQuAD v2 JSON, its records checked first (check_squad)."""
+    check_squad(raw, source)
+    articles = raw["data"]
+    documents = sorted({p["context"] for article in articles for p in article["paragraphs"]})
+    index = {text: i for i, text in enumerate(documents)}
+    questions = []
+    for article in articles:
+        article_docs = [index[p["context"]] for p in article["paragraphs"]]
+        for paragraph in article["paragraphs"]:
+            gold = index[paragraph["context"]]
+            for qa in paragraph["qas"]:
+                if qa.get("is_impossible", False):  # SQuAD v2 marks every question; v1.1 has none
+                    continue
+                questions.append({
+                    "query": qa["question"],
+                    "outputs": [answer["text"] for answer in qa["answers"]],
+                    "context": [gold],
+                    "more_context": [i for i in article_docs if i != gold],
+                })
     return questions, documents
 
 
@@ -141,28 +242,26 @@ def _hotpot_document(title: str, sentences: list[str]) -> str:
 
 
 def read_hotpotqa(raw: Any, source: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """RULER's read_hotpotqa on the parsed official HotpotQA JSON, with each record's paragraphs split
-    into gold (titles named in supporting_facts, in the record's order) and preferred distractors."""
-    try:
-        documents = sorted({_hotpot_document(t, p) for record in raw for t, p in record["context"]})
-        index = {text: i for i, text in enumerate(documents)}
-        questions, skipped = [], 0
-        for record in raw:
-            supporting = {title for title, _ in record["supporting_facts"]}
-            paragraphs = [(t, index[_hotpot_document(t, p)]) for t, p in record["context"]]
-            gold = list(dict.fromkeys(i for t, i in paragraphs if t in supporting))
-            if not gold:
-                skipped += 1
-                continue
-            questions.append({
-                "query": record["question"],
-                "outputs": [record["answer"]],
-                "context": gold,
-                "more_context": list(dict.fromkeys(i for _, i in paragraphs if i not in gold)),
-            })
-    except (KeyError, TypeError, ValueError) as err:
-        raise QAError(f"{source} is not a HotpotQA distractor file ({type(err).__name__}: {err}): expected "
-                      "a list of records with question, answer, supporting_facts and context") from None
+    """RULER's read_hotpotqa on the parsed official HotpotQA JSON, its records checked first (check_hotpotqa),
+    with each record's paragraphs split into gold (titles named in supporting_facts, in the record's order)
+    and preferred distractors."""
+    check_hotpotqa(raw, source)
+    documents = sorted({_hotpot_document(t, p) for record in raw for t, p in record["context"]})
+    index = {text: i for i, text in enumerate(documents)}
+    questions, skipped = [], 0
+    for record in raw:
+        supporting = {title for title, _ in record["supporting_facts"]}
+        paragraphs = [(t, index[_hotpot_document(t, p)]) for t, p in record["context"]]
+        gold = list(dict.fromkeys(i for t, i in paragraphs if t in supporting))
+        if not gold:
+            skipped += 1
+            continue
+        questions.append({
+            "query": record["question"],
+            "outputs": [record["answer"]],
+            "context": gold,
+            "more_context": list(dict.fromkeys(i for _, i in paragraphs if i not in gold)),
+        })
     if skipped:
         log.warning("%s: %d records have no paragraph named in their supporting_facts and are left out",
                     source, skipped)
@@ -195,9 +294,8 @@ def _read_file(path: str, mtime_ns: int, size: int, dataset: str) -> QAData:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise QAError(f"could not read {path} as JSON ({type(err).__name__}: {err})") from None
-    name = Path(path).name
-    questions, documents = READERS[dataset](raw, name)
-    return QAData(questions, documents, name)
+    questions, documents = READERS[dataset](raw, path)  # errors name the whole path, the docs the file name
+    return QAData(questions, documents, Path(path).name)
 
 
 def _from_hub(dataset: str) -> QAData:

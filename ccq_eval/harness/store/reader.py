@@ -62,8 +62,8 @@ class StoredUnit:
 
     @property
     def backbone(self) -> str | None:
-        """The model's family without CCQ (meta.json's model_type, `ccq_` dropped); None where a unit does not
-        record it (units stored before it did, lm-eval's layout)."""
+        """The model's family without CCQ (meta.json's model_type, `ccq_` dropped); None where the meta has no
+        model_type (older unit formats, lm-eval's layout)."""
         model_type = self.meta.get("model_type")
         return model_type.removeprefix("ccq_") if isinstance(model_type, str) else None
 

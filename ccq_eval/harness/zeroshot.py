@@ -135,7 +135,7 @@ def local_overrides(name: str, config: dict[str, Any], data_dir: str | Path) -> 
 
 # The fields of a dataset row that a task's lm-eval config reads (doc_to_text, doc_to_target, doc_to_choice,
 # process_docs), in order, each with its check: what the value must be, or None when it is. A check may read
-# fields checked before it (a label's range is its row's number of endings). lm-eval scores a label out of
+# the fields listed above it (a label's range is its row's number of endings). lm-eval scores a label out of
 # range, or of another type, as a wrong answer, and turns a null text into "None" in the prompt.
 RowCheck = Callable[[Any, dict[str, Any]], str | None]
 

@@ -55,19 +55,6 @@ def torch_chunk_retention(
     )
 
 
-def torch_fused_chunk_retention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's fused-chunk form of retention: the same result as torch_chunk_retention."""
-    return torch_chunk_retention(q, k, v, scale, initial_state, output_final_state, cu_seqlens)
-
-
 def torch_fused_recurrent_retention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -214,7 +201,8 @@ def torch_rms_norm_linear(
 
 OPS: dict[str, FlaOp] = {
     "chunk_retention": FlaOp("fla.ops.retention.chunk", torch_chunk_retention),
-    "fused_chunk_retention": FlaOp("fla.ops.retention.fused_chunk", torch_fused_chunk_retention),
+    # fla's fused-chunk form computes the same thing with the same parameters
+    "fused_chunk_retention": FlaOp("fla.ops.retention.fused_chunk", torch_chunk_retention),
     "fused_recurrent_retention": FlaOp(
         "fla.ops.retention.fused_recurrent", torch_fused_recurrent_retention, from_kwargs=("transpose_state_layout",)),
     "parallel_retention": FlaOp("fla.ops.retention.parallel", torch_parallel_retention),

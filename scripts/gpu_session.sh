@@ -24,7 +24,8 @@
 # HARNESS_FLAGS (e.g. --no-cuda-graphs, or --archs gated_deltanet --ccq on), SNIAH_FLAGS, HARNESS_TIMEOUT (480 s),
 # SMOKE_TIMEOUT (480 s: the fused-kernel smoke check before the benchmarks),
 # SNIAH_TIMEOUT (900 s: four models, stock HFLM included), TESTS_TIMEOUT (1500 s),
-# STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), MODELS, SAMPLES, COMMIT
+# STEPS (training steps), TRAIN_ARGS (more train_tiny.py arguments), TRAIN_FOLLOWUPS (later training
+# stages: ';'-separated train_tiny.py arguments, each stage continuing from the last), MODELS, SAMPLES, COMMIT
 # (recorded in model cards and bench reports). E.g. `STAGES=tests,bench COMMIT=$(git rev-parse HEAD) ... start`.
 set -uo pipefail
 WORK=${GPU_SESSION_WORK:-/tmp/gpu}  # overridable for a dry run off the device
@@ -132,6 +133,23 @@ pipeline() {
   want train || { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; tests_pid=; }
   fi
   for p in "${pids[@]}"; do wait "$p" || stage "a training process failed (rc $?)"; done
+  # Later training stages, each continuing from the one before (--init-from); the earlier stage's
+  # checkpoints stay in models-stageN.
+  if want train && [ -n "${TRAIN_FOLLOWUPS:-}" ]; then
+    IFS=';' read -ra followups <<< "$TRAIN_FOLLOWUPS"
+    n=1
+    for extra in "${followups[@]}"; do
+      mv "$WORK/models" "$WORK/models-stage$n"; mkdir -p "$WORK/models"; n=$((n + 1)); pids=()
+      stage "1: training stage $n ($extra)"
+      for m in $MODELS; do
+        timeout "${TRAIN_TIMEOUT:-1500}" python3 scripts/train_tiny.py --device cuda --data-workers 2 --no-register \
+          --code-commit "${COMMIT:-unknown}" $extra --init-from "$WORK/models-stage$((n - 1))" --models "$m" \
+          --out "$WORK/models" > "$WORK/logs/train-$m-stage$n.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || stage "a training process failed (rc $?)"; done
+    done
+  fi
   stage "1: training done"
   fi
 

@@ -46,3 +46,24 @@ def test_cuda_default_batch_answers_as_batch_one(tmp_path, model_type):
     alone = [CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1, cuda_graphs=False).generate_until([r])[0]
              for r in requests]
     assert CCQEvalLM(model=model, tokenizer=tokenizer).generate_until(requests) == alone
+
+
+@pytest.mark.parametrize("model_type", ["mamba", *CPU_FAMILIES])
+def test_cuda_fast_path_answers_as_batch_one(tmp_path, model_type):
+    """The fast path forced on (batching by memory, CUDA graphs) answers and scores as eager batch 1: what
+    decides whether a family may join families.GPU_FAST_PATH_MEASURED."""
+    model, tokenizer = load_model(str(tiny_checkpoint(model_type, tmp_path / model_type)), device="cuda",
+                                  dtype="bfloat16" if model_type == "delta_net" else "float32")
+    prompts = ["Once upon a time", "It was the best of times, it was", "Call me", "A tale of two cities.",
+               "Call me Ishmael."]
+    generations = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 16}), i)
+                   for i, p in enumerate(prompts)]
+    scorings = [Instance("loglikelihood", {}, (p, " " + TEXT[:8 * (i + 1)]), i) for i, p in enumerate(prompts)]
+    eager = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=1, cuda_graphs=False)
+    alone = ([eager.generate_until([r])[0] for r in generations],
+             [eager.loglikelihood([r])[0][0] for r in scorings])
+    fast = CCQEvalLM(model=model, tokenizer=tokenizer, cuda_graphs=True)
+    together = (fast.generate_until(generations), [score for score, _ in fast.loglikelihood(scorings)])
+    assert together[0] == alone[0]
+    tolerance = 5e-2 if model_type == "delta_net" else 1e-3  # bf16 for DeltaNet; float32 otherwise
+    assert together[1] == pytest.approx(alone[1], abs=tolerance)

@@ -7,6 +7,7 @@ document keys that name a cell):
     family_of("ccq_s_niah_2")     -> S_NIAH
     family_of("ccq_ppl_sweep")    -> PERPLEXITY
     family_of("hellaswag")        -> ZEROSHOT (lm-eval's own task, claimed by exact name)
+    family_of("ccq_recall_swde")  -> RECALL (as are lm-eval's own swde, fda, squad_completion)
     family_of("mmlu")             -> OTHER (any other lm-eval task)
     family_of("ccq_new_thing")    -> UnknownTaskFamilyError (a task of ours without an entry here)
 
@@ -26,7 +27,8 @@ LENGTH_KEYS = ("length", "max_length", "seq_length", "context_length", "target_l
 DEPTH_KEYS = ("depth", "depth_percent", "needle_depth")
 # The run's task metadata keys that only some families record in their units' spec (TaskFamily.metadata_keys);
 # every other key (the seed) is recorded for every task.
-FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir", "qa_dir", "zeroshot_dir")
+FAMILY_METADATA_KEYS = ("lengths", "depths", "samples_per_cell", "data_dir", "qa_dir", "zeroshot_dir", "recall_dir",
+                        "recall_length", "recall_prompt")
 
 
 class UnknownTaskFamilyError(UserError, ValueError):
@@ -217,6 +219,29 @@ ZEROSHOT_PAPER_COLUMNS = (
 )
 ZEROSHOT_AVERAGED = (("lambada_openai", "acc"), ("piqa", "acc"), ("hellaswag", "acc_norm"), ("winogrande", "acc"),
                      ("arc_easy", "acc"), ("arc_challenge", "acc_norm"), ("social_iqa", "acc"), ("boolq", "acc"))
+# The recall-intensive table of the Based / JRT papers (SWDE, SQuAD, FDA, TriviaQA, NQ, DROP; reported by the
+# Gated DeltaNet, GDN-2, MoM and KDA papers): ours under the JRT harness's rules (tasks/recall), and lm-eval's
+# own swde, fda and squad_completion (claimed by name), which read the same datasets without the cut.
+RECALL_LMEVAL_TASKS = ("swde", "fda", "squad_completion")
+RECALL = TaskFamily(
+    name="recall",
+    title="recall-intensive",
+    task_prefixes=("ccq_recall",),
+    request_type="generate_until",
+    metrics=("contains",),
+    primary_metric="contains",
+    higher_is_better=True,
+    metadata_keys=frozenset({"recall_dir", "recall_length", "recall_prompt"}),
+    display_label="recall ",
+    tables=(FamilyTable("recall_paper", "Recall-intensive tasks (Based / JRT)"),),
+    task_names=RECALL_LMEVAL_TASKS,
+)
+# The papers' columns in their order: (our task, lm-eval's own task or None, header); Avg. is their mean.
+RECALL_PAPER_COLUMNS = (
+    ("ccq_recall_swde", "swde", "SWDE"), ("ccq_recall_squad", "squad_completion", "SQD"),
+    ("ccq_recall_fda", "fda", "FDA"), ("ccq_recall_triviaqa", None, "TQA"), ("ccq_recall_nq", None, "NQ"),
+    ("ccq_recall_drop", None, "DROP"),
+)
 OTHER = TaskFamily(
     name="other",
     title="other lm-eval tasks",
@@ -231,7 +256,8 @@ OTHER = TaskFamily(
 
 # In the order the paper tables show them.
 FAMILIES: tuple[TaskFamily, ...] = (
-    S_NIAH, RULER_NIAH, RULER_VT, RULER_AGGREGATION, RULER_QA, PERPLEXITY, LONGBENCH, LONGBENCH_E, ZEROSHOT, OTHER,
+    S_NIAH, RULER_NIAH, RULER_VT, RULER_AGGREGATION, RULER_QA, PERPLEXITY, LONGBENCH, LONGBENCH_E, ZEROSHOT, RECALL,
+    OTHER,
 )
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 

@@ -81,8 +81,7 @@ VOCAB_SIZE = 384  # ByT5: 3 specials + 256 bytes + 125 extra ids
 # in-context recall needs. The Transformer is the softmax-attention reference: transformers' Llama
 # with the same width, depth and MLP, 4 heads of 64. The other baselines keep fla's defaults but for width,
 # depth and heads (short convolutions on, as fla's defaults have them); Mamba2 blocks have no MLP, so it
-# gets twice the layers for about the same size, and chunks of 32: without mamba_ssm's kernels fla runs its
-# torch path, whose in-chunk term holds batch x length x chunk x width floats (32 GiB at fla's 256). All sized for the 8 MB limit in bf16 (3.3M-3.7M parameters).
+# gets twice the layers for about the same size. All sized for the 8 MB limit in bf16 (3.3M-3.7M parameters).
 SHAPES = {
     "gla": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "use_short_conv": True},
     "gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
@@ -91,7 +90,7 @@ SHAPES = {
     "delta_net": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2},
     "kda": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
     "mamba2": {"hidden_size": 256, "num_hidden_layers": 8, "num_heads": 8, "head_dim": 64, "expand": 2,
-               "state_size": 64, "n_groups": 1, "chunk_size": 32},
+               "state_size": 64, "n_groups": 1},
     "precond_gdn": {"hidden_size": 256, "num_hidden_layers": 4, "num_heads": 2, "head_dim": 64},
 }
 SMOKE_SHAPES = {

@@ -62,3 +62,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def task_generation_requests(task_names, metadata: dict) -> list:
+    """Every document of lm-eval tasks `task_names` (built with our task metadata), as the evaluator would
+    request its generation."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks import get_task_dict
+
+    from ccq_eval.harness.task_registry import make_task_manager
+
+    tasks = get_task_dict(list(task_names), make_task_manager(metadata=metadata))
+    requests = []
+    for task_name, task in tasks.items():
+        kwargs = dict(task.config.generation_kwargs)
+        for doc_id, doc in enumerate(task.eval_docs):
+            requests.append(Instance("generate_until", doc, (task.doc_to_text(doc), kwargs), len(requests),
+                                     metadata=(task_name, doc_id, 1)))
+    return requests

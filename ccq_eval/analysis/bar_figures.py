@@ -1,5 +1,6 @@
-"""Grouped bar charts: LongBench per dataset with its category averages, LongBench-E per length bucket, and
-the zero-shot suite's accuracies (with their average) and perplexities in the papers' columns."""
+"""Grouped bar charts: LongBench per dataset with its category averages, LongBench-E per length bucket, the
+zero-shot suite's accuracies (with their average) and perplexities in the papers' columns, and the recall
+table (ccq_eval.analysis.recall) with its average."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ccq_eval.analysis import tables, zeroshot
+from ccq_eval.analysis import recall, tables, zeroshot
 from ccq_eval.analysis.figure_style import STYLE, is_ccq, plt, save_figure
 
 
@@ -90,3 +91,16 @@ def zeroshot_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
         paths += _grouped_bars(numbers, perplexity, [], colors, "Zero-shot perplexity (lower is better)",
                                "perplexity", out, "zeroshot_perplexity")
     return paths
+
+
+def recall_bars(tidy: pd.DataFrame, out: Path, colors: dict) -> list[Path]:
+    """The recall table (SWDE ... DROP, each set of rules in its own columns) in % with its averages, as grouped
+    bars; a failed or missing value draws no bar."""
+    pivot = recall.recall_pivot(tidy)
+    if pivot is None:
+        return []
+    numbers = pivot.map(lambda v: v if isinstance(v, float) else math.nan)
+    shown = recall.recall_columns(pivot)
+    averages = [c for c in shown if c.startswith(recall.AVERAGE_HEADER)]
+    return _grouped_bars(numbers, [c for c in shown if c not in averages], averages, colors,
+                         "Recall-intensive tasks (Based / JRT): contains", "contains (%)", out, "recall_contains")

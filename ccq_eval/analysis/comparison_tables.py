@@ -1,9 +1,10 @@
 """Comparisons as `compare` and the report print them: p-values adjusted for their number, significance
 marks and verdicts on the adjusted p-values, and the tables with the note that says how to read them.
 
-The family of an adjustment is every p-value one output prints: all rows of all pairs `compare` prints,
-the cells of `compare --summary`, the comparisons of the report. The raw p-value stays beside the
-adjusted one; the confidence intervals are per comparison, not adjusted.
+The family of an adjustment is every p-value one table set prints: all rows of all pairs `compare` prints
+(and the report's per-length tables), the cells of `compare --summary` (and the report's verdict table, the
+same table from verdict_summary). The raw p-value stays beside the adjusted one; the confidence intervals
+are per comparison, not adjusted.
 """
 
 from __future__ import annotations
@@ -250,18 +251,13 @@ def comparison_summary(comparisons: Comparisons, p_adjust: str = DEFAULT_P_ADJUS
     return table
 
 
-def render_summary(comparisons: Comparisons, fmt: str = "markdown", alpha: float = DEFAULT_ALPHA,
-                   p_adjust: str = DEFAULT_P_ADJUST, backbones: Mapping[str, str | None] | None = None) -> str:
-    """comparison_summary as `compare --summary` prints it, with the note that says how to read it."""
+def verdict_summary(comparisons: Comparisons, p_adjust: str = DEFAULT_P_ADJUST, alpha: float = DEFAULT_ALPHA,
+                    backbones: Mapping[str, str | None] | None = None) -> tuple[pd.DataFrame, str]:
+    """(comparison_summary, the note that says how to read it): the verdict table. `compare --summary` and the
+    report both take it from here (through stats.verdict_table), so they print the same numbers."""
     check_p_adjust(p_adjust)
     comparisons = list(comparisons)
     table = comparison_summary(comparisons, p_adjust, alpha, backbones)
-    if fmt == "csv":
-        return csv_safe(table).to_csv()
-    if fmt == "latex":
-        return to_latex(table, 3, "CCQ against its baseline") + "\n"
-    if fmt != "markdown":
-        raise AnalysisOptionError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
     families = {task_family(task) for _, _, frame in comparisons for task in frame["task"]}
     parts = [comparison_note(alpha, p_adjust, table.attrs["p_family"])]
     if families & set(RULER_FAMILY_NAMES):  # only what the table holds is explained
@@ -269,4 +265,21 @@ def render_summary(comparisons: Comparisons, fmt: str = "markdown", alpha: float
         parts.append(f"{pooled}: all lengths pooled")
     if any("@" in str(column) for column in table.columns):
         parts.append("a column named @L: at length L only (perplexity: lower is better)")
-    return to_markdown(table, 3) + f"\n\n_{'; '.join(parts)}_\n"
+    return table, "; ".join(parts)
+
+
+def render_verdict(table: pd.DataFrame, note: str, fmt: str = "markdown") -> str:
+    """A verdict table and its note (verdict_summary) as `compare --summary` prints them."""
+    if fmt == "csv":
+        return csv_safe(table).to_csv()
+    if fmt == "latex":
+        return to_latex(table, 3, "CCQ against its baseline") + "\n"
+    if fmt != "markdown":
+        raise AnalysisOptionError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    return to_markdown(table, 3) + f"\n\n_{note}_\n"
+
+
+def render_summary(comparisons: Comparisons, fmt: str = "markdown", alpha: float = DEFAULT_ALPHA,
+                   p_adjust: str = DEFAULT_P_ADJUST, backbones: Mapping[str, str | None] | None = None) -> str:
+    """comparison_summary as `compare --summary` prints it, with the note that says how to read it."""
+    return render_verdict(*verdict_summary(comparisons, p_adjust, alpha, backbones), fmt)

@@ -33,7 +33,7 @@ import pandas as pd
 from matplotlib.lines import Line2D
 
 from ccq_eval.analysis import ruler
-from ccq_eval.analysis.bar_figures import longbench_bars, longbench_e_bars, zeroshot_bars
+from ccq_eval.analysis.bar_figures import longbench_bars, longbench_e_bars, recall_bars, zeroshot_bars
 from ccq_eval.analysis.figure_style import (  # noqa: F401  (re-exported: the figures' look)
     HEATMAP_CMAP,
     MARKERS,
@@ -342,11 +342,12 @@ def draw_all(tidy: pd.DataFrame, out: Path, threshold: float = ruler.DEFAULT_THR
     paths += longbench_bars(tidy, out, colors)
     paths += longbench_e_bars(tidy, out, colors)
     paths += zeroshot_bars(tidy, out, colors)
+    paths += recall_bars(tidy, out, colors)
     paths += ccq_sweep_curves(tidy, out)
     if not paths:
         raise ResultsError(
             "nothing to draw: the results hold no per-length RULER (S-NIAH, ...) or perplexity values, no "
-            "LongBench scores and no zero-shot accuracies (figures need the samples_<task>.jsonl logs of RULER / "
-            "perplexity runs)"
+            "LongBench scores, no zero-shot accuracies and no recall scores (figures need the samples_<task>.jsonl "
+            "logs of RULER / perplexity runs)"
         )
     return paths

@@ -1,22 +1,24 @@
-"""One self-contained HTML page per results folder: what ran, the tables, the comparisons, the
-figures and the samples behind them.
+"""One self-contained HTML page per results folder: the verdict first, then the tables, the comparisons,
+the figures and the samples behind them, and what ran last.
 
 The page needs nothing but a browser: figures are PNG data URIs, the style sheet and the few lines
-of script are inline, and nothing is fetched. It holds
+of script are inline, and nothing is fetched. It holds, in this order,
 
+- the verdict: `ccq-eval compare --summary`'s table of every comparison pair, from the same function
+  (stats.verdict_table), so its p-values are those `compare --summary` and the README print;
 - what is missing (unfinished units, units without a per-sample log, tasks some models lack);
-- the run: models with their checkpoint fingerprints, tasks with their grid, device, dtype,
-  package versions, commit and command line, as the units' meta.json / unit.json / results.json
-  record them;
 - the paper tables (`ccq-eval table`; the zero-shot suite in the GLA / Gated DeltaNet papers' layout),
   RULER's view (`ccq-eval table --view ruler`: average and effective length, when the results hold RULER
-  tasks beyond S-NIAH) and the paired statistics of every comparison pair (`ccq-eval compare`), their
+  tasks beyond S-NIAH) and each pair's statistics per task and length (`ccq-eval compare`), their
   p-values adjusted together for their number;
 - every figure (`ccq-eval figures`);
 - a sample browser (ccq_eval.analysis.report_samples): one collapsible block per cell of S-NIAH and
   the other RULER tasks (model, task, length, depth) with its failures, and one per perplexity (model,
   task, length) with its worst documents. Selects filter the blocks by model, task, length and depth;
-  with scripts off every block is shown and the selects stay hidden.
+  with scripts off every block is shown and the selects stay hidden;
+- the run (provenance): models with their checkpoint fingerprints, tasks with their grid, device, dtype,
+  package versions, commit and command line, as the units' meta.json / unit.json / results.json
+  record them.
 
 This module gathers that as plain data (tables as Table and Cell); the jinja2 templates in templates/
 (package data) lay it out, report.html.j2 being the page. The template engine escapes every value it
@@ -272,8 +274,10 @@ def ruler_view(tidy: pd.DataFrame, threshold: float, digits: int = 2) -> dict[st
 
 def comparisons(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed: int, alpha: float,
                 p_adjust: str = stats.DEFAULT_P_ADJUST) -> dict[str, Any]:
-    """The paired statistics of every comparison pair (`ccq-eval compare`) as (title, Table), their p-values
-    adjusted by `p_adjust` as one family; a pair that cannot be compared adds its reason to `notes`."""
+    """The paired statistics of every comparison pair: the verdict table and its note as `ccq-eval compare
+    --summary` prints them (stats.verdict_table: p-values adjusted over its cells), and per pair, (title,
+    Table) as `ccq-eval compare` prints them (p-values adjusted by `p_adjust` over all their rows as one
+    family); a pair that cannot be compared adds its reason to `notes`."""
     pairs = stats.comparison_pairs(units)
     compared = []
     for baseline, variant in pairs:
@@ -291,7 +295,10 @@ def comparisons(units: Sequence[StoredUnit], notes: list[str], n_boot: int, seed
         if (frame["verdict"] == "failed").any():
             notes.append(f"{variant} vs {baseline}: {NON_FINITE_NOTE}")
     family = int(frames[0]["p_family"].iloc[0]) if frames else 0
-    return {"has_pairs": bool(pairs), "tables": shown, "note": stats.comparison_note(alpha, p_adjust, family),
+    verdict, verdict_note = stats.verdict_table(units, compared, alpha=alpha, p_adjust=p_adjust) if compared \
+        else (None, "")
+    return {"has_pairs": bool(pairs), "verdict": _frame_table(verdict, 3) if verdict is not None else None,
+            "verdict_note": verdict_note, "tables": shown, "note": stats.comparison_note(alpha, p_adjust, family),
             "n_boot": n_boot, "seed": seed}
 
 

@@ -39,6 +39,8 @@ from ccq_eval.analysis.comparison_tables import (  # noqa: F401  (re-exported: w
     render_comparison,
     render_comparisons,
     render_summary,
+    render_verdict,
+    verdict_summary,
 )
 from ccq_eval.analysis.p_values import (  # noqa: F401  (re-exported: the significance levels)
     DEFAULT_ALPHA,
@@ -59,7 +61,7 @@ from ccq_eval.analysis.pairing import (
 from ccq_eval.analysis.tidy import MetricInfo, scoring_protocol, task_family
 from ccq_eval.analysis.zeroshot import protocol_label
 from ccq_eval.harness.store import ResultsError, StoredUnit
-from ccq_eval.task_families import ZEROSHOT
+from ccq_eval.task_families import RECALL, ZEROSHOT
 
 DEFAULT_BOOTSTRAP = 10_000
 DEFAULT_SEED = 0
@@ -307,9 +309,9 @@ def _compare_task(base_unit: StoredUnit, var_unit: StoredUnit, task: str, info: 
 
 def compared_protocols(base_unit: StoredUnit, var_unit: StoredUnit, task: str) -> str:
     """How the two models' texts of a zero-shot rolling task were scored (tidy.scoring_protocol): "HFLM
-    windows" when both say so, "HFLM windows vs state carried" when they differ (baseline first); "" for any
-    other task."""
-    if task_family(task) != ZEROSHOT.name:
+    windows" when both say so, "HFLM windows vs state carried" when they differ (baseline first); the same for
+    a recall task's rules ("jrt, 2048 tokens"); "" for any other task."""
+    if task_family(task) not in (ZEROSHOT.name, RECALL.name):
         return ""
     found = [scoring_protocol(unit, task) for unit in (base_unit, var_unit)]
     if found == [None, None]:
@@ -399,3 +401,13 @@ def comparison_pairs(units: Iterable[StoredUnit]) -> list[tuple[str, str]]:
         if not zero.empty:
             pairs += [(zero["model"].iloc[0], model) for model in members.loc[members["lambda"] > 0, "model"]]
     return pairs
+
+
+def verdict_table(units: Iterable[StoredUnit], compared: Iterable[tuple[str, str, pd.DataFrame]], *,
+                  alpha: float = DEFAULT_ALPHA, p_adjust: str = DEFAULT_P_ADJUST) -> tuple[pd.DataFrame, str]:
+    """(table, note) of the verdict: a row per compared (baseline, variant, compare_models frame), a column
+    per task, p-values adjusted over its cells (comparison_tables.verdict_summary), rows grouped by the
+    backbone the units record where pairs cross families. The one source of `compare --summary` and of the
+    report's first table."""
+    backbones = {unit.model: unit.backbone for unit in units}
+    return verdict_summary(compared, p_adjust, alpha, backbones)

@@ -2,10 +2,12 @@
 
 Pivots: S-NIAH and the other RULER families' accuracy per length, perplexity per length and per
 position bucket, LongBench per dataset with category averages, LongBench-E per bucket, the zero-shot suite
-in the GLA / Gated DeltaNet papers' layout (ccq_eval.analysis.zeroshot), and a catch-all of overall values
+in the GLA / Gated DeltaNet papers' layout (ccq_eval.analysis.zeroshot), the recall-intensive tasks in the
+Based / JRT papers' layout (ccq_eval.analysis.recall), and a catch-all of overall values
 for any other lm-eval task; each family's entry in ccq_eval.task_families names its own.
-Views of `ccq-eval table`: paper (those pivots), tidy (one row per value) and ruler (RULER's task x length
-table with its average and effective length, ccq_eval.analysis.ruler).
+Views of `ccq-eval table`: paper (those pivots), tidy (one row per value), ruler (RULER's task x length
+table with its average and effective length, ccq_eval.analysis.ruler) and recall (the Based / JRT recall
+table alone, ccq_eval.analysis.recall).
 
 The reading side (tidy_table, load_tidy, metric_infos, ...) and the sweeps are re-exported here: a caller
 that reads results and tabulates them imports this module alone.
@@ -35,6 +37,7 @@ from ccq_eval.analysis.formatting import (  # noqa: F401  (re-exported: how tabl
     to_markdown,
     with_failures_shown,
 )
+from ccq_eval.analysis.recall import recall_pivot
 from ccq_eval.analysis.ruler import DEFAULT_THRESHOLD, render_ruler
 from ccq_eval.analysis.sweeps import (  # noqa: F401  (re-exported: the sweeps are read with the tables)
     ccq_attachment,
@@ -58,10 +61,10 @@ from ccq_eval.analysis.tidy import (  # noqa: F401  (re-exported: the tidy frame
     tidy_table,
 )
 from ccq_eval.analysis.zeroshot import zeroshot_pivot
-from ccq_eval.task_families import FAMILIES, TaskFamily
+from ccq_eval.task_families import FAMILIES, RECALL, TaskFamily
 from ccq_eval.tasks.longbench import categories as longbench_categories
 
-VIEWS = ("paper", "tidy", "ruler")
+VIEWS = ("paper", "tidy", "ruler", "recall")
 
 
 @dataclass
@@ -176,6 +179,7 @@ PIVOTS: dict[str, tuple[Callable[[pd.DataFrame, TaskFamily], pd.DataFrame | None
     "longbench_categories": (longbench_shown, False),
     "per_length_bucket": (length_bucket_pivot, True),
     "zeroshot_paper": (zeroshot_pivot, False),
+    "recall_paper": (recall_pivot, False),
     "overall": (overall_pivot, True),
 }
 
@@ -208,9 +212,9 @@ def _render_tidy(tidy: pd.DataFrame, fmt: str, digits: int) -> str:
     return to_markdown(frame, digits) + (f"\n\n_{NON_FINITE_NOTE}_" if has_failures(frame) else "") + "\n"
 
 
-def _render_paper(tidy: pd.DataFrame, fmt: str, digits: int) -> str:
+def _render_paper(tidy: pd.DataFrame, fmt: str, digits: int, pivots: list[Pivot] | None = None) -> str:
     parts = []
-    for pivot in paper_pivots(tidy):
+    for pivot in paper_pivots(tidy) if pivots is None else pivots:
         if fmt == "markdown":
             parts.append(f"### {pivot.title}\n\n" + to_markdown(pivot.frame, digits)
                          + (f"\n\n_{pivot.note}_" if pivot.note else ""))
@@ -219,6 +223,16 @@ def _render_paper(tidy: pd.DataFrame, fmt: str, digits: int) -> str:
         else:
             parts.append(f"# {pivot.title}\n" + to_csv(pivot.frame).rstrip("\n"))
     return "\n\n".join(parts) + "\n"
+
+
+def _render_recall(tidy: pd.DataFrame, fmt: str, digits: int) -> str:
+    """The recall table alone (the paper view's recall pivot); an AnalysisOptionError when no recall task is in
+    the results."""
+    pivots = [pivot for pivot in paper_pivots(tidy) if pivot.title == RECALL.tables[0].title]
+    if not pivots:
+        raise AnalysisOptionError("--view recall: these results hold no recall task (ccq_recall_* or lm-eval's swde, "
+                                  "fda, squad_completion); run -t recall first")
+    return _render_paper(tidy, fmt, digits, pivots)
 
 
 def render_tables(tidy: pd.DataFrame, fmt: str = "markdown", view: str = "paper", digits: int = 2,
@@ -232,4 +246,6 @@ def render_tables(tidy: pd.DataFrame, fmt: str = "markdown", view: str = "paper"
         return _render_paper(tidy, fmt, digits)
     if view == "ruler":
         return render_ruler(tidy, fmt, digits, threshold)
+    if view == "recall":
+        return _render_recall(tidy, fmt, digits)
     raise AnalysisOptionError(f"unknown view {view!r}; valid: {', '.join(VIEWS)}")

@@ -11,7 +11,8 @@
 
 `protocol` says how a task's loglikelihood_rolling requests were scored, where the results record it
 (scoring_protocol): "hflm" (lm-eval HFLM's disjoint windows) or "carry" (the recurrent state carried
-through the whole text); empty for tasks without such requests.
+through the whole text); for the recall tasks, the rules they ran under ("jrt, 2048 tokens", "lm-eval");
+empty for other tasks.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pandas as pd
 
 from ccq_eval.harness import store
 from ccq_eval.harness.store import ResultsError, StoredUnit, aggregates
-from ccq_eval.task_families import DEPTH_KEYS, FAMILIES, LENGTH_KEYS, family_of
+from ccq_eval.task_families import DEPTH_KEYS, FAMILIES, LENGTH_KEYS, RECALL, RECALL_LMEVAL_TASKS, family_of
 from ccq_eval.tasks.longbench import categories as longbench_categories
 
 TIDY_COLUMNS = [
@@ -101,10 +102,26 @@ def metric_direction(metric: str, stated: bool | None = None) -> bool | None:
     return True if metric in HIGHER_IS_BETTER_METRICS else None
 
 
+def recall_protocol(unit: StoredUnit, task: str) -> str | None:
+    """The rules a recall task ran under: "lm-eval" for lm-eval's own swde / fda / squad_completion, "jrt,
+    <L> tokens" (", read twice" added for the read-twice prompt) for ours, read from the task's metadata as
+    the results record it; None for other tasks."""
+    if family_of(task) is not RECALL:
+        return None
+    if task in RECALL_LMEVAL_TASKS:
+        return "lm-eval"
+    metadata = ((unit.results.get("configs") or {}).get(task) or {}).get("metadata") or {}
+    label = f"jrt, {metadata.get('recall_length', 2048)} tokens"
+    return label + (", read twice" if metadata.get("recall_prompt") == "twice" else "")
+
+
 def scoring_protocol(unit: StoredUnit, task: str) -> str | None:
     """How `task`'s loglikelihood_rolling requests were scored: "hflm" or "carry" as ccq-eval's adapter
     records it per task (results["config"]["ccq_scoring"]["rolling_protocol_by_task"]), "hflm" for a
-    rolling task of lm-eval's own HFLM, None for any other task and results that do not say."""
+    rolling task of lm-eval's own HFLM; for a recall task its rules (recall_protocol); None for any other
+    task and results that do not say."""
+    if family_of(task) is RECALL:
+        return recall_protocol(unit, task)
     config = unit.results.get("config") or {}
     scoring = config.get("ccq_scoring") if isinstance(config.get("ccq_scoring"), dict) else {}
     by_task = scoring.get("rolling_protocol_by_task") or {}

@@ -24,6 +24,7 @@ class TableView(StrEnum):
     paper = "paper"
     tidy = "tidy"
     ruler = "ruler"
+    recall = "recall"
 
 
 class PAdjust(StrEnum):
@@ -71,7 +72,8 @@ def table(
         "'# title' line; --view tidy --format csv is one frame.")] = TableFormat.markdown,
     view: Annotated[TableView, typer.Option(
         help="paper: the papers' pivots; tidy: one row per value; ruler: RULER's task x length table with the "
-        "average per length and the effective length.")] = TableView.paper,
+        "average per length and the effective length; recall: the Based / JRT recall table (SWDE, SQD, FDA, TQA, "
+        "NQ, DROP, Avg.).")] = TableView.paper,
     digits: Annotated[int, typer.Option(help="Decimals shown (markdown / latex).")] = 2,
     threshold: ThresholdOpt = DEFAULT_RULER_THRESHOLD,
     output: OutputFileOpt = None,
@@ -145,10 +147,9 @@ def compare(
                                                      alpha=alpha, p_adjust=p_adjust.value)) for base, var in pairs]
     except UserError as exc:
         fail(str(exc))
-    if summary:
-        backbones = {unit.model: unit.backbone for unit in units}
-        emit(stats.render_summary(compared, format.value, alpha=alpha, p_adjust=p_adjust.value, backbones=backbones),
-             output)
+    if summary:  # the report's first table comes from the same verdict_table
+        emit(stats.render_verdict(*stats.verdict_table(units, compared, alpha=alpha, p_adjust=p_adjust.value),
+                                  format.value), output)
     else:
         emit(stats.render_comparisons(compared, format.value, alpha=alpha, p_adjust=p_adjust.value), output)
 

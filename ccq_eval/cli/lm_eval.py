@@ -1,7 +1,9 @@
 """`ccq-eval lm-eval ...`: lm-eval's own command line, with the `ccq` model registered with lm-eval and
 the CCQ model types with transformers' Auto classes (so `--model hf` loads CCQ checkpoints too).
 
-lm-eval has no plugin discovery, so its plain `lm-eval` command knows neither.
+lm-eval has no plugin discovery, so its plain `lm-eval` command knows neither. A model_type nobody
+registered (`--model hf`) stops in one line naming fla and the fix (loading.unrecognized_type_error), not with
+transformers' advice to upgrade transformers.
 """
 
 from __future__ import annotations
@@ -38,4 +40,12 @@ def lm_eval_cli(ctx: typer.Context) -> None:
         if not torch.cuda.is_available():  # lm-eval's default device is CUDA, also without one
             args += ["--device", "cpu"]
     sys.argv = ["lm-eval", *args]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ValueError as error:  # --model hf on a model_type nobody registered: transformers' advice misleads
+        from ccq_eval.model.loading import unrecognized_type_error
+
+        one_line = unrecognized_type_error(error)
+        if one_line is None:
+            raise
+        raise one_line from None

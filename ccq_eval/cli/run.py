@@ -25,11 +25,11 @@ ModelOpt = Annotated[list[str], typer.Option(
     "Default: the registry's default models, and the training-free CCQ sweep of the twins' baselines.")]
 TaskOpt = Annotated[list[str], typer.Option(
     "--task", "-t", metavar="<task>",
-    help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot; "
+    help="Task alias (s-niah, s-niah-1/2/3, ppl, longbench, longbench-e, ruler, zeroshot, recall; "
     "`ccq-eval tasks` lists them) or lm-eval task name, but for those of lm-eval's RULER port (ruler_vt, "
     "niah_single_1, ...: use ours); repeat for several. Default: s-niah and ppl.")]
 # Values of --suite (ccq_eval.harness.suites.SUITES, listed here so that --help needs no import).
-SuiteName = Enum("SuiteName", {name: name for name in ("paper", "ruler", "zeroshot")}, type=str)
+SuiteName = Enum("SuiteName", {name: name for name in ("paper", "ruler", "zeroshot", "recall")}, type=str)
 # Values of --rolling-windows (ccq_eval.harness.zeroshot.ROLLING_PROTOCOLS).
 RollingWindows = Enum("RollingWindows", {name: name for name in ("hflm", "carry")}, type=str)
 SuiteOpt = Annotated[SuiteName | None, typer.Option(
@@ -37,7 +37,7 @@ SuiteOpt = Annotated[SuiteName | None, typer.Option(
     "S-NIAH-1/2/3 at 1K-8K (and past the training context), perplexity (both protocols) at 4K-20K, "
     "LongBench / LongBench-E where --longbench-dir holds their data, and the zero-shot table where its data "
     "is found; ruler = RULER's 13 tasks at 4K-32K; zeroshot = the GLA / Gated DeltaNet papers' zero-shot "
-    "table (lm-eval's wikitext ... social_iqa).")]
+    "table (lm-eval's wikitext ... social_iqa); recall = the Based / JRT recall table (SWDE ... DROP).")]
 LengthsOpt = Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")]
 DepthsOpt = Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")]
 SamplesOpt = Annotated[int | None, typer.Option(
@@ -55,7 +55,8 @@ BatchSizeOpt = Annotated[int | None, typer.Option(
     "decodes prompts of any length together. Default: for those on CUDA with CUDA graphs, each batch "
     "as many as free GPU memory holds for its longest (a power of two up to 64), else 1.")]
 MaxLengthOpt = Annotated[int | None, typer.Option(
-    help="Context budget of the adapter in tokens (default: the longest of --lengths).")]
+    help="Context budget of the adapter in tokens (default: the longest of --lengths). Zero-shot units: lm-eval "
+    "HFLM's max length (default: the model config's), longer contexts cut from the left as HFLM cuts them.")]
 SeedOpt = Annotated[int, typer.Option(help="Seed for data generation, sampling and lm-eval.")]
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", parser=path_option, metavar="PATH",
                                          help="Results folder.")]
@@ -73,6 +74,21 @@ ZeroshotDirOpt = Annotated[Path | None, typer.Option(
 RollingWindowsOpt = Annotated[RollingWindows | None, typer.Option(
     help="How the zero-shot suite scores wikitext: hflm (default, lm-eval HFLM's disjoint windows, as the "
     "papers report it) or carry (one recurrent pass over each text).")]
+RecallDirOpt = Annotated[Path | None, typer.Option(
+    help="Folder with the recall tasks' data as <dataset>/validation.jsonl (swde, fda, squad, triviaqa, drop, "
+    "nq_2048 / nq_1024 / nq_512) in each dataset's field layout; default: the Hugging Face hub, else the "
+    "datasets cache.")]
+# Values of --recall-protocol and --recall-prompt (ccq_eval.harness.options.RECALL_PROTOCOLS / RECALL_PROMPTS).
+RecallProtocol = Enum("RecallProtocol", {name: name for name in ("jrt", "lm-eval")}, type=str)
+RecallPrompt = Enum("RecallPrompt", {name: name for name in ("once", "twice")}, type=str)
+RecallProtocolOpt = Annotated[RecallProtocol | None, typer.Option(
+    help="Rules of the recall table: jrt (default; the JRT harness's cut around the answer, per-task prompts, "
+    "as the papers report it) or lm-eval (lm-eval's own swde, fda, squad_completion, uncut).")]
+RecallLengthOpt = Annotated[int | None, typer.Option(
+    help="jrt: tokens each document is cut to, in the evaluated model's tokens (default 2048; NQ has datasets "
+    "for 512, 1024, 2048).")]
+RecallPromptOpt = Annotated[RecallPrompt | None, typer.Option(
+    help="jrt: once (default) or twice (JRT's read-twice prompt: the document repeated before the question).")]
 KeepGoingOpt = Annotated[bool, typer.Option(help="Continue with the next unit when one fails (default: stop).")]
 CudaGraphsOpt = Annotated[bool | None, typer.Option(
     "--cuda-graphs/--no-cuda-graphs",
@@ -83,7 +99,8 @@ ShardOpt = Annotated[str | None, typer.Option(
     help="K/N: run only the K-th of N deterministic parts of the units (a Slurm array task); workers "
     "into one --output also share units through per-unit locks without it.")]
 CcqAttachOpt = Annotated[str | None, typer.Option(
-    help="Attach CCQ training-free to each plain GLA / Gated DeltaNet --model with the constant gate: every "
+    help="Attach CCQ training-free to each plain --model (GLA, Gated DeltaNet, DeltaNet, KDA, RetNet or Mamba2) "
+    "with the constant gate: every "
     "lambda is evaluated as its own model <model>+ccq-lambda<L>; other CCQ config fields fixed after ';', "
     "e.g. \"lambda=0,0.5,1,2,4;order=2\". `figures` draws score vs lambda.")]
 WorkersOpt = Annotated[int | None, typer.Option(
@@ -117,6 +134,10 @@ def run(
     qa_dir: QaDirOpt = None,
     zeroshot_dir: ZeroshotDirOpt = None,
     rolling_windows: RollingWindowsOpt = None,
+    recall_dir: RecallDirOpt = None,
+    recall_protocol: RecallProtocolOpt = None,
+    recall_length: RecallLengthOpt = None,
+    recall_prompt: RecallPromptOpt = None,
     keep_going: KeepGoingOpt = False,
     cuda_graphs: CudaGraphsOpt = None,
     shard: ShardOpt = None,
@@ -144,6 +165,8 @@ def run(
         batch_size=batch_size, max_length=max_length, seed=seed, output=output,
         lm_eval_args=list(lm_eval_arg), longbench_dir=longbench_dir, qa_dir=qa_dir, keep_going=keep_going,
         zeroshot_dir=zeroshot_dir, rolling_windows=rolling_windows.value if rolling_windows else None,
+        recall_dir=recall_dir, recall_protocol=recall_protocol.value if recall_protocol else None,
+        recall_length=recall_length, recall_prompt=recall_prompt.value if recall_prompt else None,
         cuda_graphs=cuda_graphs, shard=shard, ccq_attach=ccq_attach,
     )
     try:

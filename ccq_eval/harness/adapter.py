@@ -20,7 +20,8 @@ it returns one summed number per document. This adapter instead
 BOS convention (all request types): when the tokenizer defines a BOS token it is prepended
 as unscored context, so every token of the text is scored. When it has none, the first
 token of the text is unscored context (rolling in one pass) — except for `loglikelihood` with an
-empty context and HFLM's windows, where EOS serves as the context token, as lm-eval does.
+empty context, HFLM's windows and the zero-shot suite's wikitext read in one pass, where EOS serves as the
+context token, as lm-eval does.
 
 Use from Python with an already-loaded model:
     CCQEvalLM(model=model, tokenizer=tokenizer, max_length=20480, batch_size=1)
@@ -66,7 +67,7 @@ DEFAULT_MAX_LENGTH = 32768
 # The slice size that puts any text through the model in one call (models whose cache takes one token per call).
 WHOLE_TEXT = 1 << 62
 
-__all__ = ["DEFAULT_MAX_LENGTH", "CCQEvalLM", "TokenNLL"]
+__all__ = ["DEFAULT_MAX_LENGTH", "CCQEvalLM", "TokenNLL", "hflm_max_length"]
 
 
 def _parse_batch_size(batch_size: Any) -> int | None:
@@ -121,17 +122,21 @@ def end_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def hflm_max_length(model: torch.nn.Module, tokenizer: Any) -> int:
+    """The max_length lm-eval's HFLM resolves for this model when given none: its config's n_positions /
+    max_position_embeddings / n_ctx, the tokenizer's model_max_length, else 2048."""
+    from lm_eval.models.utils import resolve_max_length
+
+    return int(resolve_max_length(getattr(model, "config", None), tokenizer, default=HFLM_DEFAULT_WINDOW))
+
+
 def _window_tokens(window_tokens: int | str | None, model: torch.nn.Module, tokenizer: Any) -> int:
-    """The windows of the HFLM rolling protocol: as given, else the max_length lm-eval's HFLM resolves for
-    this model (its config's n_positions / max_position_embeddings / n_ctx, the tokenizer's
-    model_max_length, else 2048)."""
+    """The windows of the HFLM rolling protocol: as given, else hflm_max_length."""
     if window_tokens is not None and str(window_tokens).strip():
         if int(window_tokens) < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         return int(window_tokens)
-    from lm_eval.models.utils import resolve_max_length
-
-    return int(resolve_max_length(getattr(model, "config", None), tokenizer, default=HFLM_DEFAULT_WINDOW))
+    return hflm_max_length(model, tokenizer)
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -189,7 +194,8 @@ class CCQEvalLM(LM):
             Graphs hold GPU memory, and scores differ from eager ones by rounding (other matrix
             shapes); False gives the eager path.
         default_truncation: policy for requests that name none (generation whose task declares no
-            `ccq_truncation`, and loglikelihood). Default "error".
+            `ccq_truncation`, and loglikelihood). Default "error". For loglikelihood, "left" is lm-eval HFLM's
+            cut (Scorer._prepare_loglikelihood); `ccq-eval run` gives it to the zero-shot suite's units.
         rolling_windows: how loglikelihood_rolling scores a text: "hflm" (lm-eval HFLM's disjoint windows of
             `window_tokens`, each read afresh), "carry" (one pass, the state carried), or None (the default):
             per task, HFLM's windows for the zero-shot suite's wikitext, one pass for every other task
@@ -408,13 +414,17 @@ class CCQEvalLM(LM):
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval copies into results["config"] after a run: how this adapter scores, so that a table
         can say which rolling protocol produced a perplexity (lm_eval.evaluator.simple_evaluate and
-        ccq-eval's runner both call it after evaluating). rolling_protocol_by_task names the zero-shot
-        suite's rolling tasks always (their protocol follows from the settings, also where a resumed run
-        scored none of their requests here) and every other task whose rolling requests this process scored."""
+        ccq-eval's runner both call it after evaluating), and the max_length and policy that fit the
+        contexts of loglikelihood requests. rolling_protocol_by_task names every task whose rolling requests
+        this process scored and, when a protocol was asked (rolling_windows: the runner asks one for each
+        unit of the zero-shot suite's wikitext, and only for those), the suite's rolling tasks, also where a
+        resumed run scored none of their requests here."""
         asked = self.scorer.rolling_windows
-        by_task = {task: rolling_protocol(task, asked) for task in sorted(HFLM_ROLLING_TASKS)} | self.rolling_protocols
+        by_task = {task: rolling_protocol(task, asked) for task in sorted(HFLM_ROLLING_TASKS) if asked is not None}
         return {"ccq_scoring": {"rolling_windows": asked or "per task", "window_tokens": self.scorer.window_tokens,
-                                "rolling_protocol_by_task": by_task, "share_contexts": self.scorer.share_contexts}}
+                                "rolling_protocol_by_task": by_task | self.rolling_protocols,
+                                "share_contexts": self.scorer.share_contexts, "max_length": self.max_length,
+                                "loglikelihood_truncation": self.default_truncation}}
 
     def tok_encode(self, text: str) -> list[int]:
         return self.codec.encode(text)

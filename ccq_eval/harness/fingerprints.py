@@ -1,6 +1,6 @@
 """What a unit's answers depend on besides its settings: the sha256 of its checkpoint files and of the
 data files it reads (a LongBench dataset of --longbench-dir, a QA file of --qa-dir, a zero-shot task's split
-files in --zeroshot-dir), recorded in its spec
+files in --zeroshot-dir, a recall task's dataset file in --recall-dir), recorded in its spec
 when it is planned and checked again before it runs.
 """
 
@@ -102,12 +102,31 @@ def zeroshot_data_files(task: str, zeroshot_dir: Path) -> list[Path]:
     return sorted((zeroshot_dir / task).glob("*.jsonl"))
 
 
+def recall_data_file(task: str, metadata: dict[str, Any]) -> Path | None:
+    """The --recall-dir file a recall task reads (<dataset>/validation.jsonl; NQ's per recall_length), None
+    when the folder has none (the task then reads the hub or the datasets cache)."""
+    from ccq_eval.task_families import RECALL, family_of
+    from ccq_eval.tasks.recall.data import RecallDataError, dataset_for, local_file
+
+    if family_of(task) is not RECALL:
+        return None
+    try:
+        return local_file(dataset_for(task, metadata.get("recall_length")), metadata["recall_dir"])
+    except RecallDataError:  # a length without an NQ dataset: planning refuses it with its own line
+        return None
+
+
 def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | None:
     """{file name: sha256} of the data files a task's documents are read from (a LongBench dataset in
     --longbench-dir, metadata's data_dir; a QA file in --qa-dir, metadata's qa_dir; the split files of a
-    zero-shot task in --zeroshot-dir, metadata's zeroshot_dir, named <task>/<split>.jsonl); None for tasks
+    zero-shot task in --zeroshot-dir, metadata's zeroshot_dir, named <task>/<split>.jsonl; the dataset file of a
+    recall task in --recall-dir, metadata's recall_dir, named <dataset>/validation.jsonl); None for tasks
     built from the embedded corpora or read from the hub or the datasets cache."""
     data_dir, qa_dir, zeroshot_dir = metadata.get("data_dir"), metadata.get("qa_dir"), metadata.get("zeroshot_dir")
+    if metadata.get("recall_dir"):
+        path = recall_data_file(task, metadata)
+        if path is not None:
+            return {path.relative_to(Path(metadata["recall_dir"])).as_posix(): checkpoint.file_sha256(path)}
     if zeroshot_dir:
         files = zeroshot_data_files(task, Path(zeroshot_dir))
         if files:
@@ -118,9 +137,20 @@ def data_fingerprint(task: str, metadata: dict[str, Any]) -> dict[str, str] | No
     return None if path is None else {path.name: checkpoint.file_sha256(path)}
 
 
+def embedded_corpora_fingerprint() -> dict[str, str]:
+    """{file name: sha256} of the embedded corpora (ccq_eval/data/<name>.jsonl.xz) as this installation holds
+    them: an editable install's corpora can be edited, and a unit whose task reads them records this in its
+    spec ("embedded_corpora"). Hashed again on each call (about 4 MB), never remembered, so that an edit is
+    seen by the next check."""
+    from ccq_eval.data import corpora
+
+    return {file: checkpoint.file_sha256(corpora.DATA_DIR / file)
+            for file, _description in sorted(corpora.CORPORA.values()) if (corpora.DATA_DIR / file).is_file()}
+
+
 def changed_since_planning(unit: PlannedUnit) -> str | None:
-    """What of a unit's checkpoint and data files differs from the sha256 its spec recorded at planning
-    ("model.safetensors: planned 1a2b3c4d..., now 5e6f7a8b..."), None when nothing does."""
+    """What of a unit's checkpoint, data files and embedded corpora differs from the sha256 its spec recorded
+    at planning ("model.safetensors: planned 1a2b3c4d..., now 5e6f7a8b..."), None when nothing does."""
     planned: dict[str, str] = {}
     current: dict[str, str] = {}
     if isinstance(unit.spec.get("checkpoint"), dict):
@@ -129,6 +159,9 @@ def changed_since_planning(unit: PlannedUnit) -> str | None:
     if unit.spec.get("data_files") is not None:
         planned |= unit.spec["data_files"]
         current |= data_fingerprint(unit.task, unit.task_metadata) or {}
+    if unit.spec.get("embedded_corpora") is not None:
+        planned |= unit.spec["embedded_corpora"]
+        current |= embedded_corpora_fingerprint()
     changed = sorted(name for name in set(planned) | set(current) if planned.get(name) != current.get(name))
     return (
         "; ".join(

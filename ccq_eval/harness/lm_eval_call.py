@@ -20,6 +20,7 @@ import subprocess
 import time
 from typing import Any
 
+from ccq_eval.harness.recall import RECALL_LMEVAL_TASKS, load_lmeval_tasks
 from ccq_eval.harness.zeroshot import ZEROSHOT_TASKS, load_tasks
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,12 @@ def git_commit_hash() -> str | None:
 
 def _load(task_manager: Any, tasks: list[str], zeroshot_dir: str | None) -> dict[str, Any]:
     """TaskManager.load(tasks); the zero-shot suite's tasks through zeroshot.load_tasks (data from
-    `zeroshot_dir` where it holds them, a dataset no source holds as one line)."""
+    `zeroshot_dir` where it holds them, a dataset no source holds as one line), lm-eval's recall tasks through
+    recall.load_lmeval_tasks (data from the manager's recall_dir metadata where it holds them)."""
     if any(task in ZEROSHOT_TASKS for task in tasks):
         return load_tasks(task_manager, tasks, zeroshot_dir)
+    if any(task in RECALL_LMEVAL_TASKS for task in tasks):  # lm-eval's recall tasks on --recall-dir's files
+        return load_lmeval_tasks(task_manager, tasks, (getattr(task_manager, "metadata", None) or {}).get("recall_dir"))
     return task_manager.load(tasks)
 
 

@@ -344,6 +344,7 @@ class ParsedOptions:
     longbench_dir: Path | None  # --longbench-dir, an existing folder
     qa_dir: Path | None  # --qa-dir, an existing folder (absolute)
     zeroshot_dir: Path | None  # --zeroshot-dir, an existing folder (absolute)
+    recall_dir: Path | None = None  # --recall-dir, an existing folder (absolute)
 
 
 def parse_options(options: RunOptions) -> ParsedOptions:
@@ -359,7 +360,8 @@ def parse_options(options: RunOptions) -> ParsedOptions:
     shard = parse_shard(options.shard) if options.shard is not None else None
     attach = parse_ccq_attach(options.ccq_attach) if options.ccq_attach is not None else None
     if attach is not None and not options.models:
-        raise PlanError("--ccq-attach needs --model: name the plain GLA / Gated DeltaNet checkpoints to attach "
+        raise PlanError("--ccq-attach needs --model: name the plain checkpoints (GLA, Gated DeltaNet, DeltaNet, KDA, "
+                        "RetNet or Mamba2) to attach "
                         "CCQ to (e.g. --model tiny-gla)")
     output = Path(options.output)
     for folder in (output, *output.parents):
@@ -371,6 +373,7 @@ def parse_options(options: RunOptions) -> ParsedOptions:
         longbench_dir=Path(options.longbench_dir) if options.longbench_dir is not None else None,
         qa_dir=Path(options.qa_dir).resolve() if options.qa_dir is not None else None,
         zeroshot_dir=Path(options.zeroshot_dir).resolve() if options.zeroshot_dir is not None else None,
+        recall_dir=Path(options.recall_dir).resolve() if options.recall_dir is not None else None,
     )
 
 
@@ -416,13 +419,41 @@ def _check_values(options: RunOptions) -> None:
             raise PlanError(f"--suite {options.suite} sets the tasks and lengths itself; drop {', '.join(given)} "
                             "(or run without --suite)")
     for flag, folder in (("--longbench-dir", options.longbench_dir), ("--qa-dir", options.qa_dir),
-                         ("--zeroshot-dir", options.zeroshot_dir)):
+                         ("--zeroshot-dir", options.zeroshot_dir), ("--recall-dir", options.recall_dir)):
         if folder is not None and not Path(folder).is_dir():
             raise PlanError(f"{flag} {folder}: no such folder")
     if options.rolling_windows is not None and options.rolling_windows not in ROLLING_PROTOCOLS:
         raise PlanError(f"--rolling-windows {options.rolling_windows!r}: valid choices are "
                         f"{', '.join(ROLLING_PROTOCOLS)} (hflm: lm-eval HFLM's windows, the papers' protocol; "
                         "carry: one recurrent pass over each text)")
+    _check_recall_values(options)
+
+
+RECALL_PROTOCOLS = ("jrt", "lm-eval")
+RECALL_PROMPTS = ("once", "twice")
+RECALL_ANSWER_TOKENS = 48  # tasks/recall/jrt.py's ANSWER_LENGTH: a length must leave room beyond it
+
+
+def _check_recall_values(options: RunOptions) -> None:
+    """--recall-protocol, --recall-length and --recall-prompt on their own and together."""
+    protocol = options.recall_protocol
+    if protocol is not None and protocol not in RECALL_PROTOCOLS:
+        raise PlanError(f"--recall-protocol {protocol!r}: valid choices are {', '.join(RECALL_PROTOCOLS)} (jrt: "
+                        "the JRT harness's cut and prompts, the papers' table; lm-eval: lm-eval's swde, fda, "
+                        "squad_completion)")
+    if options.recall_prompt is not None and options.recall_prompt not in RECALL_PROMPTS:
+        raise PlanError(f"--recall-prompt {options.recall_prompt!r}: valid choices are {', '.join(RECALL_PROMPTS)}")
+    if options.recall_length is not None and options.recall_length <= RECALL_ANSWER_TOKENS:
+        raise PlanError(f"--recall-length {options.recall_length}: the cut keeps that many tokens less the "
+                        f"{RECALL_ANSWER_TOKENS} left for the answer; give more than {RECALL_ANSWER_TOKENS} "
+                        "(the papers: 2048)")
+    if protocol == "lm-eval":
+        given = [flag for flag, value in (("--recall-length", options.recall_length),
+                                          ("--recall-prompt", options.recall_prompt)) if value is not None]
+        if given:
+            raise PlanError(f"{', '.join(given)} set the jrt protocol's cut and prompt; lm-eval's swde, fda and "
+                            "squad_completion neither cut nor repeat the document: drop them, or use "
+                            "--recall-protocol jrt")
 
 
 def _grid(options: RunOptions) -> Grid:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ccq_eval.atomic_io import dumps
-from ccq_eval.harness.fingerprints import checkpoint_fingerprint, data_fingerprint
+from ccq_eval.harness.fingerprints import checkpoint_fingerprint, data_fingerprint, embedded_corpora_fingerprint
 from ccq_eval.harness.model_resolution import ResolvedModels, resolve_models, tokenizer_metadata
 from ccq_eval.harness.options import (
     Grid,
@@ -26,18 +26,24 @@ from ccq_eval.harness.options import (
 from ccq_eval.harness.run_options import RunOptions
 from ccq_eval.harness.store import ResultsError, ResultsStore, UnitDir
 from ccq_eval.harness.suites import suite_lengths
-from ccq_eval.harness.task_identity import package_versions, task_definition
+from ccq_eval.harness.task_identity import package_versions, reads_embedded_corpora, task_definition
 from ccq_eval.harness.task_registry import RegistryTaskCatalog, TaskCatalog
 from ccq_eval.harness.task_selection import RunTasks, select_tasks
 from ccq_eval.harness.zeroshot import HFLM_ROLLING_TASKS, rolling_protocol
 from ccq_eval.model import registry as model_registry_module
 from ccq_eval.model.registry import ModelEntry, RegistryError
-from ccq_eval.task_families import FAMILY_METADATA_KEYS, family_of
+from ccq_eval.task_families import FAMILY_METADATA_KEYS, RECALL, RECALL_LMEVAL_TASKS, ZEROSHOT, family_of
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 # Task metadata that names a folder on this machine: a unit's identity records the content of the file the
 # task reads there (its spec's data_files), not the folder, so that a copy of the data elsewhere is the same.
-FOLDER_METADATA_KEYS = ("qa_dir", "data_dir", "zeroshot_dir")
+FOLDER_METADATA_KEYS = ("qa_dir", "data_dir", "zeroshot_dir", "recall_dir")
+# The jrt recall tasks' cut and prompt (lm-eval's own recall tasks have neither).
+RECALL_JRT_KEYS = ("recall_length", "recall_prompt")
+# How the zero-shot suite's loglikelihood units fit a context over the max length (their spec's
+# context_truncation): cut from the left as lm-eval's HFLM cuts it (scoring.Scorer._prepare_loglikelihood).
+# Units stored before it scored such contexts whole, so they differ in it and are not reused.
+ZEROSHOT_CONTEXT_TRUNCATION = "left"
 
 # --------------------------------------------------------------------------------------------
 # Defaults that fit the machine
@@ -106,6 +112,8 @@ class Unit:
     finished: bool = False
     in_shard: bool = True  # False: another worker's part of the units (--shard)
     identity_assumed: bool = False  # finished by a version that recorded no task definition: taken as this one
+    corpora_assumed: bool = False  # finished before the embedded corpora it reads were recorded: taken as stored
+    corpora_changed: list[str] = field(default_factory=list)  # embedded corpora edited since it finished: redone
 
 
 @dataclass
@@ -133,7 +141,7 @@ def metadata_for_task(task: str, metadata: dict[str, Any]) -> dict[str, Any]:
 
     Keeping the rest out of the unit's spec lets a later run add, say, S-NIAH depths without
     the perplexity units counting as asked a different question."""
-    keys = family_of(task).metadata_keys
+    keys = family_of(task).metadata_keys - (set(RECALL_JRT_KEYS) if task in RECALL_LMEVAL_TASKS else set())
     return {key: value for key, value in metadata.items() if key not in FAMILY_METADATA_KEYS or key in keys}
 
 
@@ -167,7 +175,7 @@ def plan_run(
     return RunPlan(options=options, store=store, units=units, lengths=parsed.grid.lengths,
                    depths=parsed.grid.depths, lm_eval_args=parsed.lm_eval_args, lm_eval_loggers=parsed.lm_eval_loggers,
                    task_metadata=task_metadata, device=device, dtype=dtype,
-                   notes=tasks.notes + _older_units_note(units))
+                   notes=tasks.notes + _older_units_note(units) + _corpora_notes(units))
 
 
 def _check_models_run_on(models: ResolvedModels, device: str) -> None:
@@ -197,6 +205,29 @@ def _older_units_note(units: list[Unit]) -> list[str]:
             "stored (delete a unit's folder to redo it with this version)"]
 
 
+def _corpora_notes(units: list[Unit]) -> list[str]:
+    """One note for the finished units redone because an embedded corpus they read changed, one for those
+    stored before the corpora were recorded."""
+    notes = []
+    changed = [unit for unit in units if unit.corpora_changed]
+    if changed:
+        files = sorted({name for unit in changed for name in unit.corpora_changed})
+        notes.append(f"{_units(changed)} read embedded corpora that changed since they were stored "
+                     f"({', '.join(files)}): computed again; their stored results stay until the new ones replace them")
+    older = [unit for unit in units if unit.corpora_assumed]
+    if older:
+        notes.append(f"{_units(older)} stored before the embedded corpora a unit reads were recorded: taken as "
+                     "stored (delete a unit's folder to redo it with this installation's corpora)")
+    return notes
+
+
+def _units(units: list[Unit]) -> str:
+    """'1 finished unit (<folder>)' or 'N finished units (first <folder>)'."""
+    if len(units) == 1:
+        return f"1 finished unit ({units[0].dir.path})"
+    return f"{len(units)} finished units (first {units[0].dir.path})"
+
+
 def _task_metadata(parsed: ParsedOptions) -> dict[str, Any]:
     """The metadata every task of the run is given (each unit's spec records its family's part of it)."""
     grid: Grid = parsed.grid
@@ -213,6 +244,11 @@ def _task_metadata(parsed: ParsedOptions) -> dict[str, Any]:
         task_metadata["qa_dir"] = str(parsed.qa_dir)  # tasks/ruler_qa's key
     if parsed.zeroshot_dir is not None:
         task_metadata["zeroshot_dir"] = str(parsed.zeroshot_dir)  # read by the evaluator (zeroshot.load_tasks)
+    # The recall tasks' cut and prompt (tasks/recall's keys), recorded in the spec of their units only.
+    task_metadata["recall_length"] = parsed.options.recall_length or 2048
+    task_metadata["recall_prompt"] = parsed.options.recall_prompt or "once"
+    if parsed.recall_dir is not None:
+        task_metadata["recall_dir"] = str(parsed.recall_dir)  # tasks/recall's key; lm_eval_call's for lm-eval's own
     return task_metadata
 
 
@@ -220,12 +256,15 @@ def _build_units(parsed: ParsedOptions, store: ResultsStore, models: ResolvedMod
                  task_metadata: dict[str, Any], dtype: str) -> list[Unit]:
     """One unit per (model, task), its spec in the form it has once stored, checked against its folder."""
     options, units, versions = parsed.options, [], package_versions()
+    corpora: dict[str, str] | None = None  # embedded_corpora_fingerprint(), hashed once per plan when a task reads them
     for model in models.models:
         fingerprint = checkpoint_fingerprint(model.source)
         tokenizer = tokenizer_metadata(model, fingerprint)
         for task, requested_as in (tasks.sweep_tasks if model.name in models.sweep_only else tasks.resolved):
             unit_metadata, unit_max_length = task_metadata, parsed.grid.max_length
-            if task in tasks.part_of and tasks.part_of[task].lengths:
+            if family_of(task) in (ZEROSHOT, RECALL):  # HFLM's max length: --max-length, else the config's
+                unit_max_length = options.max_length
+            elif task in tasks.part_of and tasks.part_of[task].lengths:
                 unit_lengths = suite_lengths(tasks.part_of[task], model)
                 if options.max_length and options.max_length < max(unit_lengths):
                     raise PlanError(f"--max-length {options.max_length} is shorter than {task}'s longest length "
@@ -247,11 +286,16 @@ def _build_units(parsed: ParsedOptions, store: ResultsStore, models: ResolvedMod
             }
             if task in HFLM_ROLLING_TASKS:  # the protocol that scores its texts decides its perplexity
                 spec["rolling_windows"] = rolling_protocol(task, options.rolling_windows)
+            elif family_of(task) is ZEROSHOT:  # contexts over the max length cut as lm-eval's HFLM cuts them
+                spec["context_truncation"] = ZEROSHOT_CONTEXT_TRUNCATION
             if model.name in models.attachments:
                 spec["ccq_attach"] = models.attachments[model.name]
             data_files = data_fingerprint(task, given)
             if data_files is not None:
                 spec["data_files"] = data_files
+            if reads_embedded_corpora(task):  # an edited corpus (an editable install) makes its units be redone
+                corpora = embedded_corpora_fingerprint() if corpora is None else corpora
+                spec["embedded_corpora"] = corpora
             unit = Unit(model=model.name, model_source=model.source, task=task, requested_as=requested_as,
                         dir=store.unit(model.name, task), spec=json.loads(dumps(spec)),  # the form it has once stored
                         task_metadata=json.loads(dumps(given)) | tokenizer)
@@ -274,6 +318,9 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
     stored = on_disk.spec
     if on_disk.finished or on_disk.answered:
         stored = _with_identity_of_old_units(unit, stored)
+    if on_disk.finished and isinstance(stored, dict) and CORPORA_KEY in unit.spec and CORPORA_KEY not in stored:
+        unit.corpora_assumed = True  # stored before results format 4: nothing shows which corpora it read
+        stored = dict(stored, **{CORPORA_KEY: unit.spec[CORPORA_KEY]})
     if on_disk.finished and stored is None:
         raise PlanError(
             f"{unit.dir.path} holds a finished unit but neither {unit.dir.spec.name} nor {unit.dir.meta.name} "
@@ -281,6 +328,12 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
             "--output, or delete that folder to redo it")
     if stored is not None and (on_disk.finished or on_disk.answered):
         differences = sorted(key for key in set(stored) | set(unit.spec) if stored.get(key) != unit.spec.get(key))
+        if on_disk.finished and differences == [CORPORA_KEY]:
+            # Only the embedded corpora changed: computed again, its files replaced once the new ones are stored.
+            stored_corpora, asked_corpora = _differing(stored.get(CORPORA_KEY), unit.spec.get(CORPORA_KEY))
+            unit.corpora_changed = sorted(set(stored_corpora or {}) | set(asked_corpora or {}))
+            unit.finished = False
+            return
         if differences:
             detail = "; ".join(
                 "{}: stored {}, asked {}".format(key, *map(_short, _differing(stored.get(key), unit.spec.get(key))))
@@ -295,6 +348,9 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
 
 # What a unit's spec records since results format 3; units stored before lack it.
 IDENTITY_SINCE_FORMAT_3 = ("task_definition", "versions")
+# The sha256 of the embedded corpora a unit's task reads (fingerprints.embedded_corpora_fingerprint), recorded since
+# results format 4; a finished unit that differs only in it is computed again rather than refused.
+CORPORA_KEY = "embedded_corpora"
 
 
 def _with_identity_of_old_units(unit: Unit, stored: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -31,6 +31,10 @@ class RunOptions:
     qa_dir: Path | None = None  # SQuAD v2 / HotpotQA files of the RULER QA tasks (else the hub)
     zeroshot_dir: Path | None = None  # <task>/<split>.jsonl files of the zero-shot suite (else hub / cache)
     rolling_windows: str | None = None  # wikitext's protocol in the zero-shot suite: "hflm" (None) or "carry"
+    recall_dir: Path | None = None  # <dataset>/validation.jsonl files of the recall tasks (else hub / cache)
+    recall_protocol: str | None = None  # the recall table's rules: "jrt" (None) or "lm-eval"
+    recall_length: int | None = None  # jrt: tokens the document is cut to (None: 2048)
+    recall_prompt: str | None = None  # jrt: "once" (None) or "twice" (the document read twice)
     keep_going: bool = False
     cuda_graphs: bool | None = None  # CUDA-graph decode and scoring; None: where they apply (adapter)
     suite: str | None = None  # a name in suites.SUITES: its tasks and lengths instead of --task / --lengths
@@ -60,6 +64,10 @@ def options_command_line(options: RunOptions) -> list[str]:
         ("--qa-dir", options.qa_dir),
         ("--zeroshot-dir", options.zeroshot_dir),
         ("--rolling-windows", options.rolling_windows),
+        ("--recall-dir", options.recall_dir),
+        ("--recall-protocol", options.recall_protocol),
+        ("--recall-length", options.recall_length),
+        ("--recall-prompt", options.recall_prompt),
     ):
         if value is not None:
             argv += [flag, str(value)]

@@ -23,7 +23,7 @@ from ccq_eval.harness.batching import BatchSizer
 from ccq_eval.harness.model_runtime import ModelRuntime
 from ccq_eval.harness.tokens import TokenCodec, ahead_on_threads, on_threads
 from ccq_eval.harness.truncation import Truncator
-from ccq_eval.harness.zeroshot import rolling_protocol
+from ccq_eval.harness.zeroshot import HFLM_ROLLING_TASKS, rolling_protocol
 from ccq_eval.model.kernels.token_logprob import token_logprob
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class TokenNLL(float):
     that also carries `token_nll`: the NLL of every scored token, in text order.
 
     `token_nll[i]` is the NLL of the prediction made with i + 1 tokens of model input
-    before it (BOS included when the tokenizer has one), which is what position-bucketed
+    before it (the prefix included: Scorer.carry_prefix), which is what position-bucketed
     perplexity needs. Arithmetic on it returns plain floats. Picklable (lm-eval's SQLite
     response cache pickles results).
     """
@@ -239,18 +239,32 @@ class Scorer:
 
     def _prepare_loglikelihood(self, requests: list[Instance]) -> list[tuple[list[int], int]]:
         """(input ids, number of continuation tokens) of each (context, continuation) request, the
-        context fitted into what max_length leaves. The requests are tokenised on threads."""
+        context fitted into what max_length leaves under the truncator's default policy. "left" is lm-eval
+        HFLM's cut: the row (prefix, context, continuation) keeps its last max_length + 1 tokens, of which the
+        model reads max_length (the last token predicts nothing), so the context loses its first tokens
+        and, past that, the prefix. "error" and "middle" fit the context into max_length minus the prefix
+        and the continuation. The requests are tokenised on threads."""
         max_length = self.truncator.max_length
+        policy = self.truncator.default_policy
         prepared: list[tuple[list[int], int]] = []
         seen: set[int] = set()
         for request, (prefix, context_ids, continuation_ids) in zip(
                 requests, on_threads(self._encode_pair, requests, self.codec.settle), strict=True):
             first_time = id(request) not in seen
             seen.add(id(request))
+            if policy == "left":
+                if len(continuation_ids) > max_length:  # HFLM asserts here
+                    raise ValueError(f"task {request.task_name}: a continuation of {len(continuation_ids)} tokens "
+                                     f"(doc {request.doc_id}) is longer than max_length {max_length}; raise "
+                                     f"--max-length (model_args max_length=...) to at least {len(continuation_ids)}")
+                what = f"max_length {max_length} + 1 minus {len(continuation_ids)} continuation tokens"
+                head = self.truncator.fit(prefix + context_ids, max_length + 1 - len(continuation_ids), policy,
+                                          request.task_name, what, count=first_time)
+                prepared.append((head + continuation_ids, len(continuation_ids)))
+                continue
             budget = max_length - len(prefix) - len(continuation_ids)
             what = f"max_length {max_length} minus {len(continuation_ids)} continuation tokens"
-            context_ids = self.truncator.fit(context_ids, budget, self.truncator.default_policy,
-                                             request.task_name, what, count=first_time)
+            context_ids = self.truncator.fit(context_ids, budget, policy, request.task_name, what, count=first_time)
             prepared.append((prefix + context_ids + continuation_ids, len(continuation_ids)))
         return prepared
 
@@ -340,17 +354,18 @@ class Scorer:
         """Each text scored whole in one recurrent pass. A pipeline keeps the GPU busy: all texts are
         tokenised at once on threads (tens of ms for a 20K-token text; the fast tokenizers release the
         GIL), one row at a time starts on the first text while the rest are tokenised, and a batch's
-        scores are copied back and unpacked while the next batch runs."""
+        scores are copied back and unpacked while the next batch runs. Each row starts with the text's
+        prefix (carry_prefix)."""
         results: list[TokenNLL | None] = [None] * len(requests)
-        prefix = self.codec.prefix
+        prefixes = [self.carry_prefix(request.task_name) for request in requests]
         encoded = ahead_on_threads(self.codec.encode, [request.args[0] for request in requests],
                                    self.codec.settle)
         if self.sizer.scoring_max_rows == 1:  # in request order, each text as soon as it is tokenised
             rolling: Iterator[list[tuple[int, list[int]]]] = (
-                [(i, prefix + ids)] for i, ids in enumerate(encoded))
+                [(i, prefixes[i] + ids)] for i, ids in enumerate(encoded))
             n_batches = len(requests)
         else:  # equal-length batches need every length first
-            rows_all = [prefix + ids for ids in encoded]
+            rows_all = [prefix + ids for prefix, ids in zip(prefixes, encoded, strict=True)]
             grouped = list(batches([len(r) for r in rows_all], self.sizer.rows_for(generation=False)))
             rolling = iter([[(i, rows_all[i]) for i in batch] for batch in grouped])
             n_batches = len(grouped)
@@ -364,6 +379,15 @@ class Scorer:
         if pending is not None:
             self._finish_rolling(pending, requests, results, cache_hook)
         return results  # type: ignore[return-value]
+
+    def carry_prefix(self, task_name: str | None) -> list[int]:
+        """The unscored tokens before a text read in one pass: [BOS] when the tokenizer has one; else, for the
+        zero-shot suite's rolling tasks, [EOS], so that the first token is scored as in HFLM's first window
+        and the log-likelihood covers every token lm-eval's word_perplexity divides by (the page's words);
+        else none: the text's first token is then context, not scored (our perplexity tasks)."""
+        if self.codec.prefix or task_name not in HFLM_ROLLING_TASKS:
+            return self.codec.prefix
+        return [self.codec.eot_token_id]
 
     def _start_rolling(self, batch: list[tuple[int, list[int]]]):
         """Queue the scoring of one batch of rows; returns what _finish_rolling needs."""

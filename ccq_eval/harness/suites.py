@@ -35,11 +35,13 @@ SUITES: dict[str, Suite] = {
     "paper": Suite(
         "the papers' grid: S-NIAH-1/2/3 at 1K-8K (and past the model's training context), perplexity "
         "(both protocols) at 4K/8K/14K/20K, LongBench / LongBench-E datasets found in --longbench-dir, "
-        "the zero-shot table's tasks whose data is found (--zeroshot-dir, the hub or the datasets cache)",
+        "the zero-shot table's tasks whose data is found (--zeroshot-dir, the hub or the datasets cache), the "
+        "recall table's tasks whose data is found (--recall-dir, the hub or the datasets cache)",
         (SuitePart(("s-niah-1", "s-niah-2", "s-niah-3"), (1024, 2048, 4096, 8192), past_training_context=True),
          SuitePart(("ppl",), (4096, 8192, 14336, 20480)),
          SuitePart(("longbench", "longbench-e"), needs_longbench_data=True),
-         SuitePart(("zeroshot",), left_out_without_data=True)),
+         SuitePart(("zeroshot",), left_out_without_data=True),
+         SuitePart(("recall",), left_out_without_data=True)),
     ),
     # The lengths fla's README evaluates RULER at (4K-32K); a model trained on less is evaluated up to twice
     # its training context, as far past it as --suite paper goes.
@@ -55,6 +57,12 @@ SUITES: dict[str, Suite] = {
         "winogrande, arc_easy, arc_challenge, boolq, sciq, copa, openbookqa, social_iqa (data from "
         "--zeroshot-dir, the hub or the datasets cache)",
         (SuitePart(("zeroshot",)),),
+    ),
+    # The Based / JRT recall-intensive table (--recall-protocol, --recall-length and --recall-prompt apply).
+    "recall": Suite(
+        "the Based / JRT recall table: SWDE, SQuAD, FDA, TriviaQA, NQ, DROP cut to 2048 tokens around the answer "
+        "(data from --recall-dir, the hub or the datasets cache)",
+        (SuitePart(("recall",)),),
     ),
 }
 

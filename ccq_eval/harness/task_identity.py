@@ -58,6 +58,25 @@ def task_definition(task: str) -> str | None:
     return hashlib.sha256("".join(parts).encode("ascii")).hexdigest()
 
 
+# How a task module reads the embedded corpora: `ccq_eval.data...` or `from ccq_eval import data`.
+_CORPORA_IMPORT = re.compile(r"\bccq_eval\.data\b|\bfrom\s+ccq_eval\s+import\s+data\b")
+
+
+def reads_embedded_corpora(task: str) -> bool:
+    """Whether one of our tasks may read the embedded corpora (ccq_eval/data): a Python file of its family, or
+    of a family its modules import, imports ccq_eval.data. Counted by family, not by the corpus a task's YAML
+    names: RULER's families import S-NIAH's construction module, so they count too. False for lm-eval's tasks."""
+    from ccq_eval.harness import task_registry
+
+    yaml_path = task_registry.our_task_yaml(task)
+    if yaml_path is None:
+        return False
+    family = yaml_path.parent
+    folders = [family, *_imported_families(family.parent, family.name)]
+    return any(_CORPORA_IMPORT.search(path.read_text(encoding="utf-8"))
+               for folder in folders for path in sorted(folder.rglob("*.py")))
+
+
 def _definition_parts(tasks_root: Path, family: str) -> list[str]:
     """Digests of a family folder, of the other family folders its modules import (RULER's families build
     their prompts with S-NIAH's construction module), and of the top-level modules of `tasks_root`."""

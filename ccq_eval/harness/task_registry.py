@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ccq_eval.errors import UserError
-from ccq_eval.task_families import ZEROSHOT_TASKS
+from ccq_eval.task_families import RECALL_LMEVAL_TASKS, RECALL_PAPER_COLUMNS, ZEROSHOT_TASKS
 
 TASKS_PACKAGE = "ccq_eval.tasks"  # tasks/ of the repository, installed as this package (pyproject.toml)
-TASK_FOLDERS = ("s_niah", "ruler_niah", "ruler_vt", "ruler_aggregation", "ruler_qa", "ppl", "longbench")
+TASK_FOLDERS = ("s_niah", "ruler_niah", "ruler_vt", "ruler_aggregation", "ruler_qa", "ppl", "longbench", "recall")
 
 S_NIAH_TASKS = ("ccq_s_niah_1", "ccq_s_niah_2", "ccq_s_niah_3")
 NIAH_TASKS = (*S_NIAH_TASKS, "ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_niah_multikey_3",
@@ -36,6 +36,8 @@ NIAH_TASKS = (*S_NIAH_TASKS, "ccq_niah_multikey_1", "ccq_niah_multikey_2", "ccq_
 RULER_SYNTHETIC_TASKS = (*NIAH_TASKS, "ccq_ruler_vt", "ccq_ruler_cwe", "ccq_ruler_fwe")
 RULER_QA_TASKS = ("ccq_ruler_qa_squad", "ccq_ruler_qa_hotpot")
 RULER_TASKS = (*RULER_SYNTHETIC_TASKS, *RULER_QA_TASKS)
+# The recall table in the papers' column order (SWDE, SQuAD, FDA, TriviaQA, NQ, DROP).
+RECALL_TASKS = tuple(task for task, _, _ in RECALL_PAPER_COLUMNS)
 
 # alias -> (targets in our index, description)
 ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -65,6 +67,8 @@ ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
     "zeroshot": (ZEROSHOT_TASKS, "the zero-shot table of the GLA / Gated DeltaNet papers: lm-eval's own "
                                  "wikitext, lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challenge, "
                                  "boolq, sciq, copa, openbookqa, social_iqa"),
+    "recall": (RECALL_TASKS, "the recall-intensive table of the Based / JRT papers: SWDE, SQuAD, FDA, TriviaQA, NQ, "
+                             "DROP with the document in the prompt, cut around the answer (--recall-dir)"),
 }
 # Alias targets that are lm-eval's own tasks, not ours: they resolve as they are.
 LMEVAL_ALIAS_TARGETS = frozenset(ZEROSHOT_TASKS)
@@ -246,7 +250,10 @@ def our_task_yaml(task_name: str) -> Path | None:
 def task_truncation_policy(task_name: str | None) -> str | None:
     """The `ccq_truncation` a task of ours declares in its YAML metadata: the ccq adapter's policy for a
     prompt longer than the model's budget, kept out of generation_kwargs so that every lm-eval model can
-    run the task. None for a task that declares none or is not ours."""
+    run the task; "left" for lm-eval's own recall tasks (HFLM's cut). None for a task that declares none or is
+    not ours."""
+    if task_name in RECALL_LMEVAL_TASKS:  # lm-eval's own recall tasks, as its HFLM cuts them (from the left)
+        return "left"
     entry = _our_index().get(task_name) if task_name else None
     metadata = (entry.cfg or {}).get("metadata") if entry is not None else None
     return metadata.get("ccq_truncation") if isinstance(metadata, dict) else None

@@ -20,7 +20,7 @@ from ccq_eval.harness.fingerprints import (
 from ccq_eval.harness.options import ParsedOptions, PlanError
 from ccq_eval.harness.suites import SuitePart
 from ccq_eval.harness.task_registry import TaskCatalog
-from ccq_eval.task_families import PERPLEXITY, ZEROSHOT, family_of
+from ccq_eval.task_families import PERPLEXITY, RECALL, RECALL_LMEVAL_TASKS, RECALL_PAPER_COLUMNS, ZEROSHOT, family_of
 
 # The default run's tasks, and those of its CCQ sweep (model_resolution.DEFAULT_SWEEP_ATTACH's lambdas).
 DEFAULT_TASKS = ["s-niah", "ppl"]
@@ -57,6 +57,8 @@ def select_tasks(parsed: ParsedOptions, catalog: TaskCatalog, *, with_sweep: boo
     notes += qa_notes
     resolved, zeroshot_notes = _zeroshot_tasks_with_data(resolved, part_of, parsed, catalog)
     notes += zeroshot_notes
+    resolved, recall_notes = _recall_tasks_with_data(resolved, part_of, parsed)
+    notes += recall_notes
     if grid.depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
         raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
     grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
@@ -194,3 +196,93 @@ def _zeroshot_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str
     note = (f"--suite {parsed.options.suite}: {names} skipped ({where}, and {found_nowhere}; docs/zeroshot.md says "
             "how to get it)")
     return [pair for pair in resolved if pair not in absent], [note]
+
+
+# Our jrt recall task -> lm-eval's own task on the same dataset (None: lm-eval has no version with the document
+# in the prompt; its triviaqa, nq_open and drop are closed-book or prompted otherwise).
+RECALL_LMEVAL_NAMES = {ours: lmeval for ours, lmeval, _ in RECALL_PAPER_COLUMNS}
+
+
+def _recall_protocol_tasks(resolved: list[tuple[str, str]], parsed: ParsedOptions) -> tuple[list[tuple[str, str]],
+                                                                                           list[str]]:
+    """Under --recall-protocol lm-eval, our recall tasks become lm-eval's own swde, fda and squad_completion;
+    those lm-eval has no version of are left out with a note where a larger name asked for them (the `recall`
+    alias, a suite), and stop the run where they were asked by name."""
+    if parsed.options.recall_protocol != "lm-eval":
+        return resolved, []
+    mapped: list[tuple[str, str]] = []
+    without: list[str] = []
+    for task, alias in resolved:
+        if family_of(task) is not RECALL or task in RECALL_LMEVAL_TASKS:
+            mapped += [(task, alias)] if (task, alias) not in mapped else []
+        elif RECALL_LMEVAL_NAMES.get(task):
+            mapped.append((RECALL_LMEVAL_NAMES[task], alias))
+        elif alias == task:
+            raise PlanError(f"{task} has no lm-eval version (lm-eval's triviaqa, nq_open and drop are closed-book "
+                            "or prompted otherwise): run it with --recall-protocol jrt")
+        else:
+            without.append(task)
+    notes = [f"--recall-protocol lm-eval: {', '.join(without)} left out (lm-eval ships only swde, fda and "
+             "squad_completion with the document in the prompt)"] if without else []
+    return mapped, notes
+
+
+def _recall_tasks_with_data(resolved: list[tuple[str, str]], part_of: dict[str, SuitePart],
+                            parsed: ParsedOptions) -> tuple[list[tuple[str, str]], list[str]]:
+    """The recall tasks under the asked protocol, each with its dataset found: the --recall-dir file (every
+    row checked now, so a bad row stops the run before anything is written), else the hub or the datasets
+    cache. Tasks whose data no source holds are left out with one note where their suite part allows it
+    (--suite paper), and otherwise stop the run with one line naming every missing dataset."""
+    from ccq_eval.tasks.recall import data as recall_data
+
+    resolved, notes = _recall_protocol_tasks(resolved, parsed)
+    options = parsed.options
+    tasks = [(task, alias) for task, alias in resolved if family_of(task) is RECALL]
+    asked = [flag for flag, value in (("--recall-protocol", options.recall_protocol),
+                                      ("--recall-length", options.recall_length),
+                                      ("--recall-prompt", options.recall_prompt)) if value is not None]
+    if asked and not tasks:
+        raise PlanError(f"{', '.join(asked)} set how the recall tasks run, and no recall task was selected; drop "
+                        "them, or add -t recall")
+    ours = [task for task, _ in tasks if task not in RECALL_LMEVAL_TASKS]
+    if (options.recall_length is not None or options.recall_prompt is not None) and not ours:
+        raise PlanError("--recall-length and --recall-prompt apply to our jrt recall tasks (ccq_recall_*), and only "
+                        f"lm-eval's own {', '.join(task for task, _ in tasks)} were selected; drop them")
+    missing: list[tuple[str, str, recall_data.RecallDataset]] = []
+    prompt_mode = options.recall_prompt or "once"
+    for task, alias in tasks:
+        try:
+            dataset = recall_data.dataset_for(task, options.recall_length)
+            path = recall_data.local_file(dataset, parsed.recall_dir)
+            if path is not None:
+                recall_data.read_file(path, dataset, prompt_mode if task in ours else "once")
+                continue
+        except recall_data.RecallDataError as error:
+            raise PlanError(str(error)) from None
+        if not _hub_dataset_found(dataset):
+            missing.append((task, alias, dataset))
+    if not missing:
+        return resolved, notes
+    datasets = list(dict.fromkeys(dataset for _, _, dataset in missing))
+    if not all(task in part_of and part_of[task].left_out_without_data for task, _, _ in missing):
+        raise PlanError(recall_data.missing_data_message(datasets))
+    absent = [(task, alias) for task, alias, _ in missing]
+    where = f"--recall-dir {parsed.recall_dir}" if parsed.recall_dir else "no --recall-dir"
+    names = "recall" if len(absent) == len(tasks) else ", ".join(task for task, _ in absent)
+    notes.append(f"--suite {options.suite}: {names} skipped ({where}, and neither the hub nor the datasets cache "
+                 f"holds {', '.join(dataset.hub_id for dataset in datasets)}; docs/recall.md says how to get them)")
+    return [pair for pair in resolved if pair not in absent], notes
+
+
+def _hub_dataset_found(dataset) -> bool:
+    """Whether `datasets` finds a recall dataset's builder: on the hub when it may be and can be reached, else
+    in the datasets cache (HF_HUB_OFFLINE). An allowed but unreachable hub finds nothing (no retries)."""
+    if hub_unreachable():
+        return False
+    import datasets
+
+    try:
+        datasets.load_dataset_builder(dataset.hub_id, dataset.hub_config)
+    except Exception:  # noqa: BLE001  (any failure to find it: the data is missing)
+        return False
+    return True

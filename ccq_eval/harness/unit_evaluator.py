@@ -19,6 +19,7 @@ from ccq_eval.harness.plan import PlanError, RunPlan, Unit
 from ccq_eval.harness.resume import ResumableLM
 from ccq_eval.harness.store import ResponseCache, ResultsStore
 from ccq_eval.harness.task_registry import TaskCatalog
+from ccq_eval.task_families import RECALL, ZEROSHOT, family_of
 
 
 @dataclass
@@ -65,15 +66,21 @@ def _load_model_default(source: str, device: str, dtype: str | None,
 
 
 def _make_adapter_default(model: Any, tokenizer: Any, max_length: int | None, batch_size: int | None, seed: int,
-                          cuda_graphs: bool | None, rolling_windows: str | None = None) -> Any:
+                          cuda_graphs: bool | None, rolling_windows: str | None = None,
+                          hflm_lengths: bool = False) -> Any:
     """The adapter; batch_size / cuda_graphs None leave them to the adapter's "auto" (the fast path where
-    it applies: a recurrent fla model on CUDA); rolling_windows None, its per-task protocol."""
-    from ccq_eval.harness.adapter import CCQEvalLM
+    it applies: a recurrent fla model on CUDA); rolling_windows None, its per-task protocol. hflm_lengths
+    (the zero-shot suite's units): lm-eval HFLM's max length, `max_length` or else the one HFLM resolves from
+    the model's config, cuts contexts from the left as HFLM does and is the width of HFLM's rolling windows."""
+    from ccq_eval.harness.adapter import CCQEvalLM, hflm_max_length
 
     kwargs: dict[str, Any] = {"model": model, "tokenizer": tokenizer, "seed": seed,
                               "batch_size": "auto" if batch_size is None else batch_size,
                               "cuda_graphs": "auto" if cuda_graphs is None else cuda_graphs,
                               "rolling_windows": rolling_windows}
+    if hflm_lengths:
+        max_length = max_length or hflm_max_length(model, tokenizer)
+        kwargs |= {"default_truncation": "left", "window_tokens": max_length}
     if max_length is not None:
         kwargs["max_length"] = max_length
     return CCQEvalLM(**kwargs)
@@ -155,6 +162,8 @@ class LmEvalUnitEvaluator:
         check_inputs_unchanged(unit, plan.store)  # after loading: the weights in memory are the ones unit.json records
         # The zero-shot suite's rolling tasks carry their protocol in the spec; other units leave it to the adapter.
         protocol = {"rolling_windows": unit.spec["rolling_windows"]} if "rolling_windows" in unit.spec else {}
+        if family_of(unit.task) in (ZEROSHOT, RECALL):  # at lm-eval HFLM's lengths, as the papers' numbers are
+            protocol["hflm_lengths"] = True
         adapter = self._make_adapter(model, tokenizer, unit.spec["max_length"], options.batch_size, options.seed,
                                      options.cuda_graphs, **protocol)
         # The most rows a batch may take (--batch-size, or the adapter's auto choice): also the requests per
@@ -164,10 +173,11 @@ class LmEvalUnitEvaluator:
         catalog = self._task_catalog or run_plan.default_task_catalog()
         metadata = dict(unit.task_metadata)
         zeroshot_dir = metadata.pop("zeroshot_dir", None)  # lm-eval's own tasks get their data through it, not metadata
+        # bootstrap_iters: lm-eval's 100000 unless --lm-eval-arg sets it. Only lm-eval's bootstrapped aggregations
+        # spend it (the zero-shot suite's lambada perplexity); every aggregation of our tasks is a closed-form mean.
         results = evaluate_tasks(wrapped, catalog.make_task_manager(metadata), [unit.task], zeroshot_dir=zeroshot_dir,
                                  model_name=unit.model, limit=options.limit, batch_size=batch_size,
-                                 device=plan.device, seed=options.seed,
-                                 **({"bootstrap_iters": 1000} | dict(plan.lm_eval_args)))
+                                 device=plan.device, seed=options.seed, **plan.lm_eval_args)
         truncation = truncation_info(adapter)  # collective in a data-parallel run: every rank asks
         if results is None and wrapped.rank != 0:  # data-parallel: rank 0 gathers and stores the results
             return UnitOutcome(results={}, samples={})

@@ -1,8 +1,8 @@
 """Which model families ccq-eval loads, and where each runs: read off fla's and transformers' registrations.
 
 Three sources, in this order of precedence for a checkpoint's `model_type`:
-- ccq-eval's own classes (`gla`, `gated_deltanet` and their `ccq_*` types): fla's GLA / Gated DeltaNet
-  with the CCQ read (modeling_ccq);
+- ccq-eval's own classes (the `ccq_*` types of every backbone CCQ attaches to, and plain `gla` and
+  `gated_deltanet`): fla's models with the CCQ read (modeling_ccq);
 - every causal-LM family the installed fla registers with transformers' Auto classes (`import fla`
   registers them): fla's own classes, with fla_cpu's backend for the CPU;
 - every causal LM transformers itself ships (Llama, Qwen2, Mistral, ...), as transformers defines it.
@@ -43,9 +43,11 @@ ONE_TOKEN_CACHE_LAYERS = frozenset({
     "fla.layers.log_linear_mamba2:LogLinearMamba2",
 })
 # Model types whose CUDA fast path (graphed decode and scoring, batches sized by free memory) the GPU tests
-# tie to batch 1 (tests/harness/test_ruler_batch_gpu.py, tests/model/test_graphed_decode.py); the adapter
-# runs other families eagerly at batch 1 on CUDA unless asked otherwise.
-GPU_FAST_PATH_MEASURED = frozenset({"gla", "gated_deltanet", "ccq_gla", "ccq_gated_deltanet"})
+# tie to batch 1 (tests/harness/test_ruler_batch_gpu.py, tests/model/test_graphed_decode.py,
+# tests/model/test_families_gpu.py); the adapter runs other families eagerly at batch 1 on CUDA unless asked
+# otherwise. RetNet is left out: its graphed batch decodes other tokens than batch 1 does.
+GPU_FAST_PATH_MEASURED = frozenset({"gla", "gated_deltanet", "ccq_gla", "ccq_gated_deltanet", "delta_net", "kda",
+                                    "hgrn2", "rwkv7", "precond_gated_deltanet", "precond_kda"})
 # fla's softmax attention: flash-attn's kernels only (fla/layers/attn.py imports flash_attn), so a family
 # made of it, or a hybrid config that puts it in some layers (`attn`), needs a GPU with flash-attn.
 FLA_ATTENTION = "fla.layers.attn:Attention"
@@ -140,24 +142,47 @@ def fla_families() -> dict[str, Family]:
     return families
 
 
+# Plain fla model types that load into the CCQ classes (with ccq=False unless asked) rather than fla's own:
+# GLA and Gated DeltaNet, whose embedded checkpoints and results were made that way. A plain checkpoint of
+# every other backbone in modeling_ccq.CCQ_CLASSES loads as fla's model; CCQ attaches to it on request
+# (`ccq=True`, `--ccq-attach`) through ccq_family_for.
+PLAIN_TYPES_IN_CCQ_CLASSES = ("gla", "gated_deltanet")
+
+
 @cache
 def ccq_families() -> dict[str, Family]:
-    """model_type -> Family for the types ccq-eval's CCQ classes load (plain fla GLA / Gated DeltaNet too)."""
-    from ccq_eval.model.modeling_ccq import (
-        CCQGatedDeltaNetConfig,
-        CCQGatedDeltaNetForCausalLM,
-        CCQGLAConfig,
-        CCQGLAForCausalLM,
-    )
+    """model_type -> Family for the types ccq-eval's CCQ classes load: every `ccq_<family>` type of
+    modeling_ccq.CCQ_CLASSES, and plain fla GLA / Gated DeltaNet (PLAIN_TYPES_IN_CCQ_CLASSES)."""
+    from ccq_eval.model.modeling_ccq import CCQ_CLASSES
 
-    classes = {"gla": (CCQGLAConfig, CCQGLAForCausalLM), "gated_deltanet": (CCQGatedDeltaNetConfig,
-                                                                           CCQGatedDeltaNetForCausalLM)}
     families = {}
-    for plain, (config_class, model_class) in classes.items():
-        for model_type in (plain, config_class.model_type):
+    for plain, (config_class, model_class) in CCQ_CLASSES.items():
+        types = (plain, config_class.model_type) if plain in PLAIN_TYPES_IN_CCQ_CLASSES else (config_class.model_type,)
+        for model_type in types:
             families[model_type] = Family(model_type, "ccq-eval", config_class, model_class,
                                           fla_families()[plain].layers, fla_families()[plain].cpu_blocker)
     return families
+
+
+def ccq_family_for(model_type: str | None) -> Family | None:
+    """The CCQ family a checkpoint of `model_type` loads into when CCQ is attached to it (its own family when
+    that is one of ccq-eval's), or None when CCQ has no backbone for it."""
+    from ccq_eval.model.modeling_ccq import CCQ_CLASSES
+
+    if not isinstance(model_type, str):
+        return None
+    if model_type in ccq_families():
+        return ccq_families()[model_type]
+    if model_type in CCQ_CLASSES:
+        return ccq_families()[CCQ_CLASSES[model_type][0].model_type]
+    return None
+
+
+def ccq_backbone_types() -> list[str]:
+    """The plain model types CCQ attaches to, in modeling_ccq.CCQ_CLASSES's order."""
+    from ccq_eval.model.modeling_ccq import CCQ_CLASSES
+
+    return list(CCQ_CLASSES)
 
 
 def transformers_family(model_type: str) -> Family | None:

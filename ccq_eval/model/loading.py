@@ -4,10 +4,12 @@ Safe by default: weights from safetensors only (pickle files, which can run code
 `allow_pickle=True`), and no remote code unless `trust_remote_code=True`. Which classes load a checkpoint
 follows its config.json `model_type` (families.family_of):
 - fla GLA / Gated DeltaNet load into the CCQ classes with `ccq=False` by default, so they compute exactly
-  fla's model while getting the project's generation fix and CPU backend; `ccq=True` attaches CCQ to them
-  with its parameters at their initial values (training-free); `ccq_lambda` does so with the constant gate
-  at exactly that lambda (what `ccq-eval run --ccq-attach` sweeps);
+  fla's model while getting the project's generation fix and CPU backend;
 - every other fla family loads into fla's own classes, with fla_cpu's backend and the generation fix;
+- on a plain checkpoint of any backbone CCQ attaches to (families.ccq_backbone_types: GLA, Gated DeltaNet,
+  DeltaNet, KDA, RetNet, Mamba2), `ccq=True` loads it into its family's CCQ class with the CCQ parameters
+  at their initial values (training-free); `ccq_lambda` does so with the constant gate at exactly that
+  lambda (what `ccq-eval run --ccq-attach` sweeps);
 - any transformers causal LM (Llama, Qwen2, Mistral, ...) loads as transformers defines it.
 Only the CCQ classes have CCQ.
 """
@@ -28,13 +30,20 @@ import torch
 from ccq_eval.errors import UserError
 from ccq_eval.logs import transformers_errors_only
 from ccq_eval.model import checkpoint, fla_cpu
-from ccq_eval.model.families import Family, config_cpu_blocker, family_of, unknown_type_message
-from ccq_eval.model.modeling_ccq import CCQConfigMixin, prepare_runtime
+from ccq_eval.model.families import (
+    Family,
+    ccq_backbone_types,
+    ccq_family_for,
+    config_cpu_blocker,
+    family_of,
+    unknown_type_message,
+)
+from ccq_eval.model.modeling_ccq import CCQ_CLASSES, CCQConfigMixin, prepare_runtime
 from ccq_eval.model.registry import MODEL_REGISTRY_PATH as REGISTRY_FILE
 from ccq_eval.model.registry import MODELS_DIR, ModelEntry, RegistryError, load_model_registry
 
 # The CCQ classes' model types with CCQ on unless the user says otherwise (the plain fla types load with it off).
-CCQ_ON_BY_DEFAULT = ("ccq_gla", "ccq_gated_deltanet")
+CCQ_ON_BY_DEFAULT = tuple(config_class.model_type for config_class, _ in CCQ_CLASSES.values())
 SAFE_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -128,6 +137,24 @@ def checkpoint_family(folder: Path) -> Family:
     return family
 
 
+def unrecognized_type_error(error: BaseException) -> ModelLoadError | None:
+    """transformers' "model type `X` but Transformers does not recognize this architecture" (AutoConfig on a
+    config.json whose model_type no imported library registered, e.g. under lm-eval's `--model hf`) as one
+    line naming fla and the fix: transformers' own advice, to upgrade transformers, does not add fla's
+    families. None for any other error."""
+    head, found, _ = str(error).partition("` but Transformers does not recognize this architecture")
+    if not isinstance(error, ValueError) or not found or "model type `" not in head:
+        return None
+    model_type = head.rsplit("model type `", 1)[1]
+    if family_of(model_type) is None:
+        return ModelLoadError(f"{unknown_type_message(model_type)}; upgrading transformers adds no fla family")
+    kind = "a CCQ model of ccq-eval" if model_type.startswith("ccq_") else "an fla (flash-linear-attention) model"
+    return ModelLoadError(
+        f"model_type {model_type!r} is {kind}, which transformers knows only "
+        "once ccq-eval or fla is imported (stock lm_eval imports neither; upgrading transformers does not help): "
+        "run it with `ccq-eval lm-eval ...` (`--model ccq` on a CPU) or `ccq-eval run -m MODEL`")
+
+
 def check_runs_on(folder: Path, device: str) -> None:
     """ModelLoadError, in one line naming the checkpoint, its family, the reason and the alternative, when
     the checkpoint in `folder` cannot run on `device` (a family with no CPU version of its ops)."""
@@ -142,18 +169,22 @@ def check_runs_on(folder: Path, device: str) -> None:
 
 def read_config(folder: Path, ccq: bool | None = None, **overrides):
     """The config of a checkpoint folder in its family's config class, validated (the CCQ class for GLA and
-    Gated DeltaNet); `ccq` overrides the checkpoint's CCQ flag."""
+    Gated DeltaNet, and for a plain checkpoint of another CCQ backbone when `ccq` or an override turns CCQ
+    on); `ccq` overrides the checkpoint's CCQ flag."""
     config_file = folder / "config.json"
     fields = _config_file_fields(folder)
     family = checkpoint_family(folder)
     model_type = family.model_type
+    wants_ccq = bool(ccq) or bool(overrides.get("ccq"))
+    if wants_ccq and not family.has_ccq and ccq_family_for(model_type) is not None:
+        family = ccq_family_for(model_type)
     config_cls = family.config_class
     for key in ("model_type", "architectures", "transformers_version", "auto_map"):
         fields.pop(key, None)
     if not family.has_ccq:
-        if ccq:
-            raise ModelLoadError(f"{config_file}: model_type {model_type!r} has no CCQ (ccq-eval's CCQ classes are "
-                                 "GLA and Gated DeltaNet); leave ccq unset for this model")
+        if wants_ccq:
+            raise ModelLoadError(f"{config_file}: model_type {model_type!r} has no CCQ (ccq-eval's CCQ backbones are "
+                                 f"{', '.join(ccq_backbone_types())}); leave ccq unset for this model")
     else:
         fields.setdefault("ccq", model_type in CCQ_ON_BY_DEFAULT)
         if ccq is not None:
@@ -227,7 +258,7 @@ def check_ccq_attach_fields(fields: Mapping[str, Any]) -> None:
 
 
 def ccq_attach_config(folder: Path, lam: float, fields: Mapping[str, Any] | None = None):
-    """The CCQ-class config of a plain GLA / Gated DeltaNet checkpoint with CCQ attached training-free:
+    """The CCQ-class config of a plain checkpoint of a CCQ backbone with CCQ attached training-free:
     the constant gate lambda_t = lam, plus `fields` (other CCQ config fields, full ccq_* names).
     ModelLoadError for a checkpoint that is CCQ already or has no CCQ (a Transformer), an unknown or
     reserved field, or a value the config refuses."""
@@ -235,15 +266,15 @@ def ccq_attach_config(folder: Path, lam: float, fields: Mapping[str, Any] | None
     check_ccq_attach_fields(fields)
     family = checkpoint_family(folder)
     model_type = family.model_type
-    if not family.has_ccq:
+    if ccq_family_for(model_type) is None:
         raise ModelLoadError(f"cannot attach CCQ to {folder.name}: a {model_type} model has no CCQ in ccq-eval (it "
-                             "attaches to GLA and Gated DeltaNet); attach it to a plain GLA / Gated DeltaNet "
-                             "checkpoint")
+                             f"attaches to {', '.join(ccq_backbone_types())}); attach it to a plain checkpoint of "
+                             "one of those families")
     current = read_config(folder)
-    if current.ccq:
+    if getattr(current, "ccq", False):
         raise ModelLoadError(f"cannot attach CCQ to {folder.name}: it is a CCQ checkpoint already (model_type "
-                             f"{model_type}, ccq on, its own gate); attach to a plain GLA / Gated DeltaNet "
-                             "checkpoint, or evaluate this one without the attachment")
+                             f"{model_type}, ccq on, its own gate); attach to a plain checkpoint, or evaluate "
+                             "this one without the attachment")
     return read_config(folder, **(fields | constant_gate_fields(lam)))
 
 
@@ -294,12 +325,12 @@ def load_model(
     ccq_fields: Mapping[str, Any] | None = None,
 ):
     """(model, tokenizer) in eval mode on `device`. `ccq` forces CCQ on or off (None: the checkpoint's).
-    `ccq_lambda` attaches CCQ training-free to a plain GLA / Gated DeltaNet checkpoint with the constant
+    `ccq_lambda` attaches CCQ training-free to a plain checkpoint of a CCQ backbone with the constant
     gate lambda_t = ccq_lambda and the other CCQ config fields in `ccq_fields` (ccq_attach_config)."""
     prepare_runtime()
     torch_dtype = resolve_dtype(dtype)
     folder = resolve_checkpoint(name_or_path)
-    family = checkpoint_family(folder)
+    checkpoint_family(folder)  # an unknown model_type stops here, on every device
     check_runs_on(folder, str(device))
     if ccq_lambda is None:
         if ccq_fields:
@@ -308,6 +339,7 @@ def load_model(
     else:
         config = ccq_attach_config(folder, ccq_lambda, ccq_fields)
     use_safetensors = _check_weights(folder, allow_pickle)
+    family = family_of(config.model_type)  # a CCQ family where CCQ is attached to a plain checkpoint
     model_cls = family.model_class
     try:
         # Attaching CCQ, the gate is missing from the weights by design: transformers' load report would call
@@ -326,7 +358,7 @@ def load_model(
     if ccq_lambda is not None and not any(key.endswith(".ccq_gate_bias")
                                           for key in loading_info.get("missing_keys") or []):
         raise ModelLoadError(f"cannot attach CCQ to {folder.name}: its weights hold a CCQ gate, which would replace "
-                             "the attached lambda; attach to a plain GLA / Gated DeltaNet checkpoint")
+                             "the attached lambda; attach to a plain checkpoint")
     from transformers import AutoTokenizer
 
     try:

@@ -1,37 +1,61 @@
-"""CCQ-GLA and CCQ-Gated-DeltaNet: fla's models with the Curvature-Conditioned Query on the read.
+"""The CCQ model types: fla's models of every backbone CCQ attaches to (ccq_eval.model.backbones), with the
+Curvature-Conditioned Query on the read.
 
-The classes extend fla 0.6.0's GLA and Gated DeltaNet. Every fla layer keeps its parameters and names;
-a CCQ layer adds two per head (gate weight a_h [H, K] at 0, gate bias b_h [H] at ccq_gate_bias_init), so
-every fla checkpoint loads with the CCQ parameters at their initial values. With `ccq=False` a layer
-runs fla's own forward, so the logits are fla's. Only the read changes: the kernels get q~ in place of
-the query; keys, values, gates and the write are untouched (docs/operator.md).
+`ccq_gla`, `ccq_gated_deltanet`, `ccq_delta_net`, `ccq_kda`, `ccq_retnet` and `ccq_mamba2` extend fla 0.6.0's
+classes of the family (CCQ_CLASSES). Every fla layer keeps its parameters and names; a CCQ layer adds two
+per head (gate weight a_h [H, K] at 0, gate bias b_h [H] at ccq_gate_bias_init), so every fla checkpoint of
+the family loads with the CCQ parameters at their initial values. With `ccq=False` a layer runs its
+backbone's own forward, so the logits are fla's. Only the read changes: the kernels get q~ in place of the
+query; keys, values, gates and the write are untouched (docs/operator.md).
 
 The recurrent state of a CCQ layer in fla's Cache is the tuple (S, P, m, n): the backbone state, then
-the CCQ covariance state (see ccq_eval.model.ccq.CCQState).
+the CCQ covariance state (see ccq_eval.model.ccq.CCQState and backbones.seam).
 """
 
 from __future__ import annotations
 
 import logging
 import tarfile
-from collections.abc import Callable
-from contextvars import ContextVar
 from typing import ClassVar
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from fla.layers.delta_net import DeltaNet
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.layers.gla import GatedLinearAttention
-from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, GLAConfig, GLAForCausalLM
+from fla.layers.kda import KimiDeltaAttention
+from fla.layers.mamba2 import Mamba2
+from fla.layers.multiscale_retention import MultiScaleRetention
+from fla.models import (
+    DeltaNetConfig,
+    DeltaNetForCausalLM,
+    GatedDeltaNetConfig,
+    GatedDeltaNetForCausalLM,
+    GLAConfig,
+    GLAForCausalLM,
+    KDAConfig,
+    KDAForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    RetNetConfig,
+    RetNetForCausalLM,
+)
 from fla.models.modeling_utils import FLAForCausalLM
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ccq_eval.model import fla_cpu
-from ccq_eval.model.ccq import CCQ_FORMS, CCQGate, CCQState, ccq_read_keys, sigma_passes
-from ccq_eval.model.fla_cpu.backend import rebind
+from ccq_eval.model.backbones.delta_net import CCQDeltaNet
+from ccq_eval.model.backbones.gated_deltanet import CCQGatedDeltaNet
+from ccq_eval.model.backbones.gla import CCQGatedLinearAttention
+from ccq_eval.model.backbones.kda import CCQKimiDeltaAttention
+from ccq_eval.model.backbones.mamba2 import CCQMamba2
+from ccq_eval.model.backbones.retnet import CCQMultiScaleRetention
+from ccq_eval.model.backbones.seam import (  # noqa: F401  (re-exported: inspection and benchmarks use them)
+    _CCQ_LAYER,
+    READ_KERNELS,
+    CCQReadMixin,
+)
+from ccq_eval.model.ccq import CCQ_FORMS
 from ccq_eval.model.kernels import autotune
-from ccq_eval.model.kernels.l2norm_pair import l2norm_pair
 
 logger = logging.getLogger(__name__)
 
@@ -126,183 +150,40 @@ class CCQGatedDeltaNetConfig(CCQConfigMixin, GatedDeltaNetConfig):
         self._init_ccq(**ccq_kwargs)
 
 
-class CCQReadMixin:
-    """What both CCQ layers add to their fla layer: the gate parameters, the read q -> q~, and a forward
-    that runs fla's own (the class's `_fla_forward`, fla's code with its kernel names bound to the
-    CCQ reads below) with this layer as the one reading."""
+class CCQDeltaNetConfig(CCQConfigMixin, DeltaNetConfig):
+    model_type = "ccq_delta_net"
 
-    def attach_ccq(self, config: CCQConfigMixin) -> None:
-        self.ccq_enabled = config.ccq
-        self.ccq_order = config.ccq_order
-        self.ccq_centered = config.ccq_centered
-        self.ccq_decay = config.ccq_decay
-        self.ccq_gate = config.ccq_gate
-        self.ccq_lambda_max = config.ccq_lambda_max
-        self.ccq_gate_bias_init = config.ccq_gate_bias_init
-        self.ccq_form = config.ccq_form
-        self.ccq_solve_steps = config.ccq_solve_steps
-        if not self.ccq_enabled:
-            return  # a baseline: fla's forward, fla's parameters, nothing extra to save or load
-        heads, dim = self.num_heads, self.head_k_dim
-        device = self.q_proj.weight.device
-        self.ccq_gate_weight = nn.Parameter(torch.zeros(heads, dim, device=device))
-        self.ccq_gate_bias = nn.Parameter(torch.full((heads,), self.ccq_gate_bias_init, device=device))
-
-    def reset_ccq_parameters(self) -> None:
-        """Initial values for CCQ parameters a checkpoint did not provide (e.g. a plain fla checkpoint)."""
-        if not self.ccq_enabled:
-            return
-        with torch.no_grad():
-            if not getattr(self.ccq_gate_weight, "_is_hf_initialized", False):
-                self.ccq_gate_weight.zero_()
-            if not getattr(self.ccq_gate_bias, "_is_hf_initialized", False):
-                self.ccq_gate_bias.fill_(self.ccq_gate_bias_init)
-
-    def ccq_read_gate(self) -> CCQGate:
-        """lambda_t = lambda_max * sigmoid(a_h . r_t + b_h) ("query") or lambda_max * sigmoid(b_h)."""
-        weight = None if self.ccq_gate == "constant" else self.ccq_gate_weight
-        return CCQGate(weight, self.ccq_gate_bias, self.ccq_lambda_max)
-
-    def ccq_query(self, r, k, log_decay, ccq_state: CCQState | None, keys_unit: bool = False):
-        """q~ for the backbone's read; log_decay [B, T, H] is the layer's scalar log forgetting;
-        keys_unit: k is L2-normalised already (ccq.ccq_read_keys)."""
-        if self.ccq_decay == "none":
-            log_decay = torch.zeros_like(log_decay)
-        order = sigma_passes(self.ccq_form, self.ccq_order, self.ccq_solve_steps)
-        return ccq_read_keys(r, k, log_decay, self.ccq_read_gate(), order=order, centered=self.ccq_centered,
-                             initial_state=ccq_state, keys_unit=keys_unit, form=self.ccq_form)
-
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
-                output_attentions=False, **kwargs):
-        """fla's forward of the layer (`_fla_forward`), whose kernel calls read with q~ when CCQ is on."""
-        if self.ccq_enabled:
-            attention_mask = _without_trivial_mask(attention_mask)
-        token = _CCQ_LAYER.set(self if self.ccq_enabled else None)
-        try:
-            return self._fla_forward(hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
-                                     **kwargs)
-        finally:
-            _CCQ_LAYER.reset(token)
+    def __init__(self, **kwargs):
+        ccq_kwargs = _pop_ccq_kwargs(kwargs)
+        super().__init__(**kwargs)
+        self._init_ccq(**ccq_kwargs)
 
 
-# The CCQ layer whose forward is running in this thread / task (None: a baseline layer, fla's read). The
-# layers run fla's own forward; the kernel names it calls are bound to the functions below, which take
-# the layer from here. Nothing in fla is changed.
-_CCQ_LAYER: ContextVar[CCQReadMixin | None] = ContextVar("ccq_layer", default=None)
+class CCQKDAConfig(CCQConfigMixin, KDAConfig):
+    model_type = "ccq_kda"
 
-# What serves each kernel name fla's layer forwards call: fla's op on CUDA, the torch backend elsewhere.
-# A table so that ccq_eval.inspection can watch the reads for the length of a `with` block.
-READ_KERNELS: dict[str, Callable] = {
-    "chunk_gla": fla_cpu.chunk_gla,
-    "fused_recurrent_gla": fla_cpu.fused_recurrent_gla,
-    "chunk_gated_delta_rule": fla_cpu.chunk_gated_delta_rule,
-    "fused_recurrent_gated_delta_rule": fla_cpu.fused_recurrent_gated_delta_rule,
-}
+    def __init__(self, **kwargs):
+        ccq_kwargs = _pop_ccq_kwargs(kwargs)
+        super().__init__(**kwargs)
+        self._init_ccq(**ccq_kwargs)
 
 
-def _split_state(recurrent_state):
-    """(S, CCQState | None) from a recurrent state written by a CCQ layer (or nothing yet)."""
-    if recurrent_state is None:
-        return None, None
-    S, P, m, n = recurrent_state
-    return S, CCQState(P, m, n)
+class CCQRetNetConfig(CCQConfigMixin, RetNetConfig):
+    model_type = "ccq_retnet"
+
+    def __init__(self, **kwargs):
+        ccq_kwargs = _pop_ccq_kwargs(kwargs)
+        super().__init__(**kwargs)
+        self._init_ccq(**ccq_kwargs)
 
 
-def _without_trivial_mask(attention_mask):
-    """An all-ones mask (what lm-eval's HFLM always passes) pads nothing: drop it, or fla would pack the
-    batch into variable-length form, which CCQ layers do not support."""
-    if attention_mask is not None and bool(attention_mask.all()):
-        return None
-    return attention_mask
+class CCQMamba2Config(CCQConfigMixin, Mamba2Config):
+    model_type = "ccq_mamba2"
 
-
-def _reject_varlen(cu_seqlens):
-    if cu_seqlens is not None:
-        raise ValueError(
-            "CCQ layers do not support padded batches (attention_mask with padding) or cu_seqlens: "
-            "evaluate sequences one at a time or in batches of equal length without padding."
-        )
-
-
-def _gla_read(name: str) -> Callable:
-    """GLA kernel `name` as a CCQ layer calls it: CCQ turns q into q~ and keeps (P, m, n) beside the
-    backbone state S in the layer's recurrent state. GLA's decay for CCQ: exp(mean_j gk[j]), the
-    geometric mean of the channel decays (a scalar keeps Sigma symmetric, docs/operator.md)."""
-
-    def read(*, q, k, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
-        kernel = READ_KERNELS[name]
-        layer = _CCQ_LAYER.get()
-        if layer is None:
-            return kernel(q=q, k=k, initial_state=initial_state, output_final_state=output_final_state,
-                          cu_seqlens=cu_seqlens, **kwargs)
-        _reject_varlen(cu_seqlens)
-        S, ccq_state = _split_state(initial_state)
-        log_gate = kwargs["g"] if "g" in kwargs else kwargs["gk"]  # chunk_gla: g, fused_recurrent_gla: gk
-        q, ccq_state = layer.ccq_query(q, k, log_gate.mean(-1, dtype=torch.float32), ccq_state)
-        o, S = kernel(q=q, k=k, initial_state=S, output_final_state=output_final_state, **kwargs)
-        return o, ((S, *ccq_state) if output_final_state else None)
-
-    read.__name__ = read.__qualname__ = name
-    return read
-
-
-def _gated_delta_read(name: str) -> Callable:
-    """Gated DeltaNet kernel `name` as a CCQ layer calls it. q and k are L2-normalised and the decay
-    g = -exp(A_log) softplus(a + dt_bias) computed here, as the kernel would, so that CCQ sees the query
-    the read uses and decays with the layer's own exp(g_t); the kernel then reads q~ without
-    normalising it again."""
-
-    def read(*, q, k, g, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-             cu_seqlens=None, **kwargs):
-        kernel = READ_KERNELS[name]
-        layer = _CCQ_LAYER.get()
-        if layer is None:
-            return kernel(q=q, k=k, g=g, initial_state=initial_state, output_final_state=output_final_state,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, **kwargs)
-        _reject_varlen(cu_seqlens)
-        if not (use_qk_l2norm_in_kernel and kwargs.get("use_gate_in_kernel")):
-            raise RuntimeError(
-                f"CCQ: fla's GatedDeltaNet calls {name} without use_qk_l2norm_in_kernel / use_gate_in_kernel; "
-                "the installed fla differs from the one ccq-eval was written against (pyproject.toml pins it).")
-        # q and k normalised together, read from their strided views (one Triton launch on CUDA, no
-        # torch.stack copy: ccq_eval/model/kernels/l2norm_pair.py); each comes out contiguous.
-        q, k = l2norm_pair(q, k)
-        A_log, dt_bias = kwargs["A_log"], kwargs["dt_bias"]
-        log_decay = -A_log.float().exp() * F.softplus(g.float() + dt_bias.float())
-        S, ccq_state = _split_state(initial_state)
-        q, ccq_state = layer.ccq_query(q, k, log_decay, ccq_state, keys_unit=True)
-        o, S = kernel(q=q, k=k, g=g, initial_state=S, output_final_state=output_final_state,
-                      use_qk_l2norm_in_kernel=False, **kwargs)
-        return o, ((S, *ccq_state) if output_final_state else None)
-
-    read.__name__ = read.__qualname__ = name
-    return read
-
-
-class CCQGatedLinearAttention(CCQReadMixin, GatedLinearAttention):
-    """fla's GatedLinearAttention, reading its state with q~ (fla's forward, CCQ in its kernel calls)."""
-
-    _fla_forward = rebind(GatedLinearAttention.forward, chunk_gla=_gla_read("chunk_gla"),
-                          fused_recurrent_gla=_gla_read("fused_recurrent_gla"))
-
-
-class CCQGatedDeltaNet(CCQReadMixin, GatedDeltaNet):
-    """fla's GatedDeltaNet reading with q~ (fla's forward, CCQ in its kernel calls)."""
-
-    _fla_forward = rebind(
-        GatedDeltaNet.forward,
-        chunk_gated_delta_rule=_gated_delta_read("chunk_gated_delta_rule"),
-        fused_recurrent_gated_delta_rule=_gated_delta_read("fused_recurrent_gated_delta_rule"),
-        causal_conv1d=fla_cpu.causal_conv1d,
-    )
-
-    def attach_ccq(self, config) -> None:
-        if self.num_v_heads != self.num_heads:
-            raise ValueError(
-                f"CCQ needs num_v_heads == num_heads (got {self.num_v_heads} and {self.num_heads}): "
-                "grouped value heads have several decays per key head. Set ccq=false for this model."
-            )
-        super().attach_ccq(config)
+    def __init__(self, **kwargs):
+        ccq_kwargs = _pop_ccq_kwargs(kwargs)
+        super().__init__(**kwargs)
+        self._init_ccq(**ccq_kwargs)
 
 
 class CCQCausalLMMixin:
@@ -314,14 +195,18 @@ class CCQCausalLMMixin:
     # fla's loss computation, building its fused losses as classes that also run on CPU
     _compute_logits_and_loss = fla_cpu.backend.loss_on_any_device(FLAForCausalLM._compute_logits_and_loss)
 
+    def __init__(self, config):
+        prepare_runtime()
+        super().__init__(config)
+        self._attach_ccq_layers(config)
+
     def _attach_ccq_layers(self, config) -> None:
-        for block in self.model.layers:
-            layer = getattr(block, "attn", None)
-            ccq_type = self._ccq_layer_types.get(type(layer))
+        for module in self.modules():
+            ccq_type = self._ccq_layer_types.get(type(module))
             if ccq_type is not None:
                 # The fla layer keeps its submodules and parameter names; only its class changes.
-                layer.__class__ = ccq_type
-                layer.attach_ccq(config)
+                module.__class__ = ccq_type
+                module.attach_ccq(config)
         fla_cpu.use_torch_backend(self)
 
     def _initialize_missing_keys(self, *args, **kwargs):
@@ -344,26 +229,46 @@ class CCQGLAForCausalLM(CCQCausalLMMixin, GLAForCausalLM):
     config_class = CCQGLAConfig
     _ccq_layer_types: ClassVar[dict[type, type]] = {GatedLinearAttention: CCQGatedLinearAttention}
 
-    def __init__(self, config: CCQGLAConfig):
-        prepare_runtime()
-        super().__init__(config)
-        self._attach_ccq_layers(config)
-
 
 class CCQGatedDeltaNetForCausalLM(CCQCausalLMMixin, GatedDeltaNetForCausalLM):
     config_class = CCQGatedDeltaNetConfig
     _ccq_layer_types: ClassVar[dict[type, type]] = {GatedDeltaNet: CCQGatedDeltaNet}
 
-    def __init__(self, config: CCQGatedDeltaNetConfig):
-        prepare_runtime()
-        super().__init__(config)
-        self._attach_ccq_layers(config)
+
+class CCQDeltaNetForCausalLM(CCQCausalLMMixin, DeltaNetForCausalLM):
+    config_class = CCQDeltaNetConfig
+    _ccq_layer_types: ClassVar[dict[type, type]] = {DeltaNet: CCQDeltaNet}
+
+
+class CCQKDAForCausalLM(CCQCausalLMMixin, KDAForCausalLM):
+    config_class = CCQKDAConfig
+    _ccq_layer_types: ClassVar[dict[type, type]] = {KimiDeltaAttention: CCQKimiDeltaAttention}
+
+
+class CCQRetNetForCausalLM(CCQCausalLMMixin, RetNetForCausalLM):
+    config_class = CCQRetNetConfig
+    _ccq_layer_types: ClassVar[dict[type, type]] = {MultiScaleRetention: CCQMultiScaleRetention}
+
+
+class CCQMamba2ForCausalLM(CCQCausalLMMixin, Mamba2ForCausalLM):
+    config_class = CCQMamba2Config
+    _ccq_layer_types: ClassVar[dict[type, type]] = {Mamba2: CCQMamba2}
+
+
+# plain fla model type -> (CCQ config class, CCQ causal-LM class): every backbone CCQ attaches to.
+CCQ_CLASSES: dict[str, tuple[type, type]] = {
+    "gla": (CCQGLAConfig, CCQGLAForCausalLM),
+    "gated_deltanet": (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM),
+    "delta_net": (CCQDeltaNetConfig, CCQDeltaNetForCausalLM),
+    "kda": (CCQKDAConfig, CCQKDAForCausalLM),
+    "retnet": (CCQRetNetConfig, CCQRetNetForCausalLM),
+    "mamba2": (CCQMamba2Config, CCQMamba2ForCausalLM),
+}
 
 
 def register() -> None:
     """Make the model types known to transformers' Auto classes (idempotent)."""
-    for config_cls, model_cls in ((CCQGLAConfig, CCQGLAForCausalLM),
-                                  (CCQGatedDeltaNetConfig, CCQGatedDeltaNetForCausalLM)):
+    for config_cls, model_cls in CCQ_CLASSES.values():
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
 

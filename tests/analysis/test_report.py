@@ -74,6 +74,32 @@ def test_reference_report_records_the_run(page):
     assert "1K, 2K" in page and "0%, 50%, 100%" in page  # the grid
 
 
+def _markdown_rows(text: str) -> list[list[str]]:
+    """The cells of a markdown table's header and body rows (its |---| line left out)."""
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            for line in text.splitlines() if line.startswith("| ")]
+
+
+def _html_rows(table: str) -> list[list[str]]:
+    """The cells of an HTML table's header and body rows, as text."""
+    return [[html.unescape(cell) for cell in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", table, re.DOTALL)]
+
+
+def test_report_opens_with_compare_summary_s_table_and_ends_with_the_run(page):
+    result = invoke("compare", REFERENCE, "--summary")
+    assert result.exit_code == 0, result.output
+    table_text, note = result.output.strip().split("\n\n")
+    first_table = re.search(r"<table class=\"data\">.*?</table>", page, re.DOTALL).group(0)
+    # every delta, interval and Holm-adjusted p-value, cell for cell, and the family the note names
+    assert _html_rows(first_table) == _markdown_rows(table_text)
+    assert "over a family of 22 p-values" in note and html.escape(note.strip("_")) in page
+    first_digest = min(page.index(json.loads((unit.folder / "unit.json").read_text())["checkpoint"]["sha256"]
+                                  ["model.safetensors"][:16]) for unit in results_store.load_results(REFERENCE))
+    assert page.index('<section id="samples">') < page.index('<section id="run">') < first_digest
+    assert page.index(str(REFERENCE)) > page.index('<section id="run">')  # the machine's path, last too
+
+
 def test_every_failed_sniah_sample_is_listed_in_its_cell(page):
     expected: Counter = Counter()
     cells_expected: Counter = Counter()

@@ -65,6 +65,9 @@ def _sniah_cell_failures(model: str, task: str, length: int, depth: float) -> tu
 def test_tables_figures_and_filtered_samples_are_visible_and_nothing_is_fetched(browser, report_file, tmp_path):
     context, page, requests, errors = _open(browser, report_file)
     try:
+        # the first screen (1000 x 900) shows the verdict table, compare --summary's, from its first row on
+        verdict = page.locator("#verdict table")
+        assert verdict.is_visible() and verdict.locator("tbody tr").first.bounding_box()["y"] < 900
         # tables: one per paper pivot, with its rows
         pivots = tables.paper_pivots(tables.load_tidy(REFERENCE))
         paper_tables = page.locator("section.paper-table table")

@@ -141,7 +141,11 @@ def test_paper_suite_plans_the_papers_grid(monkeypatch, tmp_path):
         assert grid["base", task] == grid["ccq", task] == ([4096, 8192, 14336, 20480], 20480)
     assert plan.notes == ["--suite paper: longbench, longbench-e skipped (no --longbench-dir)",
                           "--suite paper: zeroshot skipped (no --zeroshot-dir, and neither the hub nor the datasets "
-                          "cache holds the data; docs/zeroshot.md says how to get it)"]
+                          "cache holds the data; docs/zeroshot.md says how to get it)",
+                          "--suite paper: recall skipped (no --recall-dir, and neither the hub nor the datasets cache "
+                          "holds hazyresearch/based-swde-v2, hazyresearch/based-squad, hazyresearch/based-fda, "
+                          "hazyresearch/based_triviaqa, hazyresearch/based_nq_2048, hazyresearch/based_drop; "
+                          "docs/recall.md says how to get them)"]
 
     data = tmp_path / "longbench"
     (data / "data").mkdir(parents=True)

@@ -75,3 +75,40 @@ def test_lm_eval_cli_hf_model_loads_a_ccq_checkpoint_and_answers_as_our_adapter(
     assert hf["filtered_resps"] == ours["filtered_resps"] and hf["acc"] == ours["acc"]
     for log in (our_log, hf_log):
         assert "Warning:" not in log and "[transformers]" not in log, log[-3000:]
+
+
+def _unknown_type_checkpoint(folder: Path, model_type: str) -> Path:
+    """A checkpoint folder whose config.json names `model_type` (nothing else is read before the error)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}), encoding="utf-8")
+    return folder
+
+
+def test_transformers_unrecognized_model_type_is_one_line_naming_fla_and_the_fix(tmp_path):
+    from transformers import AutoConfig
+
+    from ccq_eval.model.loading import unrecognized_type_error
+
+    with pytest.raises(ValueError, match="does not recognize this architecture") as raised:
+        AutoConfig.from_pretrained(_unknown_type_checkpoint(tmp_path / "ckpt", "mystery_lm"))
+    unknown = str(unrecognized_type_error(raised.value))
+    assert "'mystery_lm'" in unknown and "installed fla" in unknown and "`ccq-eval models --families`" in unknown
+    # what transformers says of fla's own type in a process that has not imported fla (stock lm_eval)
+    fla_type = str(unrecognized_type_error(ValueError(str(raised.value).replace("mystery_lm", "gla"))))
+    assert "'gla' is an fla" in fla_type and "`ccq-eval lm-eval ...`" in fla_type
+    for line in (unknown, fla_type):
+        assert "\n" not in line and "pip install" not in line
+    assert unrecognized_type_error(ValueError("another error")) is None
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_hf_model_of_an_unknown_type_stops_in_one_line(tmp_path, lm_eval_logging):
+    checkpoint = _unknown_type_checkpoint(tmp_path / "ckpt", "mystery_lm")
+    metadata = {"tokenizer": "byt5", "lengths": [1024], "depths": [50]}
+    result = CliRunner().invoke(app, [
+        "lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={checkpoint}", "--tasks", "ccq_s_niah_1",
+        "--include_path", str(REPO / "tasks" / "s_niah"), "--metadata", json.dumps(metadata), "--limit", "1"])
+    assert result.exit_code == 1
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("Error: unknown model_type 'mystery_lm'") and "fla" in error
+    assert "pip install" not in result.output

@@ -392,3 +392,58 @@ def test_sampled_unit_killed_and_resumed_gives_the_uninterrupted_answers(tmp_pat
     resumed = ResumableLM(sampling_adapter(7), cache, chunk_size=3).generate_until(requests)
     assert resumed == uninterrupted
     assert sampling_adapter(7).generate_until(requests) == uninterrupted  # unwrapped, in one batch run
+
+
+# Embedded corpora ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_task_reads_a_corpus_copy(fake_world, tmp_path, monkeypatch):
+    """The fake task counted as reading the embedded corpora, which are read from a copy (to edit)."""
+    import shutil
+
+    from ccq_eval.data import corpora
+
+    copy = tmp_path / "corpora"
+    copy.mkdir()
+    for file, _description in corpora.CORPORA.values():
+        shutil.copy(corpora.DATA_DIR / file, copy / file)
+    monkeypatch.setattr(corpora, "DATA_DIR", copy)
+    monkeypatch.setattr(run_plan, "reads_embedded_corpora", lambda task: True)
+    return copy
+
+
+def test_an_edited_corpus_is_computed_again_and_replaces_the_unit(fake_world, fake_task_reads_a_corpus_copy):
+    finished_run("out")
+    unit = store.unit_dir(Path("out"), "tiny-strong", TASK_NAME)
+    stored = json.loads(unit.spec.read_text())["embedded_corpora"]
+    sotu = fake_task_reads_a_corpus_copy / "sotu.jsonl.xz"
+    sotu.write_bytes(sotu.read_bytes() + b"\0")
+    fake_world.calls.clear()
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert result.exit_code == 0, result.output
+    assert "read embedded corpora that changed since they were stored (sotu.jsonl.xz)" in result.output
+    assert len(fake_world.calls) == 12  # every request computed again
+    recorded = json.loads(unit.spec.read_text())["embedded_corpora"]
+    assert recorded["sotu.jsonl.xz"] != stored["sotu.jsonl.xz"] and recorded["kjv.jsonl.xz"] == stored["kjv.jsonl.xz"]
+    (loaded,) = store.load_results(Path("out"))
+    assert loaded.vouched and loaded.spec["embedded_corpora"] == recorded
+    again = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert "1 already finished" in again.output and len(fake_world.calls) == 12, again.output
+
+
+def test_a_recompute_that_fails_leaves_the_finished_unit_as_it_was(fake_world, fake_task_reads_a_corpus_copy):
+    before = finished_run("out")
+    sotu = fake_task_reads_a_corpus_copy / "sotu.jsonl.xz"
+    sotu.write_bytes(sotu.read_bytes() + b"\0")
+    fake_world.calls.clear()
+    fake_world.fail_after = 5
+    failed = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert failed.exit_code != 0 and len(fake_world.calls) == 5
+    assert snapshot(Path("out")) == before  # the old unit whole (unit.json included) and still readable
+    assert store.load_results(Path("out"))[0].vouched
+    fake_world.fail_after = None
+    resumed = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert resumed.exit_code == 0, resumed.output
+    assert len(fake_world.calls) == 12  # the 5 answered before the failure came from the resume cache
+    assert snapshot(Path("out")) != before and store.load_results(Path("out"))[0].vouched

@@ -109,3 +109,77 @@ def test_a_unit_moved_with_its_data_stays_valid_and_changed_data_does_not(tmp_pa
     (moved / "longbench" / "qasper.jsonl").write_text('{"input": "other"}\n')
     with pytest.raises(run_plan.PlanError, match="data_files"):
         run_plan.plan_run(again)
+
+
+@pytest.fixture
+def corpora_copy(tmp_path, monkeypatch):
+    """A copy of the embedded corpora, read instead of the installed ones (an editable install's, to edit)."""
+    from ccq_eval.data import corpora
+
+    copy = tmp_path / "corpora"
+    copy.mkdir()
+    for file, _description in corpora.CORPORA.values():
+        shutil.copy(corpora.DATA_DIR / file, copy / file)
+    monkeypatch.setattr(corpora, "DATA_DIR", copy)
+    return copy
+
+
+def test_units_of_tasks_that_read_the_embedded_corpora_record_them(corpora_copy, tmp_path):
+    from ccq_eval.harness.fingerprints import embedded_corpora_fingerprint
+
+    tasks = [TASK, "ccq_ppl_sweep", "ccq_longbench_qasper"]
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=tasks, lengths="1k", output=tmp_path / "out",
+                                  longbench_dir=Path(__file__).resolve().parents[1] / "fixtures" / "longbench")
+    specs = {unit.task: unit.spec for unit in run_plan.plan_run(options).units}
+    recorded = embedded_corpora_fingerprint()
+    assert sorted(recorded) == ["austen.jsonl.xz", "kjv.jsonl.xz", "sotu.jsonl.xz"]
+    assert specs[TASK]["embedded_corpora"] == specs["ccq_ppl_sweep"]["embedded_corpora"] == recorded
+    assert "embedded_corpora" not in specs["ccq_longbench_qasper"]  # LongBench reads its own data files only
+    (corpora_copy / "sotu.jsonl.xz").write_bytes(b"edited")
+    assert embedded_corpora_fingerprint()["sotu.jsonl.xz"] != recorded["sotu.jsonl.xz"]
+
+
+def test_an_edited_corpus_makes_the_rerun_redo_the_units_that_read_it(corpora_copy, tmp_path):
+    tasks = [TASK, "ccq_longbench_qasper"]
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=tasks, lengths="1k", output=tmp_path / "out",
+                                  longbench_dir=Path(__file__).resolve().parents[1] / "fixtures" / "longbench")
+    _finish(run_plan.plan_run(options))
+    assert all(unit.finished for unit in run_plan.plan_run(options).units)  # unchanged corpora: taken
+    (corpora_copy / "kjv.jsonl.xz").write_bytes((corpora_copy / "kjv.jsonl.xz").read_bytes() + b"\0")
+    again = run_plan.plan_run(options)
+    units = {unit.task: unit for unit in again.units}
+    assert not units[TASK].finished and units[TASK].corpora_changed == ["kjv.jsonl.xz"]
+    assert units["ccq_longbench_qasper"].finished  # reads no corpus: kept
+    assert [note for note in again.notes if "embedded corpora that changed" in note] == [
+        f"1 finished unit ({units[TASK].dir.path}) read embedded corpora that changed since they were stored "
+        "(kjv.jsonl.xz): computed again; their stored results stay until the new ones replace them"]
+
+
+def test_a_corpus_edited_after_planning_is_not_stored(corpora_copy, tmp_path):
+    from ccq_eval.harness.fingerprints import changed_since_planning
+
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=[TASK], lengths="1k", output=tmp_path / "out")
+    (unit,) = run_plan.plan_run(options).units
+    assert changed_since_planning(unit) is None
+    (corpora_copy / "austen.jsonl.xz").write_bytes(b"edited while the unit ran")
+    assert changed_since_planning(unit).startswith("austen.jsonl.xz: planned ")
+
+
+def test_a_unit_stored_before_the_corpora_were_recorded_is_taken_with_a_note(tmp_path):
+    import json
+
+    from ccq_eval.harness.store import vouch
+
+    options = run_plan.RunOptions(models=["tiny-gdn"], tasks=[TASK], lengths="1k", output=tmp_path / "out")
+    plan = run_plan.plan_run(options)
+    _finish(plan)
+    unit = plan.units[0].dir
+    older = {key: value for key, value in plan.units[0].spec.items() if key != "embedded_corpora"}
+    unit.spec.write_text(json.dumps(dict(older, format=3)))  # as format 3 wrote it
+    unit.meta.write_text(json.dumps({"format": 3, "model": "tiny-gdn", "spec": older}))
+    vouch.write_record(unit.path, older)
+    again = run_plan.plan_run(options)
+    assert again.units[0].finished and again.units[0].corpora_assumed
+    assert [note for note in again.notes if "before the embedded corpora" in note] == [
+        f"1 finished unit ({unit.path}) stored before the embedded corpora a unit reads were recorded: taken as "
+        "stored (delete a unit's folder to redo it with this installation's corpora)"]

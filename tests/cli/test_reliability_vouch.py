@@ -94,17 +94,83 @@ def test_a_unit_moved_under_another_model_is_refused(fake_world):
     assert_one_line_error(invoke("table", "out"), "records tiny-strong", "other-model", "move it back")
 
 
-def test_a_write_stopped_before_its_record_is_redone_and_not_read(fake_world):
+def test_a_write_stopped_before_results_json_is_redone_and_not_read(fake_world):
     from test_cli_run import RUN_ARGS
 
     assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
     unit = store.unit_dir(Path("out"), "tiny-strong", "ccq_s_niah_fake")
+    unit.results.unlink()  # killed between the record and results.json, which format 4 writes last
+    assert_one_line_error(invoke("table", "out"), "holds no results", "ccq-eval run")
+    assert store.ResultsStore(Path("out")).on_disk(unit).finished is False
+    rerun = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert rerun.exit_code == 0, rerun.output
+    assert store.load_results(Path("out"))[0].vouched
+
+
+def test_a_format_3_write_stopped_before_its_record_is_redone_and_not_read(fake_world):
+    from test_cli_run import RUN_ARGS
+
+    assert invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out").exit_code == 0
+    unit = store.unit_dir(Path("out"), "tiny-strong", "ccq_s_niah_fake")
+    for path in (unit.spec, unit.meta):  # as format 3 wrote them: results.json first, the record last
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"format": 3}))
     (unit.path / vouch.CHECKSUMS_FILE).unlink()  # killed between results.json and the record
     assert_one_line_error(invoke("table", "out"), str(unit.path), "no checksums.json", "rerun")
     assert store.ResultsStore(Path("out")).on_disk(unit).finished is False
     rerun = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
     assert rerun.exit_code == 0, rerun.output
     assert store.load_results(Path("out"))[0].vouched
+
+
+def _drop_entry(unit: store.UnitDir, name: str) -> None:
+    path = unit.path / vouch.CHECKSUMS_FILE
+    record = json.loads(path.read_text())
+    del record["files"][name]
+    path.write_text(json.dumps(record))
+
+
+# Each way a finished unit's record is thinned out: (what is done, fragments of the one-line refusal).
+THINNED = {
+    "checksums.json deleted": (lambda unit: (unit.path / vouch.CHECKSUMS_FILE).unlink(),
+                               ["no checksums.json", "results format 4", "delete"]),
+    "meta.json deleted": (lambda unit: unit.meta.unlink(), ["meta.json is missing", "delete"]),
+    "meta.json and checksums.json deleted": (
+        lambda unit: (unit.meta.unlink(), (unit.path / vouch.CHECKSUMS_FILE).unlink()),
+        ["no checksums.json", "results format 4"]),
+    "meta.json, unit.json and checksums.json deleted": (
+        lambda unit: (unit.meta.unlink(), unit.spec.unlink(), (unit.path / vouch.CHECKSUMS_FILE).unlink()),
+        ["neither meta.json nor unit.json"]),
+    "meta.json and its entry deleted": (lambda unit: (unit.meta.unlink(), _drop_entry(unit, "meta.json")),
+                                        ["leaves out meta.json"]),
+    "entry of results.json dropped": (lambda unit: _drop_entry(unit, "results.json"), ["leaves out results.json"]),
+    "entry of meta.json dropped": (lambda unit: _drop_entry(unit, "meta.json"), ["leaves out meta.json"]),
+    "entry of unit.json dropped": (lambda unit: _drop_entry(unit, "unit.json"), ["leaves out unit.json"]),
+    "entry of the samples dropped": (lambda unit: _drop_entry(unit, "samples_ccq_s_niah_fake.jsonl"),
+                                     ["leaves out samples_ccq_s_niah_fake.jsonl"]),
+    "samples and their entry deleted": (
+        lambda unit: (unit.samples("ccq_s_niah_fake").unlink(), _drop_entry(unit, "samples_ccq_s_niah_fake.jsonl")),
+        ["leaves out samples_ccq_s_niah_fake.jsonl"]),
+}
+
+
+@pytest.mark.parametrize("thinning", list(THINNED))
+def test_a_thinned_out_record_is_refused_by_every_reader_and_a_rerun(fake_world, thinning):
+    from test_cli_run import RUN_ARGS
+    from test_reliability import snapshot
+
+    run = invoke(*RUN_ARGS, "--model", "tiny-strong", "--model", "tiny-weak", "--output", "out")
+    assert run.exit_code == 0, run.output
+    unit = store.unit_dir(Path("out"), "tiny-strong", "ccq_s_niah_fake")
+    thin, fragments = THINNED[thinning]
+    thin(unit)
+    before = snapshot(Path("out"))
+    calls = len(fake_world.calls)
+    for args in (["table", "out"], ["compare", "out", "--baseline", "tiny-strong", "--variant", "tiny-weak"],
+                 ["report", "out"], ["archive", "out", "archived"],
+                 [*RUN_ARGS, "--model", "tiny-strong", "--output", "out"]):
+        assert_one_line_error(invoke(*args), str(unit.path), *fragments)
+    assert snapshot(Path("out")) == before and len(fake_world.calls) == calls  # nothing redone or changed
+    assert not Path("archived").exists()
 
 
 def test_archive_carries_a_record_of_the_archived_files(tmp_path):

@@ -10,24 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lm_eval.api.instance import Instance
+from adapter_support import task_generation_requests
 
-from ccq_eval.harness.task_registry import RULER_SYNTHETIC_TASKS, make_task_manager
+from ccq_eval.harness.task_registry import RULER_SYNTHETIC_TASKS
 
 
-def _requests(name: str) -> list[Instance]:
+def _requests(name: str) -> list:
     """Every document of the synthetic RULER tasks at 1K and 2K, as the evaluator would request it."""
-    from lm_eval.tasks import get_task_dict
-
-    metadata = {"tokenizer": name, "lengths": [1024, 2048], "depths": [0, 100], "samples_per_cell": 1}
-    tasks = get_task_dict(list(RULER_SYNTHETIC_TASKS), make_task_manager(metadata=metadata))
-    requests = []
-    for task_name, task in tasks.items():
-        kwargs = dict(task.config.generation_kwargs)
-        for doc_id, doc in enumerate(task.eval_docs):
-            requests.append(Instance("generate_until", doc, (task.doc_to_text(doc), kwargs), len(requests),
-                                     metadata=(task_name, doc_id, 1)))
-    return requests
+    return task_generation_requests(RULER_SYNTHETIC_TASKS, {"tokenizer": name, "lengths": [1024, 2048],
+                                                            "depths": [0, 100], "samples_per_cell": 1})
 
 
 @pytest.mark.gpu

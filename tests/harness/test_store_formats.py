@@ -1,8 +1,9 @@
 """The results store's files: format versions of unit.json and meta.json, one reader per version.
 
 Version 1 is what the store wrote before the files named their format (results/reference holds such
-units); version 2 named it; version 3, what it writes now, adds each finished unit's checksums.json; a
-later version is refused with one line naming the file.
+units); version 2 named it; version 3 adds each finished unit's checksums.json; version 4, what it writes
+now, writes that record before results.json and refuses a record that leaves out a file the format
+requires; a later version is refused with one line naming the file.
 """
 
 from __future__ import annotations
@@ -104,3 +105,30 @@ def test_archived_units_keep_their_format(tmp_path):
     shutil.rmtree(tmp_path / "out")
     (loaded,) = store.load_results(tmp_path / "archive")
     assert loaded.spec == SPEC
+
+
+@pytest.mark.parametrize("name", [store.ARCHIVED_RESULTS_FILE, "samples_t.jsonl.xz", store.META_FILE])
+def test_an_archived_unit_whose_record_leaves_out_a_file_is_refused(tmp_path, name):
+    from ccq_eval.harness.archive import archive_results
+    from ccq_eval.harness.store import vouch
+
+    unit = _write(tmp_path)
+    archive_results(tmp_path / "out", tmp_path / "archive")
+    record_path = tmp_path / "archive" / unit.path.relative_to(tmp_path / "out") / vouch.CHECKSUMS_FILE
+    record = json.loads(record_path.read_text())
+    del record["files"][name]
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(store.ResultsError) as error:
+        store.load_results(tmp_path / "archive")
+    assert f"{record_path} leaves out {name}" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_format_4_record_must_name_meta_results_unit_json_and_each_task_s_samples(tmp_path):
+    from ccq_eval.harness.store import vouch
+
+    unit = _write(tmp_path)
+    results = json.loads(unit.results.read_text())
+    assert vouch.required_files(unit.results, results) == [store.META_FILE, store.RESULTS_FILE, "samples_t.jsonl",
+                                                           store.UNIT_SPEC_FILE]
+    unit.spec.unlink()  # meta.json's "spec" holds the same settings: a unit may lack unit.json
+    assert store.UNIT_SPEC_FILE not in vouch.required_files(unit.results, results)

@@ -120,10 +120,11 @@ def test_unknown_rolling_protocol_is_refused(transformer, value):
 
 
 def test_model_info_names_the_wikitext_protocol_before_any_request(transformer):
-    """The results say which protocol scores wikitext from the settings alone, also where a resumed run
-    scored none of its requests in this process."""
+    """The results say which protocol scores wikitext from the settings alone when one was asked (as the runner
+    asks for wikitext's units), also where a resumed run scored none of its requests in this process; asked
+    none, the adapter names no protocol it has not used."""
     model, tokenizer = transformer
-    for asked, protocol in ((None, "hflm"), ("carry", "carry"), ("hflm", "hflm")):
+    for asked, recorded in ((None, {}), ("carry", {"wikitext": "carry"}), ("hflm", {"wikitext": "hflm"})):
         info = CCQEvalLM(model=model, tokenizer=tokenizer, rolling_windows=asked).get_model_info()["ccq_scoring"]
-        assert info["rolling_protocol_by_task"] == {"wikitext": protocol}
+        assert info["rolling_protocol_by_task"] == recorded
         assert info["rolling_windows"] == (asked or "per task") and info["window_tokens"] == 2048

@@ -142,7 +142,7 @@ def test_prompts_of_different_lengths_decode_together_as_alone(tmp_path, model_t
 def test_only_measured_families_take_the_cuda_fast_path_by_default():
     from ccq_eval.harness.adapter import resolve_fast_path
 
-    assert family_of("ccq_gla").gpu_fast_path_measured and not family_of("kda").gpu_fast_path_measured
+    assert family_of("kda").gpu_fast_path_measured and not family_of("retnet").gpu_fast_path_measured
     assert resolve_fast_path("cuda", True, None, None, measured=False) == (1, False)
     assert resolve_fast_path("cuda", True, None, True, measured=False) == (None, True)  # asked for: allowed
     assert resolve_fast_path("cuda", True, None, None, measured=True) == (None, True)

@@ -10,6 +10,7 @@ from family_support import CPU_FAMILIES, tiny_checkpoint
 from lm_eval.api.instance import Instance
 
 from ccq_eval.harness.adapter import CCQEvalLM
+from ccq_eval.model.families import GPU_FAST_PATH_MEASURED
 from ccq_eval.model.loading import load_model
 
 pytestmark = [pytest.mark.gpu,
@@ -48,10 +49,21 @@ def test_cuda_default_batch_answers_as_batch_one(tmp_path, model_type):
     assert CCQEvalLM(model=model, tokenizer=tokenizer).generate_until(requests) == alone
 
 
-@pytest.mark.parametrize("model_type", ["mamba", *CPU_FAMILIES])
+# Families the fast path cannot take: one-token caches (the Mamba family) and transformers' models.
+NO_FAST_PATH = {"mamba", "mamba2", "llama", "mistral", "qwen2"}
+
+
+FAST_PATH_CASES = [
+    model_type if model_type in GPU_FAST_PATH_MEASURED else pytest.param(model_type, marks=pytest.mark.xfail(
+        strict=True, reason="not in GPU_FAST_PATH_MEASURED: its graphed batch decodes other tokens than batch 1"))
+    for model_type in sorted({"mamba", *CPU_FAMILIES} - NO_FAST_PATH)]
+
+
+@pytest.mark.parametrize("model_type", FAST_PATH_CASES)
 def test_cuda_fast_path_answers_as_batch_one(tmp_path, model_type):
-    """The fast path forced on (batching by memory, CUDA graphs) answers and scores as eager batch 1: what
-    decides whether a family may join families.GPU_FAST_PATH_MEASURED."""
+    """The fast path forced on (batching by memory, CUDA graphs) answers and scores as eager batch 1 for
+    every family in families.GPU_FAST_PATH_MEASURED; for the others it does not (strict xfail, so a fix
+    shows)."""
     model, tokenizer = load_model(str(tiny_checkpoint(model_type, tmp_path / model_type)), device="cuda",
                                   dtype="bfloat16" if model_type == "delta_net" else "float32")
     prompts = ["Once upon a time", "It was the best of times, it was", "Call me", "A tale of two cities.",
@@ -67,3 +79,10 @@ def test_cuda_fast_path_answers_as_batch_one(tmp_path, model_type):
     assert together[0] == alone[0]
     tolerance = 5e-2 if model_type == "delta_net" else 1e-3  # bf16 for DeltaNet; float32 otherwise
     assert together[1] == pytest.approx(alone[1], abs=tolerance)
+
+
+@pytest.mark.parametrize("model_type", sorted(NO_FAST_PATH))
+def test_cuda_fast_path_refused_where_it_cannot_apply(tmp_path, model_type):
+    model, tokenizer = load_model(str(tiny_checkpoint(model_type, tmp_path / model_type)), device="cuda")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a recurrent fla model"):
+        CCQEvalLM(model=model, tokenizer=tokenizer, cuda_graphs=True)

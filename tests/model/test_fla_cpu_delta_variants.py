@@ -597,3 +597,40 @@ def test_preconditioned_ops_follow_fla_kernels():
     for mine, theirs in zip(dv.torch_fused_recurrent_precond_kda(*args, **common, **extra),
                             fused_recurrent_precond_kda(*args, **common, **extra)):
         assert_near_kernel(mine, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and fla's triton kernels")
+def test_preconditioned_gated_delta_rule_backward_on_cuda_follows_torch():
+    """The op the dispatcher serves on CUDA (fla's; on a Hopper machine hit by fla #640, fla's with the torch
+    chunk_bwd_dqkwg in its backward) has the torch version's gradients: what training on the GPU uses."""
+    B, T, H, K, V = 2, 200, 2, 64, 64
+    inputs = {"q": cuda_randn(B, T, H, K), "k": F.normalize(cuda_randn(B, T, H, K), dim=-1),
+              "v": cuda_randn(B, T, H, V), "g_atk": F.logsigmoid(cuda_randn(B, T, H)),
+              "g": F.logsigmoid(cuda_randn(B, T, H)) / 4, "beta_atk": torch.rand(B, T, H, device="cuda"),
+              "beta": torch.rand(B, T, H, device="cuda")}
+    upstream = cuda_randn(B, T, H, V)
+    grads = []
+    for op in (dispatch.dispatcher("chunk_precond_gated_delta_rule"), dv.torch_chunk_precond_gated_delta_rule):
+        leaves = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+        output = op(**leaves, x=1.5, eps=1e-6)[0]
+        (output * upstream).sum().backward()
+        grads.append({name: x.grad for name, x in leaves.items()})
+    for name in inputs:
+        assert_near_kernel(grads[0][name], grads[1][name], 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and fla's triton kernels")
+def test_delta_rule_under_autocast_takes_float32_inputs_in_the_autocast_dtype():
+    """fla's chunk_delta_rule refuses float32; under autocast (training with float32 master weights) the
+    dispatcher hands it the autocast dtype, as autocast does for a matmul."""
+    from fla.ops.delta_rule import chunk_delta_rule
+
+    B, T, H, K = 2, 130, 2, 64
+    q, k, v = cuda_randn(B, T, H, K), F.normalize(cuda_randn(B, T, H, K), dim=-1), cuda_randn(B, T, H, K)
+    beta = torch.rand(B, T, H, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        served, _ = dispatch.dispatcher("chunk_delta_rule")(q, k, v, beta)
+    expected, _ = chunk_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16())
+    assert torch.equal(served, expected)

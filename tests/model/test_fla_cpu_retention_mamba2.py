@@ -441,3 +441,34 @@ def test_bfloat16_model_tracks_float32(name):
     assert cache[0]["recurrent_state"].dtype == torch.float32  # states are accumulated in fp32
     err = (low.float() - reference).norm() / reference.norm()
     assert err < 2e-2, f"bf16 logits deviate from fp32 by {err:.3e} (relative)"
+
+
+def test_mamba2_on_cuda_takes_the_torch_forward_only_where_fla_lacks_mamba_ssm(monkeypatch):
+    from fla.layers import mamba2
+
+    from ccq_eval.model.fla_cpu import backend
+
+    layer = mamba2_layer()
+    taken = []
+    monkeypatch.setattr(type(layer).__bases__[0], "forward", lambda self, *a, **k: taken.append("fla"))
+    served = backend._device_dispatching(type(layer).__bases__[0].forward, lambda self, *a, **k: taken.append("torch"),
+                                         "hidden_states", mamba2_cuda_fallback := backend._device_forwards()[
+                                             mamba2.Mamba2][2])
+    cuda_like = torch.zeros(1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for has_kernels, expected in ((True, "fla"), (False, "torch")):
+        monkeypatch.setattr(mamba2, "is_fast_path_available", has_kernels)
+        assert mamba2_cuda_fallback() is not has_kernels
+        served(layer, cuda_like)
+        assert taken[-1] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mamba2_on_cuda_without_mamba_ssm_matches_fla_torch_path():
+    layer = mamba2_layer(D_has_hdim=True, norm_before_gate=True).cuda()
+    x = torch.randn(2, 300, 32, device="cuda")
+    with torch.no_grad():
+        out, _, _ = layer(x)
+        expected, _, _ = type(layer).__bases__[0].torch_forward(layer, x)
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)  # fla's product and our chunks: tf32 matmuls

@@ -75,8 +75,29 @@ def test_the_fla_code_ccq_eval_binds_into_is_the_code_it_was_written_against():
 
 
 def test_ccq_layers_run_fla_forward_code():
-    assert CCQGatedLinearAttention._fla_forward.__code__ is GatedLinearAttention.forward.__code__
-    assert CCQGatedDeltaNet._fla_forward.__code__ is GatedDeltaNet.forward.__code__
+    from fla.layers.delta_net import DeltaNet
+    from fla.layers.kda import KimiDeltaAttention
+    from fla.layers.multiscale_retention import MultiScaleRetention
+
+    from ccq_eval.model.backbones.delta_net import CCQDeltaNet
+    from ccq_eval.model.backbones.kda import CCQKimiDeltaAttention
+    from ccq_eval.model.backbones.mamba2 import CCQMamba2
+    from ccq_eval.model.backbones.retnet import CCQMultiScaleRetention
+    from ccq_eval.model.fla_cpu import mamba2
+
+    for ccq_cls, fla_cls in ((CCQGatedLinearAttention, GatedLinearAttention), (CCQGatedDeltaNet, GatedDeltaNet),
+                             (CCQDeltaNet, DeltaNet), (CCQKimiDeltaAttention, KimiDeltaAttention),
+                             (CCQMultiScaleRetention, MultiScaleRetention)):
+        assert ccq_cls._fla_forward.__code__ is fla_cls.forward.__code__
+        # only fla's op names are bound: the read kernels to the CCQ reads, the rest to the dispatchers
+        changed = {name for name, value in ccq_cls._fla_forward.__globals__.items()
+                   if value is not fla_cls.forward.__globals__.get(name)}
+        assert changed <= set(dispatch.OPS), changed
+        assert set(ccq_cls.ccq_backbone.read_kernels) <= changed
+    # Mamba2: fla's forward runs mamba_ssm's scan; the CCQ layer runs the torch backend's forward of the layer
+    assert CCQMamba2._fla_forward.__code__ is mamba2._mamba2_forward_cpu.__code__
+    mix = CCQMamba2._fla_forward.__globals__["_mamba2_mix"]
+    assert mix.__code__ is mamba2._mamba2_mix.__code__ and mamba2._mamba2_mix.__globals__ is vars(mamba2)
     for fla_cls in (GatedLinearAttention, GatedDeltaNet, GatedMLP, SwiGLULinear):
         assert fla_cpu.torch_backend_class(fla_cls).forward.__code__ is fla_cls.forward.__code__
 
@@ -154,23 +175,24 @@ def test_cuda_calls_use_the_hopper_safe_op_only_where_fla_refuses_its_kernel(mon
 
 
 def test_ccq_reads_pass_baseline_calls_through_and_refuse_a_changed_gated_deltanet_call(monkeypatch):
-    from ccq_eval.model import modeling_ccq
+    from ccq_eval.model.backbones import seam
+    from ccq_eval.model.backbones.gated_deltanet import GatedDeltaNetBackbone
 
     seen = []
-    monkeypatch.setitem(modeling_ccq.READ_KERNELS, "chunk_gated_delta_rule",
+    monkeypatch.setitem(seam.READ_KERNELS, "chunk_gated_delta_rule",
                         lambda **kwargs: seen.append(kwargs) or ("o", "state"))
-    read = modeling_ccq._gated_delta_read("chunk_gated_delta_rule")
+    read = seam.ccq_kernel_read(GatedDeltaNetBackbone(), "chunk_gated_delta_rule")
     q, k, g = torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2)
     # no CCQ layer reading (a baseline layer): fla's call, unchanged
     assert read(q=q, k=k, g=g, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True) == ("o", "state")
     assert seen[0]["q"] is q and seen[0]["use_qk_l2norm_in_kernel"] is True
     layer = _plain_gla(0).model.layers[0].attn  # any layer object: the call is refused before it is used
-    token = modeling_ccq._CCQ_LAYER.set(layer)
+    token = seam._CCQ_LAYER.set(layer)
     try:
         with pytest.raises(RuntimeError) as error:
             read(q=q, k=k, g=g, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True)
     finally:
-        modeling_ccq._CCQ_LAYER.reset(token)
+        seam._CCQ_LAYER.reset(token)
     assert str(error.value) == (
         "CCQ: fla's GatedDeltaNet calls chunk_gated_delta_rule without use_qk_l2norm_in_kernel / "
         "use_gate_in_kernel; the installed fla differs from the one ccq-eval was written against "

@@ -9,6 +9,12 @@ version has its reader, which returns the file's content in the current form:
     version 2   unit.json and meta.json in the current form
     version 3   the same files; a finished unit also holds checksums.json (vouch.py), written last, so a
                 version-3 unit with results.json but no checksums.json is one whose write did not finish
+    version 4   the same files; checksums.json is written before results.json (the last file, the mark of a
+                finished unit), so a version-4 unit with results.json always has its record: one without it,
+                or whose record leaves out meta.json, results.json, unit.json or a samples file results.json
+                names, has lost part of its record and is refused (vouch.required_files)
+
+A unit's version is its meta.json's (the file every version writes), else its unit.json's.
 
 A file of a version later than this package knows is refused with one line: its fields may mean
 something this version would misread.
@@ -23,8 +29,9 @@ from typing import Any
 from ccq_eval.harness.store.files import ResultsError, read_json
 
 FORMAT_KEY = "format"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 RECORD_SINCE = 3  # the first version whose finished units hold checksums.json
+COMPLETE_RECORD_SINCE = 4  # the first version whose results.json is written after the record, never before
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # meta.json's started_at / finished_at (time.strftime, local time)
 
 
@@ -76,8 +83,10 @@ def _meta_v2(content: dict[str, Any]) -> dict[str, Any]:
     return dict(content)
 
 
-_SPEC_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _spec_v1, 2: _spec_v2, 3: _spec_v2}
-_META_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_v1, 2: _meta_v2, 3: _meta_v2}
+_SPEC_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _spec_v1, 2: _spec_v2, 3: _spec_v2,
+                                                                        4: _spec_v2}
+_META_READERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _meta_v1, 2: _meta_v2, 3: _meta_v2,
+                                                                        4: _meta_v2}
 
 
 def read_spec(path: Path) -> dict[str, Any]:
@@ -100,4 +109,13 @@ def stored_spec(spec_path: Path, meta_path: Path) -> dict[str, Any] | None:
     if meta_path.is_file():
         spec = read_meta(meta_path).get("spec")
         return spec if isinstance(spec, dict) else None
+    return None
+
+
+def unit_format(spec_path: Path, meta_path: Path) -> int | None:
+    """The format version a unit folder was written in: its meta.json's, else (meta.json lost) its unit.json's;
+    None when it holds neither file. A newer version than this package reads is refused (format_version)."""
+    for path in (meta_path, spec_path):
+        if path.is_file():
+            return format_version(path, read_json(path))
     return None

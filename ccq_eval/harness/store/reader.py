@@ -28,7 +28,7 @@ from ccq_eval.harness.store.files import (
     read_json,
     slugify,
 )
-from ccq_eval.harness.store.formats import FORMAT_KEY, RECORD_SINCE, read_meta, stored_spec
+from ccq_eval.harness.store.formats import COMPLETE_RECORD_SINCE, RECORD_SINCE, read_meta, stored_spec, unit_format
 from ccq_eval.harness.store.unit_folder import task_hash
 
 
@@ -213,14 +213,24 @@ def read_unit(path: Path) -> StoredUnit:
         raise ResultsError(f"{path} is not an lm-eval results file: results.{not_metrics[0]} should map "
                            "metric names to values. The file was left as it is: restore it from the run "
                            "that wrote it")
-    meta_path = path.parent / META_FILE
+    meta_path, spec_path = path.parent / META_FILE, path.parent / UNIT_SPEC_FILE
+    version = unit_format(spec_path, meta_path) if is_unit_results(path) else None
+    if is_unit_results(path) and version is None:
+        raise ResultsError(f"{path.parent} holds {path.name} but neither {META_FILE} nor {UNIT_SPEC_FILE}, so "
+                           f"nothing shows which run wrote it: restore them, or delete {path} to redo the unit")
     meta = read_meta(meta_path) if is_unit_results(path) and meta_path.is_file() else {}
     unit = StoredUnit(results_path=path, results=results, meta=meta,
                       samples_paths=_samples_for(path, results["results"].keys()))
-    if is_unit_results(path):
-        unit.vouched = vouch.verify_record(path.parent, stored_spec(path.parent / UNIT_SPEC_FILE, meta_path),
-                                           explain=unit.explain_changed_file)
-        if not unit.vouched and meta.get(FORMAT_KEY, 1) >= RECORD_SINCE:
+    if version is not None:
+        complete = version >= COMPLETE_RECORD_SINCE  # its record names every file the format requires
+        unit.vouched = vouch.verify_record(path.parent, stored_spec(spec_path, meta_path),
+                                           explain=unit.explain_changed_file,
+                                           required=vouch.required_files(path, results) if complete else ())
+        if not unit.vouched and complete:
+            raise ResultsError(f"{path.parent} has no {vouch.CHECKSUMS_FILE}, which a unit of results format "
+                               f"{version} writes before {path.name}: it was deleted, so its files cannot be "
+                               f"checked; restore it, or delete {path} to redo the unit with `ccq-eval run`")
+        if not unit.vouched and version >= RECORD_SINCE:
             raise ResultsError(f"{path.parent} has no {vouch.CHECKSUMS_FILE}: the run that wrote it stopped before "
                                "the unit was stored whole; rerun the same `ccq-eval run` command to redo it")
     unit.check_aggregates()

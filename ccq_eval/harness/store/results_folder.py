@@ -17,7 +17,7 @@ from typing import Any
 
 from ccq_eval.harness.store import response_cache, vouch
 from ccq_eval.harness.store.files import read_json
-from ccq_eval.harness.store.formats import FORMAT_KEY, RECORD_SINCE, read_meta, read_spec, stored_spec
+from ccq_eval.harness.store.formats import COMPLETE_RECORD_SINCE, RECORD_SINCE, read_spec, stored_spec, unit_format
 from ccq_eval.harness.store.reader import read_unit
 from ccq_eval.harness.store.response_cache import ResponseCache
 from ccq_eval.harness.store.unit_folder import (
@@ -53,7 +53,8 @@ class ResultsStore:
     def on_disk(self, unit: UnitDir) -> UnitOnDisk:
         """Read what `unit`'s folder holds, each file by its format's reader; ResultsError names a file that
         is unreadable, damaged, of a newer format or not the files its record vouches for (nothing is
-        changed). A unit whose write stopped before its record (checksums.json) is not finished. A finished
+        changed). A unit of format 3 whose write stopped before its record (checksums.json) is not finished; one
+        of format 4 with results.json but no record has lost it and is refused. A finished
         unit is checked as the readers check it (reader.read_unit: its record, samples re-hashed, and the
         aggregates its samples decide) before it counts as finished."""
         if not unit.is_finished() or not self._write_finished(unit):
@@ -64,11 +65,13 @@ class ResultsStore:
 
     @staticmethod
     def _write_finished(unit: UnitDir) -> bool:
-        """Whether a unit with results.json finished its write: units of format 3 on end with their record."""
-        if not unit.meta.is_file():
+        """Whether a unit with results.json finished its write: units of format 3 end with their record, so one
+        without it stopped short; format 4 writes results.json last, so one with it did finish (read_unit then
+        refuses a missing record)."""
+        version = unit_format(unit.spec, unit.meta)  # a newer format is refused here, before any check
+        if version is None or version < RECORD_SINCE or version >= COMPLETE_RECORD_SINCE:
             return True
-        version = read_meta(unit.meta).get(FORMAT_KEY, 1)  # a newer format is refused here, before any check
-        return version < RECORD_SINCE or (unit.path / vouch.CHECKSUMS_FILE).is_file()
+        return (unit.path / vouch.CHECKSUMS_FILE).is_file()
 
     def answered(self, unit: UnitDir) -> int:
         """How many answers `unit`'s resume cache holds."""
@@ -81,8 +84,10 @@ class ResultsStore:
 
     def open(self, unit: UnitDir, spec: dict[str, Any], *, write_spec_file: bool = True) -> ResponseCache:
         """Start `unit`: its unit.json (unless `write_spec_file` is False: a data-parallel rank that does not
-        write) and its resume cache, which refuses answers another spec left (close it when done)."""
-        if write_spec_file:
+        write; or the unit is finished and recomputed, whose unit.json commit writes with its new results, so
+        that a recompute that fails leaves the finished unit as it was) and its resume cache, which refuses
+        answers another spec left (close it when done)."""
+        if write_spec_file and not unit.is_finished():  # a finished unit recomputed keeps its files until commit
             write_spec(unit, spec)
         return ResponseCache(unit.responses_db, identity=response_cache.spec_identity(spec))
 

@@ -5,8 +5,8 @@
         responses.sqlite       model responses so far (response_cache.py)
         samples_<task>.jsonl   lm-eval per-sample log, one file per evaluated lm-eval task
         meta.json              run metadata (versions, seed, device, wall time, ...)
-        results.json           lm-eval results dict; marks the unit finished
-        checksums.json         sha256 of every file above and who the unit is (vouch.py), written last
+        checksums.json         sha256 of every other file and who the unit is (vouch.py)
+        results.json           lm-eval results dict, written last; marks the unit finished
 
 A unit of an archive (`ccq-eval archive`) keeps results.json.xz and xz-compressed samples instead; it is a
 finished unit like any other, so a run into an archive's folder takes it as done.
@@ -140,14 +140,20 @@ def write_unit(
     samples: dict[str, list[dict[str, Any]]],
     meta: dict[str, Any],
 ) -> None:
-    """Store a finished unit: samples, then metadata, then the results under lm-eval's tracker
-    names (lm_eval_mirror.py), then results.json (the 'finished' mark), then checksums.json (its record).
+    """Store a finished unit: unit.json (meta's "spec", where it has one), samples, then metadata, then the
+    results under lm-eval's tracker names (lm_eval_mirror.py), then checksums.json (its record, which holds
+    the digest of results.json to come), then results.json (the 'finished' mark). A finished unit stored
+    again (recomputed) loses its results.json and record first, so that it is never finished with a mix of
+    old and new files.
 
     `results` is the dict lm_eval's evaluator returns (its "samples" entry is ignored;
     pass the samples separately).
     """
     unit.path.mkdir(parents=True, exist_ok=True)
+    unit.results.unlink(missing_ok=True)  # unfinished from here on, until the new results.json is in place
     (unit.path / vouch.CHECKSUMS_FILE).unlink(missing_ok=True)  # an earlier record must not vouch for these
+    if isinstance(meta.get("spec"), dict):  # a recomputed unit kept its old unit.json while it ran
+        write_spec(unit, meta["spec"])
     for task_name, task_samples in samples.items():
         lines = [atomic_io.dumps(sample_to_jsonable(s), indent=None) for s in task_samples]
         atomic_io.atomic_write_text(unit.samples(task_name), "".join(line + "\n" for line in lines))
@@ -156,5 +162,6 @@ def write_unit(
     stored["task_hashes"] = {name: task_hash(task_samples) for name, task_samples in samples.items()}
     stored.setdefault("model_name", meta.get("model"))
     lm_eval_mirror.write_copies(unit.path, stored, {name: unit.samples(name) for name in samples})
+    results_bytes = (atomic_io.dumps(stored) + "\n").encode("utf-8")  # the bytes atomic_write_json writes
+    vouch.write_record(unit.path, stored_spec(unit.spec, unit.meta) or {}, pending={unit.results.name: results_bytes})
     atomic_io.atomic_write_json(unit.results, stored)
-    vouch.write_record(unit.path, stored_spec(unit.spec, unit.meta) or {})

@@ -131,12 +131,14 @@ def _linear_cross_entropy_forward_cpu(self, x, target, weight, bias=None):
     return loss
 
 
-def _device_dispatching(original: Callable, cpu_forward: Callable, tensor_arg: str) -> Callable:
-    """A forward that calls `original` when its first tensor argument is on CUDA, else `cpu_forward`."""
+def _device_dispatching(original: Callable, cpu_forward: Callable, tensor_arg: str,
+                        torch_on_cuda: Callable[[], bool] | None = None) -> Callable:
+    """A forward that calls `original` when its first tensor argument is on CUDA, else `cpu_forward`;
+    `torch_on_cuda()` true sends CUDA calls to `cpu_forward` too (where fla's CUDA forward is a slow fallback)."""
 
     def forward(self, *args, **kwargs):
         x = args[0] if args else kwargs[tensor_arg]
-        if x.is_cuda:
+        if x.is_cuda and not (torch_on_cuda is not None and torch_on_cuda()):
             return original(self, *args, **kwargs)
         return cpu_forward(self, *args, **kwargs)
 
@@ -151,8 +153,9 @@ def _device_dispatching(original: Callable, cpu_forward: Callable, tensor_arg: s
 
 
 @cache
-def _device_forwards() -> dict[type, tuple[Callable, str]]:
-    """fla module class -> (its torch forward, the name of the tensor argument that decides the device)."""
+def _device_forwards() -> dict[type, tuple]:
+    """fla module class -> (its torch forward, the name of the tensor argument that decides the device[, a
+    predicate: whether CUDA calls take the torch forward too])."""
     from fla.modules import (
         FusedCrossEntropyLoss,
         FusedLinearCrossEntropyLoss,
@@ -204,6 +207,12 @@ def _names_to_bind(function: FunctionType) -> dict[str, Callable]:
     return bound
 
 
+def names_to_bind(function: FunctionType) -> dict[str, Callable]:
+    """The fla op names `function`'s code looks up, each with the dispatcher that serves it (fla's op on CUDA,
+    the torch version elsewhere): what the CPU backend binds in a copy of `function`."""
+    return _names_to_bind(function)
+
+
 @cache
 def rebound_methods(cls: type) -> dict[str, Callable]:
     """name -> fla's method of `cls` with the op names it calls bound to the dispatchers (fla's code, our
@@ -252,8 +261,7 @@ def torch_backend_class(cls: type) -> type | None:
         members = dict(rebound_methods(cls))
         base = _device_forward_base(cls)
         if base is not None:
-            cpu_forward, tensor_arg = _device_forwards()[base]
-            members["forward"] = _device_dispatching(base.forward, cpu_forward, tensor_arg)
+            members["forward"] = _device_dispatching(base.forward, *_device_forwards()[base])
         if not members:
             return None
     return type(cls.__name__, (cls,), {**members, "__module__": __name__, "__qualname__": cls.__qualname__,

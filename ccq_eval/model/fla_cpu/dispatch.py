@@ -125,6 +125,23 @@ def _cuda_function(name: str) -> Callable:
     return fla_original(name)
 
 
+# fla ops whose CUDA kernels refuse float32 inputs: under autocast their float32 inputs (a float32 model's
+# activations after fla's float32 norms and convolutions) get the autocast dtype, as a matmul's would.
+HALF_ONLY_INPUTS = {"chunk_delta_rule": ("q", "k", "v", "beta")}
+
+
+def _autocast_inputs(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if name not in HALF_ONLY_INPUTS or not torch.is_autocast_enabled("cuda"):
+        return args, kwargs
+    call = inspect.signature(fla_original(name)).bind(*args, **kwargs)
+    dtype = torch.get_autocast_dtype("cuda")
+    for input_name in HALF_ONLY_INPUTS[name]:
+        value = call.arguments.get(input_name)
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+            call.arguments[input_name] = value.to(dtype)
+    return call.args, call.kwargs
+
+
 @cache
 def dispatcher(name: str) -> Callable:
     """Op `name` with fla's signature: fla's function on CUDA tensors, the torch version on any other device."""
@@ -133,6 +150,7 @@ def dispatcher(name: str) -> Callable:
     def op(*args, **kwargs):
         tensor = args[0] if args else kwargs[first]
         if tensor.is_cuda:
+            args, kwargs = _autocast_inputs(name, args, kwargs)
             return _cuda_function(name)(*args, **kwargs)
         return _call_torch(name, args, kwargs)
 

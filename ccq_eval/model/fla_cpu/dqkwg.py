@@ -222,6 +222,8 @@ DQKWG_CALLERS = {
     "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule.chunk", "ChunkGatedDeltaRuleFunction",
                                "chunk_gated_delta_rule_bwd"),
     "chunk_simple_gla": ("fla.ops.simple_gla.chunk", "ChunkSimpleGLAFunction", "chunk_simple_gla_bwd"),
+    "chunk_precond_gated_delta_rule": ("fla.ops.precond_gated_delta_rule.chunk", "ChunkPrecondGatedDeltaRuleFunction",
+                                       "chunk_precond_gated_delta_rule_bwd"),
 }
 
 

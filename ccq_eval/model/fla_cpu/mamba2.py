@@ -11,12 +11,14 @@
 
 OPS: fla op name -> FlaOp (merged into dispatch.OPS; a layer whose code looks the name up gets the
 dispatcher bound in its place). MODULE_FORWARDS: "fla.module.path:Class" -> (torch forward, name of the
-tensor argument that decides the device) (merged into the backend's module table).
+tensor argument that decides the device, whether CUDA calls take the torch forward too) (merged into the
+backend's module table). Mamba2 on CUDA takes it where fla lacks mamba_ssm's kernels: fla's fallback there
+is the torch path above, whose [B, T, chunk, H, head_dim] product needs 17 GB per layer for one 8K row of
+a 340M-shape model, where the chunked simple-GLA form holds [B, H, chunks, chunk, chunk] and [B, H, chunks,
+head_dim, state_size].
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +148,8 @@ def _mamba2_forward_cpu(
     output_attentions: bool | None = False,
     **kwargs,
 ):
-    """Mamba2.forward on CPU: fla's control flow and cache updates around _mamba2_mix."""
+    """Mamba2.forward in torch (the CPU, and CUDA without mamba_ssm): fla's control flow and cache updates
+    around _mamba2_mix."""
     from fla.layers.utils import get_layer_cache, update_layer_cache
 
     if hidden_states.shape[1] == 0:
@@ -165,6 +168,12 @@ OPS: dict[str, FlaOp] = {
     "rmsnorm_fn": FlaOp("fla.modules.layernorm_gated", torch_rmsnorm_fn),
     "layernorm_fn": FlaOp("fla.modules.layernorm_gated", torch_layernorm_fn),
 }
-MODULE_FORWARDS: dict[str, tuple[Callable, str]] = {
-    "fla.layers.mamba2:Mamba2": (_mamba2_forward_cpu, "hidden_states"),
+def _fla_lacks_mamba2_kernels() -> bool:
+    from fla.layers import mamba2
+
+    return not mamba2.is_fast_path_available
+
+
+MODULE_FORWARDS: dict[str, tuple] = {
+    "fla.layers.mamba2:Mamba2": (_mamba2_forward_cpu, "hidden_states", _fla_lacks_mamba2_kernels),
 }

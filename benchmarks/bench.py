@@ -12,7 +12,8 @@ Sections (--sections, comma-separated):
   generation  S-NIAH-1 prompts at each length, greedy: prefill time and decode tokens/s through the
               adapter's generate_until vs transformers' model.generate()
   sniah       S-NIAH-1 samples through generate_until: adapter (batch 1 and its default batch) vs
-              stock HFLM, seconds per sample and whether the texts agree
+              stock HFLM, seconds per sample and whether the texts agree; also for fla's own DeltaNet,
+              KDA and Mamba2 (--archs delta_net,kda,mamba2: no CCQ)
 
 With no flags the adapter runs as `ccq-eval run` runs it: CUDA graphs and its default batch size on
 CUDA (--no-cuda-graphs: eager everywhere).
@@ -131,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sections",
         help=f"comma-separated, from {', '.join(SECTION_NAMES)} (default {FULL['sections']}; smoke: all)",
     )
-    p.add_argument("--archs", help="gla,gated_deltanet")
+    p.add_argument("--archs", help="gla,gated_deltanet; with --sections sniah also fla's own delta_net,kda,mamba2")
     p.add_argument("--ccq", help="off,on: which CCQ settings to run (off = fla's own layer forward)")
     p.add_argument("--modes", help="model section: forward,train (eager), forward_graphed,train_graphed (the "
                    "same call captured once in a CUDA graph and replayed: no host-side cost)")
@@ -235,10 +236,15 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     ops_shape = _ints(raw["ops_shape"], "ops-shape")
     if len(ops_shape) != 4:
         raise SystemExit(f"error: --ops-shape {raw['ops_shape']!r}: expected T,H,K,V")
-    archs = _choices(raw["archs"], workload.ARCHS, "archs")
+    archs = _choices(raw["archs"], workload.ARCHS + workload.FLA_ARCHS, "archs")
+    sections = _choices(raw["sections"], SECTION_NAMES, "sections")
+    fla_archs = [arch for arch in archs if arch in workload.FLA_ARCHS]
+    if fla_archs and sections != ["sniah"]:  # the other sections switch CCQ or count its FLOPs
+        raise SystemExit(f"error: --archs {','.join(fla_archs)}: fla's own families run in the sniah section "
+                         "only (--sections sniah)")
     settings = {
         "smoke": args.smoke,
-        "sections": _choices(raw["sections"], SECTION_NAMES, "sections"),
+        "sections": sections,
         "archs": archs,
         "ccq": _choices(raw["ccq"], ("off", "on"), "ccq"),
         "modes": _choices(raw["modes"], ("forward", "train", "forward_graphed", "train_graphed"), "modes"),

@@ -195,7 +195,7 @@ pipeline() {
     --batch 4 --repeats 3 --name model-train-batch4 > "$WORK/logs/bench-train-batch.log" 2>&1 || stage "bench train batch rc $?"; }
   group ops && { timeout 100 "${bench[@]}" --sections ops --name ops > "$WORK/logs/bench-ops.log" 2>&1 || stage "bench ops rc $?"; }
   # S-NIAH through the adapter (its defaults: graphs, batched; and batch 1) vs stock HFLM.
-  group sniah && { timeout "${SNIAH_TIMEOUT:-900}" "${bench[@]}" --sections sniah ${SNIAH_FLAGS:-} --name sniah \
+  group sniah && { timeout "${SNIAH_TIMEOUT:-900}" "${bench[@]}" --sections sniah --name sniah ${SNIAH_FLAGS:-} \
     > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"; }
   group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }

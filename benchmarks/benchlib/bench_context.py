@@ -94,7 +94,10 @@ class Bench:
         if self.on_update is not None:
             self.on_update()
 
-    def ccq_settings(self) -> list[bool]:
+    def ccq_settings(self, arch: str | None = None) -> list[bool]:
+        """The CCQ settings to run: --ccq's, or CCQ off alone for fla's own families (no CCQ layers)."""
+        if arch in workload.FLA_ARCHS:
+            return [False]
         return [flag == "on" for flag in self.settings["ccq"]]
 
     def matmul_ceiling(self) -> dict[str, Any]:

@@ -267,7 +267,8 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
 def run_sniah(bench: Bench) -> None:
     """S-NIAH-1 samples at one length through generate_until: the ccq adapter vs lm-eval's stock HFLM
     (max_length large enough, RULER's generation settings), same requests, same model (HFLM on the first
-    sniah_hflm_samples of them): seconds per sample and whether the generated texts agree."""
+    sniah_hflm_samples of them): seconds per sample and whether the generated texts agree, with HFLM's
+    and, for the adapter's other batch sizes, with its batch 1's (every sample)."""
     from lm_eval.api.instance import Instance
 
     s = bench.settings
@@ -290,7 +291,7 @@ def run_sniah(bench: Bench) -> None:
     methods += [("lm_eval HFLM", 1, hflm_kwargs)] if s["hflm"] else []
     for arch in s["archs"]:
         model = bench.model(arch)
-        for ccq in bench.ccq_settings():
+        for ccq in bench.ccq_settings(arch):
             rows = []
             for method, batch, kwargs in methods:
                 # HFLM runs the first sniah_hflm_samples documents: the per-sample times are compared.
@@ -314,6 +315,11 @@ def run_sniah(bench: Bench) -> None:
                 )
                 if row is not None:
                     rows.append(bench.add("sniah", row))
+            # Every sample, not only HFLM's: a larger batch must answer as batch 1 does (issue 54).
+            batch1 = next((r for r in rows if r["method"] == "ccq_adapter" and r["batch"] == 1), None)
+            for adapter in (r for r in rows if batch1 is not None and r["method"] == "ccq_adapter" and r is not batch1):
+                same = [a == b for a, b in zip(adapter["texts"], batch1["texts"], strict=True)]
+                adapter["same_text_as_batch1_fraction"] = sum(same) / len(same)
             hflm = next((r for r in rows if r["method"] == "lm_eval HFLM"), None)
             if hflm is None:
                 continue

@@ -1,6 +1,6 @@
 """What the benchmark runs: model shapes, random-init CCQ models with CCQ switchable in place (so the
-baseline and CCQ share every weight), a FLOP model for MFU, tokenizers, a long document, and S-NIAH
-prompts."""
+baseline and CCQ share every weight), random-init models of fla's own DeltaNet, KDA and Mamba2 (no CCQ), a
+FLOP model for MFU, tokenizers, a long document, and S-NIAH prompts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 MISTRAL_TOKENIZER = REPO / "tests" / "fixtures" / "tokenizers" / "mistral_v1"
 ARCHS = ("gla", "gated_deltanet")
+# fla families built in fla's own classes, as ccq-eval loads their checkpoints (issue 54): no CCQ layers, so
+# they run once, CCQ off; the sniah section times them.
+FLA_ARCHS = ("delta_net", "kda", "mamba2")
 
 # fla's 340M shapes, as flame's configs/gla_340M.json and configs/gated_deltanet_340M.json give
 # them (hidden 1024; GLA 24 layers x 4 heads, expand_k 0.5; Gated DeltaNet 21 layers x 6 heads x 256,
@@ -51,11 +54,69 @@ SHAPES_340M: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # flame's configs/delta_net_340M.json: 24 layers x 8 heads of 128, no output gate, short conv.
+    "delta_net": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_heads": 8,
+        "expand_k": 1,
+        "expand_v": 1,
+        "use_gate": False,
+        "use_short_conv": True,
+        "conv_size": 4,
+        "hidden_ratio": 4,
+        "attn_mode": "chunk",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # flame ships no KDA config: DeltaNet's 340M layout (24 layers, heads of 128 filling hidden 1024), as
+    # fla's KDA defaults fill hidden 2048 with 16 heads of 128.
+    "kda": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_heads": 8,
+        "head_dim": 128,
+        "expand_v": 1,
+        "use_short_conv": True,
+        "conv_size": 4,
+        "hidden_ratio": 4,
+        "attn_mode": "chunk",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # flame's configs/mamba2_340M.json in fla 0.6.0's names: 48 blocks (no MLP), 32 heads of 64, state 128.
+    "mamba2": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 48,
+        "head_dim": 64,
+        "state_size": 128,
+        "expand": 2,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "chunk_size": 256,
+        "residual_in_fp32": True,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "norm_eps": 1e-5,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 # CPU smoke shapes: the same model classes, a few seconds for everything.
 SHAPES_SMOKE: dict[str, dict[str, Any]] = {
     "gla": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2},
     "gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
+    "delta_net": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2},
+    "kda": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
+    "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "head_dim": 16, "state_size": 16, "expand": 2,
+               "n_groups": 1, "chunk_size": 32},
 }
 
 # fla's chunked kernels work on blocks of this many tokens (BT = 64 in chunk_gla / chunk_simple_gla /
@@ -83,7 +144,10 @@ def model_classes(arch: str):
 def build_model(
     arch: str, shape: dict[str, Any], vocab_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> torch.nn.Module:
-    """A random-init CCQ model (CCQ layers attached, enabled). Built directly on `device`."""
+    """A random-init CCQ model (CCQ layers attached, enabled), or for an arch of FLA_ARCHS fla's own model
+    (build_fla_model). Built directly on `device`."""
+    if arch in FLA_ARCHS:
+        return build_fla_model(arch, shape, vocab_size, device, dtype, seed)
     config_cls, model_cls = model_classes(arch)
     config = config_cls(vocab_size=vocab_size, ccq=True, **shape)
     torch.manual_seed(seed)
@@ -94,6 +158,28 @@ def build_model(
         for name, param in model.named_parameters():
             if name.endswith("ccq_gate_weight"):
                 param.normal_(0.0, 0.02)
+    return model.to(dtype).eval()
+
+
+def build_fla_model(
+    arch: str, shape: dict[str, Any], vocab_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> torch.nn.Module:
+    """A random-init model of fla's own class for `arch` (families.fla_families), prepared as ccq-eval's
+    loader prepares an fla checkpoint (loading.load_model): fla_cpu's backend on its modules (fla's kernels
+    on CUDA, except Mamba2's layer without mamba_ssm: ccq-eval's chunked torch SSD; torch ops elsewhere),
+    and generate()'s `cache` keyword read as fla's `past_key_values`, so that stock HFLM decodes from the
+    carried state."""
+    from ccq_eval.model import fla_cpu
+    from ccq_eval.model.families import fla_families
+    from ccq_eval.model.loading import read_generate_cache_keyword
+
+    family = fla_families()[arch]
+    config = family.config_class(vocab_size=vocab_size, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = family.model_class(config)
+    fla_cpu.use_torch_backend(model)
+    model.register_forward_pre_hook(read_generate_cache_keyword, with_kwargs=True)
     return model.to(dtype).eval()
 
 
@@ -115,6 +201,13 @@ def set_ccq(model: torch.nn.Module, enabled: bool) -> None:
 
 @contextmanager
 def ccq_mode(model: torch.nn.Module, enabled: bool):
+    """CCQ switched on or off in `model` for the block, then restored. A model without CCQ layers (fla's
+    own, FLA_ARCHS) runs unchanged with CCQ off, and raises with it on."""
+    if not ccq_layers(model):
+        if enabled:
+            raise ValueError(f"{type(model).__name__} has no CCQ layers to switch on")
+        yield model
+        return
     previous = [layer.ccq_enabled for layer in ccq_layers(model)]
     previous_config = model.config.ccq
     set_ccq(model, enabled)

@@ -164,7 +164,7 @@ def plan_run(
         raise PlanError(f"--cuda-graphs needs a CUDA device; --device {options.device} gave {device} "
                         "(no CUDA device is visible); drop --cuda-graphs or run on a GPU")
     dtype = resolve_dtype(options.dtype, device)
-    _check_models_run_on(models, device)
+    _check_models_run_on(models, device, dtype)
 
     store = ResultsStore(Path(options.output))
     units = _build_units(parsed, store, models, tasks, task_metadata, dtype)
@@ -178,17 +178,16 @@ def plan_run(
                    notes=tasks.notes + _older_units_note(units) + _corpora_notes(units))
 
 
-def _check_models_run_on(models: ResolvedModels, device: str) -> None:
+def _check_models_run_on(models: ResolvedModels, device: str, dtype: str) -> None:
     """Before anything loads: a checkpoint folder whose family cannot run on `device` (no CPU version of its
-    ops) stops the run in one line naming the model, its family, the reason and the alternative."""
-    if device.startswith("cuda"):
-        return
+    ops), or in `dtype` there, stops the run in one line naming the model, its family, the reason and the
+    alternative."""
     from ccq_eval.model.loading import ModelLoadError, check_runs_on
 
     for model in models.models:
         if Path(model.source).is_dir():
             try:
-                check_runs_on(Path(model.source), device)
+                check_runs_on(Path(model.source), device, dtype)
             except ModelLoadError as exc:
                 raise PlanError(f"--model {model.name}: {exc}") from None
 

@@ -48,6 +48,12 @@ ONE_TOKEN_CACHE_LAYERS = frozenset({
 # otherwise. RetNet is left out: its graphed batch decodes other tokens than batch 1 does.
 GPU_FAST_PATH_MEASURED = frozenset({"gla", "gated_deltanet", "ccq_gla", "ccq_gated_deltanet", "delta_net", "kda",
                                     "hgrn2", "rwkv7", "precond_gated_deltanet", "precond_kda"})
+# fla layers whose chunked CUDA kernel refuses float32 inputs (fla asserts in the op): on CUDA their families
+# run in bfloat16 or float16.
+CUDA_HALF_ONLY_LAYERS = {
+    "fla.layers.delta_net:DeltaNet": "chunk_delta_rule",
+    "fla.layers.gated_deltaproduct:GatedDeltaProduct": "chunk_gated_delta_product",
+}
 # fla's softmax attention: flash-attn's kernels only (fla/layers/attn.py imports flash_attn), so a family
 # made of it, or a hybrid config that puts it in some layers (`attn`), needs a GPU with flash-attn.
 FLA_ATTENTION = "fla.layers.attn:Attention"
@@ -80,6 +86,12 @@ class Family:
     def sliced_cache(self) -> bool:
         """Whether a text can go through the model in slices of several tokens with one carried cache."""
         return not ONE_TOKEN_CACHE_LAYERS.intersection(self.layers)
+
+    @property
+    def cuda_float32_blocker(self) -> str | None:
+        """Why the family cannot run in float32 on CUDA (a kernel that refuses it), or None when it can."""
+        kernels = sorted({CUDA_HALF_ONLY_LAYERS[layer] for layer in self.layers if layer in CUDA_HALF_ONLY_LAYERS})
+        return f"fla's {', '.join(kernels)} refuses float32 on CUDA" if kernels else None
 
     @property
     def gpu_fast_path_measured(self) -> bool:

@@ -155,12 +155,17 @@ def unrecognized_type_error(error: BaseException) -> ModelLoadError | None:
         "run it with `ccq-eval lm-eval ...` (`--model ccq` on a CPU) or `ccq-eval run -m MODEL`")
 
 
-def check_runs_on(folder: Path, device: str) -> None:
+def check_runs_on(folder: Path, device: str, dtype: str | torch.dtype | None = None) -> None:
     """ModelLoadError, in one line naming the checkpoint, its family, the reason and the alternative, when
-    the checkpoint in `folder` cannot run on `device` (a family with no CPU version of its ops)."""
-    if str(device).startswith("cuda"):
-        return
+    the checkpoint in `folder` cannot run on `device` (a family with no CPU version of its ops) or in `dtype`
+    there (float32 on CUDA for a family whose kernel refuses it)."""
     family = checkpoint_family(folder)
+    if str(device).startswith("cuda"):
+        float32 = dtype is not None and resolve_dtype(dtype) == torch.float32
+        if float32 and family.cuda_float32_blocker:
+            raise ModelLoadError(f"{folder}: a {family.model_type} model cannot run in float32 on {device}: "
+                                 f"{family.cuda_float32_blocker}; run it with --dtype bfloat16")
+        return
     blocker = config_cpu_blocker(family, _config_file_fields(folder))
     if blocker:
         raise ModelLoadError(f"{folder}: a {family.model_type} model cannot run on {device}: {blocker}; run it "
@@ -331,7 +336,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     folder = resolve_checkpoint(name_or_path)
     checkpoint_family(folder)  # an unknown model_type stops here, on every device
-    check_runs_on(folder, str(device))
+    check_runs_on(folder, str(device), torch_dtype)
     if ccq_lambda is None:
         if ccq_fields:
             raise ModelLoadError("ccq_fields belong to a CCQ attachment: give ccq_lambda too")

@@ -164,3 +164,27 @@ def test_mamba2_default_fused_loss_runs_on_the_cpu():
     loss = model(input_ids=ids, labels=ids).loss
     logits = model(input_ids=ids).logits
     assert torch.allclose(loss, F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()), atol=1e-10)
+
+
+def test_float32_on_cuda_is_refused_in_one_line_for_families_whose_kernel_refuses_it(tmp_path):
+    """fla's chunk_delta_rule asserts its inputs are not float32: DeltaNet (and its CCQ type) on CUDA in
+    float32 stops before loading, naming the checkpoint, the kernel and --dtype bfloat16; other families and
+    other dtypes pass (the check reads only the config, so it runs on a machine without CUDA)."""
+    from ccq_eval.model.families import CUDA_HALF_ONLY_LAYERS
+    from ccq_eval.model.loading import check_runs_on
+
+    delta_net = tiny_checkpoint("delta_net", tmp_path / "delta_net")
+    with pytest.raises(ModelLoadError, match=r"delta_net model cannot run in float32 on cuda: fla's "
+                                             r"chunk_delta_rule refuses float32 on CUDA; run it with --dtype bfloat16"):
+        check_runs_on(delta_net, "cuda", "float32")
+    for dtype in ("bfloat16", "auto", None):
+        check_runs_on(delta_net, "cuda", dtype)
+    check_runs_on(tiny_checkpoint("kda", tmp_path / "kda"), "cuda", "float32")
+    assert family_of("ccq_delta_net").cuda_float32_blocker == family_of("delta_net").cuda_float32_blocker
+    # every layer named is one fla ships, and its kernel still refuses float32 in fla's source
+    for layer, kernel in CUDA_HALF_ONLY_LAYERS.items():
+        module_name, _, class_name = layer.partition(":")
+        module = __import__(module_name, fromlist=[class_name])
+        assert hasattr(module, class_name)
+        op_module = __import__(f"fla.ops.{kernel.removeprefix('chunk_')}.chunk", fromlist=[kernel])
+        assert "does not support float32" in inspect.getsource(getattr(op_module, kernel))

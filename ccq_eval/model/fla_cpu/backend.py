@@ -193,7 +193,7 @@ def _cpu_unsupported_names() -> dict[str, tuple[Callable, Callable]]:
             for name in ("powglu", "powglu_linear")}
 
 
-def _names_to_bind(function: FunctionType) -> dict[str, Callable]:
+def names_to_bind(function: FunctionType) -> dict[str, Callable]:
     """The op names `function`'s code looks up as fla's own ops, each with what replaces it."""
     bound = {}
     for name in function.__code__.co_names:
@@ -205,12 +205,6 @@ def _names_to_bind(function: FunctionType) -> dict[str, Callable]:
         elif name in _cpu_unsupported_names() and value is _cpu_unsupported_names()[name][0]:
             bound[name] = _cpu_unsupported_names()[name][1]
     return bound
-
-
-def names_to_bind(function: FunctionType) -> dict[str, Callable]:
-    """The fla op names `function`'s code looks up, each with the dispatcher that serves it (fla's op on CUDA,
-    the torch version elsewhere): what the CPU backend binds in a copy of `function`."""
-    return _names_to_bind(function)
 
 
 @cache
@@ -225,7 +219,7 @@ def rebound_methods(cls: type) -> dict[str, Callable]:
         for name, value in vars(klass).items():
             if not isinstance(value, FunctionType) or name in methods or inspect.getattr_static(cls, name) is not value:
                 continue
-            names = _names_to_bind(value)
+            names = names_to_bind(value)
             if names:
                 methods[name] = rebind(value, **names)
     return methods

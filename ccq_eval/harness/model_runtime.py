@@ -17,13 +17,19 @@ from ccq_eval.model.families import family_of
 
 def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
     """(backbone, LM head) of an fla causal LM, whose logits are exactly lm_head(backbone(...)[0])
-    (FLAForCausalLM.forward without labels); (None, None) for any other model."""
+    (FLAForCausalLM.forward without labels; fla's Mamba family, which derives from FLAPreTrainedModel alone,
+    computes them the same way through FLAPreTrainedModel._compute_logits_and_loss from its `backbone`);
+    (None, None) for any other model."""
     try:
-        from fla.models.modeling_utils import FLAForCausalLM
+        from fla.models.modeling_utils import FLAForCausalLM, FLAPreTrainedModel
     except ImportError:  # fla absent: no fla model can be here
         return None, None
     if isinstance(model, FLAForCausalLM):
         return model.get_decoder(), model.get_output_embeddings()
+    backbone = getattr(model, "backbone", None)
+    if (isinstance(model, FLAPreTrainedModel) and isinstance(backbone, torch.nn.Module)
+            and "_compute_logits_and_loss" in inspect.unwrap(type(model).forward).__code__.co_names):
+        return backbone, model.get_output_embeddings()
     return None, None
 
 

@@ -119,15 +119,18 @@ def test_the_adapter_scores_and_decodes_as_the_model_itself(tmp_path, model_type
     assert text == tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("model_type", ["delta_net", "kda", "rwkv7"])
+@pytest.mark.parametrize("model_type", ["delta_net", "kda", "rwkv7", "mamba", "mamba2"])
 def test_prompts_of_different_lengths_decode_together_as_alone(tmp_path, model_type):
     """CPU generation batch: prompts prefilled one by one, their recurrent states stacked and decoded
-    together, give each prompt's batch-1 answer."""
+    together, give each prompt's batch-1 answer (the Mamba family too: each prompt's prefill starts from an
+    empty cache, and every decode step feeds one token, as its cache asks)."""
+    from ccq_eval.harness.model_runtime import ModelRuntime
+
     model, tokenizer = load_model(str(tiny_checkpoint(model_type, tmp_path / model_type)), dtype="float64")
     prompts = ["Once upon a time", "It was the best of times, it was", "Call me", "A tale of two cities."]
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 9}), i) for i, p in enumerate(prompts)]
     rows = []
-    hook = model.get_decoder().register_forward_pre_hook(lambda module, args, kwargs: rows.append(
+    hook = ModelRuntime(model).backbone.register_forward_pre_hook(lambda module, args, kwargs: rows.append(
         kwargs["input_ids"].shape[0]), with_kwargs=True)
     try:
         together = CCQEvalLM(model=model, tokenizer=tokenizer, batch_size=3, chunk_size=16).generate_until(requests)

@@ -7,11 +7,14 @@ of one; the new file gets the mode open() would give it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from ccq_eval.errors import UserError
 
 
 def json_default(obj: Any) -> Any:
@@ -60,12 +63,39 @@ def _file_mode() -> int:
     return 0o666 & ~_UMASK
 
 
+class WriteError(UserError, OSError):
+    """A file that could not be written (a full disk, a quota, a read-only folder); an OSError whose message
+    names the file and the fix, where the operating system's names neither."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # the message alone, without OSError's "[Errno N]"
+
+
+# Where the disk, not the file, is the cause: the fix is space, not a path.
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def write_error(path: Path, exc: OSError) -> OSError:
+    """`exc` (raised while writing `path`) as one line naming `path` and the fix; an error that names its
+    file already, or is a WriteError, as it is."""
+    if isinstance(exc, WriteError) or (exc.filename is not None and exc.errno not in _NO_SPACE):
+        return exc
+    fix = ("free space on that disk (or write to another one)" if exc.errno in _NO_SPACE
+           else "make the folder writable (or write elsewhere)")
+    return WriteError(exc.errno, f"cannot write {path}: {exc.strerror or exc}; {fix}, then rerun the same "
+                                 "command (what was stored before is kept)")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same folder and os.replace, so readers see
-    the old file or the whole new one; the temporary file is removed when the write fails."""
+    the old file or the whole new one; the temporary file is removed when the write fails, and an OSError
+    becomes one naming `path` (write_error)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
     try:
         os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as handle:
@@ -73,9 +103,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from exc
         raise
 
 

@@ -47,6 +47,9 @@ UNACTIONABLE_RECORDS: dict[str, tuple[re.Pattern[str], ...]] = {
     # to lm-eval's defaults, which is what the papers' numbers use.
     "lm_eval.api.task": (re.compile(r"metric \w+ is defined, but (aggregation|higher_is_better) is not\. "
                                     r"using default"),),
+    # lm-eval's own super_glue/boolq and super_glue/copa folders (the zero-shot suite's) both name a T5-prompt
+    # task super-glue-t5-prompt: its index says so on every zero-shot run; neither task runs here.
+    "lm_eval.tasks._index": (re.compile(r"^Task 'super-glue-[\w\-]+' from .* overrides existing task"),),
 }
 # Environment variables read at import: tqdm (>= 4.66) takes TQDM_DISABLE as its default for `disable`;
 # huggingface_hub (and transformers' own bars, through it) and datasets turn their progress bars off.

@@ -22,6 +22,8 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 
+from ccq_eval.atomic_io import write_error
+
 STYLE = {
     "font.size": 9,
     "axes.titlesize": 10,
@@ -108,12 +110,17 @@ def save_figure(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
     """PNG, then PDF with the layout the PNG's draw computed (the same size in inches, so the same
     positions: laying the figure out again would only cost time)."""
     paths = []
-    for suffix in (".png", ".pdf"):
-        path = out / f"{stem}{suffix}"
-        fig.savefig(path, dpi=150 if suffix == ".png" else None)
-        fig.set_layout_engine("none")
-        paths.append(path)
-    plt.close(fig)
+    try:
+        for suffix in (".png", ".pdf"):
+            path = out / f"{stem}{suffix}"
+            try:
+                fig.savefig(path, dpi=150 if suffix == ".png" else None)
+            except OSError as exc:  # a full disk's error names no file
+                raise write_error(path, exc) from exc
+            fig.set_layout_engine("none")
+            paths.append(path)
+    finally:
+        plt.close(fig)
     return paths
 
 

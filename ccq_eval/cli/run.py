@@ -39,7 +39,10 @@ SuiteOpt = Annotated[SuiteName | None, typer.Option(
     "is found; ruler = RULER's 13 tasks at 4K-32K; zeroshot = the GLA / Gated DeltaNet papers' zero-shot "
     "table (lm-eval's wikitext ... social_iqa); recall = the Based / JRT recall table (SWDE ... DROP).")]
 LengthsOpt = Annotated[str | None, typer.Option(help="Context lengths in tokens, e.g. 1k,2k,4k (k = 1024).")]
-DepthsOpt = Annotated[str | None, typer.Option(help="S-NIAH needle depths in percent, e.g. 0,25,50,75,100.")]
+DepthsOpt = Annotated[str | None, typer.Option(
+    help="Needle depths in percent, e.g. 0,25,50,75,100 (S-NIAH and RULER NIAH, QA and VT; the other families "
+    "have none). Default: 0,50,100 on the default grid (no --task); with --task or --suite, those tasks' own "
+    "10 depths, 0,11,22,...,100, so that each length has 10 cells of --samples-per-cell each.")]
 SamplesOpt = Annotated[int | None, typer.Option(
     help="Samples per (length, depth) cell (perplexity: documents per length). Default: 4 on the default "
     "grid (no --task); with --task, the task's own (S-NIAH and RULER: 1 per cell; perplexity: every "
@@ -171,6 +174,10 @@ def run(
     )
     try:
         plan = run_plan.plan_run(options)
+        from ccq_eval.harness import runner, shard_split
+
+        if runner.process_rank() == 0:  # --shard: the same split as the folder's other workers, or stop
+            shard_split.claim_split(plan)
     except UserError as exc:  # PlanError, and what resolving models and tasks raises (one line each)
         fail(one_line(exc))
     _echo_plan(plan, output, shard)
@@ -224,13 +231,18 @@ def _execute(plan: RunPlan, reporter: Reporter, workers: int | None) -> tuple[Ru
         fail("interrupted. Finished units and every answered request are saved; rerun the same command "
              "to resume.", code=130)
     except workers_module.Terminated as stop:
-        fail("terminated (SIGTERM). Finished units and every answered request are saved; rerun the same "
-             "command to resume.", code=stop.code)
+        if stop.signal_name == "SIGHUP":
+            fail("hung up (SIGHUP: the terminal or SSH session closed). Finished units and every answered "
+                 "request are saved; rerun the same command to resume, under nohup, tmux or screen so that it "
+                 "outlives the terminal.", code=stop.code)
+        fail(f"terminated ({stop.signal_name}). Finished units and every answered request are saved; rerun the "
+             "same command to resume.", code=stop.code)
     except Exception as exc:  # any failure of a unit: say which, and that nothing is lost
         if debugging():
             raise
-        fail(f"{one_line(exc)}; finished units are saved: fix the cause and rerun the same command to resume",
-             code=1)
+        message = one_line(exc)
+        fix = "" if "rerun the same command" in message else ": fix the cause and rerun the same command to resume"
+        fail(f"{message}; finished units are saved{fix}", code=1)
 
 
 def _echo_run_summary(summary: RunSummary, output: Path) -> None:

@@ -30,6 +30,7 @@ from ccq_eval.harness.store import (
     vouch,
 )
 from ccq_eval.harness.store.formats import stored_spec
+from ccq_eval.harness.store.unit_lock import LOCK_FILE
 
 # The folder an archive is written into before its units are moved into place (one per process).
 TEMP_PREFIX = ".ccq-archive-"
@@ -59,11 +60,14 @@ def archive_results(source: Path, destination: Path) -> list[Path]:
     resume caches are left out. Returns the unit folders.
 
     Everything is read, checked and compressed before the first file is written: a unit whose samples
-    do not match its results.json (truncated, or from another run), a destination that is a file, holds
-    a live run or an archive of another run stop the archive with nothing written."""
+    do not match its results.json (truncated, or from another run), a unit a running `ccq-eval run` holds,
+    a destination that is a file, a run's results folder or holds an archive of another run's unit stop the
+    archive with nothing written."""
     source, destination = Path(source), Path(destination)
     _check_destination(destination)
     _check_no_overlap(source, destination)
+    _check_not_a_run_folder(destination)
+    _check_no_unit_running(source)
     units = [unit for unit in load_results(source) if is_unit_results(unit.results_path)]
     packed_units = []
     for unit in units:
@@ -181,9 +185,7 @@ def _check_archive_target(target: Path, archived_meta: bytes | None) -> None:
     instead of the archived ones)."""
     if not target.is_dir():
         return
-    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE, ARCHIVED_RESULTS_FILE, vouch.CHECKSUMS_FILE}
-    live = sorted(p.name for p in target.iterdir() if p.name not in archived and not p.name.startswith(".")
-                  and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
+    live = _live_files(target)
     if live:
         raise ResultsError(f"{target} holds a live run ({', '.join(live[:3])}), not an archive; nothing was "
                            "written: archive into a new folder, or delete that unit folder first")
@@ -192,6 +194,45 @@ def _check_archive_target(target: Path, archived_meta: bytes | None) -> None:
         raise ResultsError(f"{target} holds an archive of another run ({target / META_FILE} differs from the "
                            "unit's meta.json); nothing was replaced: archive into a new folder, or move the old "
                            "archive away first")
+
+
+def _live_files(unit: Path) -> list[str]:
+    """The files of unit folder `unit` that an archived unit does not hold (a run's samples, resume cache)."""
+    archived = {UNIT_SPEC_FILE, META_FILE, RESULTS_FILE, ARCHIVED_RESULTS_FILE, vouch.CHECKSUMS_FILE}
+    return sorted(p.name for p in unit.iterdir() if p.name not in archived and not p.name.startswith(".")
+                  and not (p.name.startswith("samples_") and p.name.endswith(".jsonl.xz")))
+
+
+def _check_not_a_run_folder(destination: Path) -> None:
+    """An archive goes into a new folder or an earlier archive, never into a run's results folder (its
+    lm_eval/ copies and unarchived units would be read beside the archived ones, its table.md replaced)."""
+    if not destination.is_dir():
+        return
+    found = sorted({path.parent for name in (UNIT_SPEC_FILE, META_FILE) for path in destination.rglob(name)
+                    if not path.parent.name.startswith(".") and _live_files(path.parent)})
+    found += [destination / "lm_eval"] if (destination / "lm_eval").is_dir() else []
+    if found:
+        raise ResultsError(f"{destination} holds a live run ({found[0]} is not archived): a run's results folder, "
+                           "not an archive; nothing was written: archive into a new folder (e.g. results/<name>) or "
+                           "an earlier archive")
+
+
+def _check_no_unit_running(source: Path) -> None:
+    """Archiving a run while it computes would leave out the units it has not finished, without a word: a unit
+    whose lock (store.unit_lock) another process holds stops the archive."""
+    import filelock
+
+    for lock_file in sorted(source.rglob(LOCK_FILE)):
+        lock = filelock.FileLock(str(lock_file))
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise ResultsError(f"{lock_file.parent} is being computed by a running `ccq-eval run` (it holds "
+                               f"{lock_file}); nothing was written: archive {source} once that run has "
+                               "finished") from None
+        except OSError:  # a filesystem without locks: nothing to tell
+            continue
+        lock.release()
 
 
 def _meta_bytes(unit: Path) -> bytes | None:

@@ -20,6 +20,7 @@ import subprocess
 import time
 from typing import Any
 
+from ccq_eval.harness.options import environment_int
 from ccq_eval.harness.recall import RECALL_LMEVAL_TASKS, load_lmeval_tasks
 from ccq_eval.harness.zeroshot import ZEROSHOT_TASKS, load_tasks
 
@@ -138,7 +139,7 @@ def evaluate_tasks(
                            confirm_run_unsafe_code=confirm_run_unsafe_code)
     for line in printed.getvalue().splitlines():
         logger.debug("lm-eval: %s", line)
-    if lm.rank != 0 or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+    if lm.rank != 0 or environment_int("LOCAL_RANK", 0) != 0:
         return None
     results["config"] = {
         "model": model_name, "model_args": None, **(lm.get_model_info() if hasattr(lm, "get_model_info") else {}),

@@ -294,8 +294,10 @@ def environment_int(name: str, default: int) -> int:
 def data_parallel_ranks() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) of this process, (0, 1) outside torchrun / accelerate launch. A RANK that is not
     below WORLD_SIZE (a RANK=1 left in the shell, without the launcher's WORLD_SIZE) is a PlanError:
-    that process would evaluate and never write a result."""
+    that process would evaluate and never write a result. LOCAL_RANK, read once the unit runs, is checked
+    here too."""
     rank, world_size = environment_int("RANK", 0), environment_int("WORLD_SIZE", 1)
+    environment_int("LOCAL_RANK", 0)  # read by the adapter and lm_eval_call after the model loads
     if world_size < 1 or rank >= world_size:
         raise PlanError(f"environment variables RANK={rank} and WORLD_SIZE={world_size}: the rank must lie "
                         "below the world size; a RANK or WORLD_SIZE left from another launch? unset both "
@@ -396,8 +398,8 @@ def _check_values(options: RunOptions) -> None:
             "--limit and --samples-per-cell conflict: --limit takes the first N documents of a task "
             "across all lengths, --samples-per-cell sets N per (length, depth) cell; give one of them"
         )
-    for flag, value, wanted in (("--limit", options.limit, "positive (a count, or a fraction below 1)"),
-                                ("--samples-per-cell", options.samples_per_cell, "a positive whole number"),
+    _check_limit(options.limit)
+    for flag, value, wanted in (("--samples-per-cell", options.samples_per_cell, "a positive whole number"),
                                 ("--batch-size", options.batch_size, "a positive whole number"),
                                 ("--max-length", options.max_length, "a positive number of tokens")):
         if value is not None and value <= 0:
@@ -427,6 +429,16 @@ def _check_values(options: RunOptions) -> None:
                         f"{', '.join(ROLLING_PROTOCOLS)} (hflm: lm-eval HFLM's windows, the papers' protocol; "
                         "carry: one recurrent pass over each text)")
     _check_recall_values(options)
+
+
+def _check_limit(limit: float | None) -> None:
+    """--limit as lm-eval takes it: a count of documents (a whole number >= 1) or a fraction in (0, 1). NaN,
+    infinity or 2.5 would reach lm-eval only after the model loaded (int(nan) fails there; 2.5 means 2)."""
+    if limit is None:
+        return
+    if not math.isfinite(limit) or limit <= 0 or (limit >= 1 and not float(limit).is_integer()):
+        raise PlanError(f"--limit {limit}: give a whole number of documents (e.g. --limit 100) or a fraction "
+                        "of each task's documents below 1 (e.g. --limit 0.1)")
 
 
 RECALL_PROTOCOLS = ("jrt", "lm-eval")

@@ -309,7 +309,9 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
 
     A finished unit's question is its unit.json (for a version-1 unit without one, the copy in meta.json);
     a finished unit with neither cannot show what produced its numbers and is refused rather than taken
-    for this one."""
+    for this one. A unit folder that is a symbolic link, or lies in one below the results folder, is refused:
+    the readers do not follow links, and a recompute would write into the folder it points at."""
+    _check_not_linked(unit)
     try:
         on_disk = store.on_disk(unit.dir)
     except ResultsError as exc:
@@ -343,6 +345,16 @@ def check_against_disk(unit: Unit, store: ResultsStore) -> None:
                 "use another --output, or delete that folder to redo it"
             )
     unit.finished = on_disk.finished
+
+
+def _check_not_linked(unit: Unit) -> None:
+    """PlanError when the unit's folder, or its model's folder, is a symbolic link."""
+    for folder in (unit.dir.path.parent, unit.dir.path):
+        if folder.is_symlink():
+            raise PlanError(
+                f"{folder} is a symbolic link (to {folder.readlink()}): `table`, `compare` and the other readers "
+                "do not follow links, and a recompute would write into the linked folder. Nothing was changed: "
+                f"replace the link by a copy of its target, or remove it to compute the unit here")
 
 
 # What a unit's spec records since results format 3; units stored before lack it.

@@ -139,7 +139,7 @@ def execute_plan(
                                                reporter=session.report)
     completed = False
     try:
-        with workers_module.terminated_as_exit():  # SIGTERM (`timeout`, kill) ends the helpers below too
+        with workers_module.terminated_as_exit():  # SIGTERM, SIGHUP end the helpers below too
             session.run(plan.pending)
         completed = True
     finally:

@@ -247,6 +247,16 @@ def our_task_yaml(task_name: str) -> Path | None:
     return Path(yaml_path) if yaml_path is not None else None
 
 
+def declared_config(task_name: str) -> dict[str, Any] | None:
+    """The config (includes merged) of one of our tasks or of the zero-shot suite's, as lm-eval's index reads
+    it; None for another lm-eval task (its index takes seconds to build)."""
+    entry = _our_index().get(task_name)
+    if entry is None and task_name in ZEROSHOT_TASKS:
+        entry = _zeroshot_index().get(task_name)
+    config = getattr(entry, "cfg", None)
+    return dict(config) if isinstance(config, dict) else None
+
+
 def task_truncation_policy(task_name: str | None) -> str | None:
     """The `ccq_truncation` a task of ours declares in its YAML metadata: the ccq adapter's policy for a
     prompt longer than the model's budget, kept out of generation_kwargs so that every lm-eval model can

@@ -62,6 +62,8 @@ def select_tasks(parsed: ParsedOptions, catalog: TaskCatalog, *, with_sweep: boo
     if grid.depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
         raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
     grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
+    _check_lengths(grid_tasks, grid.lengths, options.lengths)
+    _check_lm_eval_args_apply(resolved, parsed.lm_eval_args)
     if options.limit is not None and grid_tasks:
         raise PlanError(
             f"--limit takes the first N documents, which for {grid_tasks[0]} are the shortest lengths only; "
@@ -80,6 +82,65 @@ def select_tasks(parsed: ParsedOptions, catalog: TaskCatalog, *, with_sweep: boo
                      "eval split at each length (tens of minutes on a CPU); --samples-per-cell 4 makes a quick "
                      "run")
     return RunTasks(resolved, sweep_tasks, part_of, notes)
+
+
+# Perplexity lengths above this are checked against the embedded corpora (which takes seconds to read).
+_PPL_LENGTH_CHECKED_ABOVE = 1 << 20
+
+
+def _check_lengths(grid_tasks: list[str], lengths: list[int] | None, given: str | None) -> None:
+    """--lengths the tasks can build documents and metrics for, checked here so that a bad one stops the
+    run before a model loads (the tasks' own checks run only once lm-eval builds them): S-NIAH's and RULER's
+    tasks declare acc_<length> for 256, 512, multiples of 1024 up to 128K, 256K, 512K and 1M; perplexity
+    needs 2 tokens and, by default, no more than its embedded corpora hold."""
+    if not lengths or not grid_tasks:
+        return
+    from ccq_eval.tasks.s_niah.construction import METRIC_LENGTHS
+
+    for task in grid_tasks:
+        if family_of(task) is PERPLEXITY:
+            bad, wanted = [n for n in lengths if n < 2], "at least 2 tokens"
+            if not bad and max(lengths) > _PPL_LENGTH_CHECKED_ABOVE:
+                most = _embedded_eval_bytes()
+                bad = [n for n in lengths if n > most]
+                wanted = f"at most {most} tokens (what its embedded corpora hold at one token per byte)"
+        else:
+            bad = [n for n in lengths if n not in METRIC_LENGTHS]
+            wanted = "256, 512, a multiple of 1k up to 128k, 256k, 512k or 1024k (its per-length metrics)"
+        if bad:
+            raise PlanError(f"--lengths {given or ','.join(map(str, lengths))}: {task} takes {wanted}, not "
+                            f"{', '.join(map(str, bad))} tokens; give such lengths, e.g. --lengths 1k,2k,4k")
+
+
+def _check_lm_eval_args_apply(resolved: list[tuple[str, str]], lm_eval_args: dict) -> None:
+    """--lm-eval-arg gen_kwargs for a task that generates nothing, or num_fewshot for one whose config fixes
+    it at 0, is ignored by lm-eval but recorded in the unit's settings: refused, naming the task. Tasks whose
+    config is not at hand (lm-eval's, beyond the zero-shot suite) are left to lm-eval."""
+    gen_kwargs, shots = lm_eval_args.get("gen_kwargs"), lm_eval_args.get("num_fewshot")
+    if not gen_kwargs and shots in (None, 0):
+        return
+    from ccq_eval.harness.task_registry import declared_config
+
+    for task, _ in resolved:
+        config = declared_config(task)
+        if config is None:
+            continue
+        if gen_kwargs and config.get("output_type", "generate_until") != "generate_until":
+            raise PlanError(f"--lm-eval-arg gen_kwargs: {task} generates nothing (its requests are "
+                            f"{config.get('output_type')}), so lm-eval would ignore gen_kwargs for it while the unit "
+                            "records them; drop the argument, or run the generation tasks in a run of their own")
+        if shots not in (None, 0) and config.get("num_fewshot") == 0:
+            raise PlanError(f"--lm-eval-arg num_fewshot={shots}: {task}'s config fixes num_fewshot at 0, so lm-eval "
+                            "would ignore it while the unit records it; drop the argument, or run the tasks that "
+                            "take few-shot examples in a run of their own")
+
+
+def _embedded_eval_bytes() -> int:
+    """The UTF-8 bytes of the embedded corpora's eval split: more tokens than any tokenizer makes of them."""
+    from ccq_eval.data.corpora import list_corpora, load_corpus
+
+    return sum(len(doc.text.encode("utf-8")) + 2 for name in list_corpora()  # + a BOS and an EOS per document
+               for doc in load_corpus(name, split="eval"))
 
 
 def resolve_tasks(names: list[str], catalog: TaskCatalog) -> list[tuple[str, str]]:

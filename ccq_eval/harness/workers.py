@@ -108,16 +108,23 @@ class _QueueReporter(SilentReporter):
 
 
 class Terminated(SystemExit):
-    """SIGTERM received inside terminated_as_exit (its code: 128 + the signal's number)."""
+    """SIGTERM or SIGHUP received inside terminated_as_exit (its code: 128 + the signal's number)."""
+
+    @property
+    def signal_name(self) -> str:
+        """"SIGTERM" or "SIGHUP": the signal that ended the run."""
+        return signal.Signals(int(self.code) - 128).name
 
 
 @contextlib.contextmanager
 def terminated_as_exit() -> Iterator[None]:
-    """Within the block, SIGTERM (what `timeout` and `kill` send) raises Terminated (a SystemExit) in the main
-    thread, so that the run ends as on Ctrl-C: its helper processes are stopped, what was answered stays in the units'
-    resume caches. Elsewhere than the main thread the signal is left as it is. A process forked inside the
-    block (lm-eval's bootstrap pool) inherits the handler: there SIGTERM ends the process as it would without
-    it, since a SystemExit raised in a pool worker that holds the pool's locks can leave it hanging."""
+    """Within the block, SIGTERM (what `timeout` and `kill` send) and SIGHUP (the terminal closed) raise
+    Terminated (a SystemExit) in the main thread, so that the run ends as on Ctrl-C, with its line: its helper
+    processes are stopped, what was answered stays in the units' resume caches. A SIGHUP that is ignored
+    (`nohup`) stays ignored. Elsewhere than the main thread the signals are left as they are. A process forked
+    inside the block (lm-eval's bootstrap pool) inherits the handler: there the signal ends the process as it
+    would without it, since a SystemExit raised in a pool worker that holds the pool's locks can leave it
+    hanging."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -130,11 +137,15 @@ def terminated_as_exit() -> Iterator[None]:
             return
         raise Terminated(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, exit_on_term)
+    handled = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the run outlives its terminal
+        handled.append(signal.SIGHUP)
+    previous = {signum: signal.signal(signum, exit_on_term) for signum in handled}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _exit_with_parent(parent: int) -> None:

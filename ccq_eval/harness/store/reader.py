@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import lzma
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,12 +192,26 @@ def _samples_for(results_path: Path, task_names: Iterable[str]) -> dict[str, Pat
 
 def find_results_files(root: Path) -> list[Path]:
     """Every unit's results.json and every lm-eval results_<stamp>.json, except the copies of the
-    units read here that the store lays out for lm-eval's readers (each result is read once)."""
+    units read here that the store lays out for lm-eval's readers (each result is read once). A linked
+    folder below `root` that holds results is a ResultsError: rglob does not follow links, so its results
+    would be left out without a word."""
     root = Path(root)
+    _refuse_linked_results(root)
     files = [p for p in root.rglob("*.json") if not _in_archive_temp(p, root) and (p.name == RESULTS_FILE
              or (lm_eval_mirror.LMEVAL_RESULTS.match(p.name) and not lm_eval_mirror.is_tracker_copy(p, root)))]
     files += [p for p in root.rglob(ARCHIVED_RESULTS_FILE) if not _in_archive_temp(p, root)]
     return sorted(files)
+
+
+def _refuse_linked_results(root: Path) -> None:
+    """ResultsError naming the first symbolic link to a folder below `root` that holds results."""
+    for folder, subfolders, _files in os.walk(root):
+        for name in sorted(subfolders):
+            link = Path(folder, name)
+            if link.is_symlink() and (any(link.rglob(RESULTS_FILE)) or any(link.rglob(ARCHIVED_RESULTS_FILE))):
+                raise ResultsError(f"{link} is a symbolic link (to {link.readlink()}) to results, which the "
+                                   "readers do not follow: replace the link by a copy of its target, or move it "
+                                   f"out of {root}")
 
 
 def read_unit(path: Path) -> StoredUnit:

@@ -102,8 +102,8 @@ ShardOpt = Annotated[str | None, typer.Option(
     help="K/N: run only the K-th of N deterministic parts of the units (a Slurm array task); workers "
     "into one --output also share units through per-unit locks without it.")]
 CcqAttachOpt = Annotated[str | None, typer.Option(
-    help="Attach CCQ training-free to each plain --model (GLA, Gated DeltaNet, DeltaNet, KDA, RetNet or Mamba2) "
-    "with the constant gate: every "
+    help="Attach CCQ training-free to each plain --model (GLA, Gated DeltaNet, DeltaNet, KDA, RetNet, Mamba2 or "
+    "Preconditioned Gated DeltaNet) with the constant gate: every "
     "lambda is evaluated as its own model <model>+ccq-lambda<L>; other CCQ config fields fixed after ';', "
     "e.g. \"lambda=0,0.5,1,2,4;order=2\". `figures` draws score vs lambda.")]
 WorkersOpt = Annotated[int | None, typer.Option(

@@ -363,7 +363,7 @@ def parse_options(options: RunOptions) -> ParsedOptions:
     attach = parse_ccq_attach(options.ccq_attach) if options.ccq_attach is not None else None
     if attach is not None and not options.models:
         raise PlanError("--ccq-attach needs --model: name the plain checkpoints (GLA, Gated DeltaNet, DeltaNet, KDA, "
-                        "RetNet or Mamba2) to attach "
+                        "RetNet, Mamba2 or Preconditioned Gated DeltaNet) to attach "
                         "CCQ to (e.g. --model tiny-gla)")
     output = Path(options.output)
     for folder in (output, *output.parents):

@@ -7,9 +7,9 @@ follows its config.json `model_type` (families.family_of):
   fla's model while getting the project's generation fix and CPU backend;
 - every other fla family loads into fla's own classes, with fla_cpu's backend and the generation fix;
 - on a plain checkpoint of any backbone CCQ attaches to (families.ccq_backbone_types: GLA, Gated DeltaNet,
-  DeltaNet, KDA, RetNet, Mamba2), `ccq=True` loads it into its family's CCQ class with the CCQ parameters
-  at their initial values (training-free); `ccq_lambda` does so with the constant gate at exactly that
-  lambda (what `ccq-eval run --ccq-attach` sweeps);
+  DeltaNet, KDA, RetNet, Mamba2, Preconditioned Gated DeltaNet), `ccq=True` loads it into its family's CCQ
+  class with the CCQ parameters at their initial values (training-free); `ccq_lambda` does so with the
+  constant gate at exactly that lambda (what `ccq-eval run --ccq-attach` sweeps);
 - any transformers causal LM (Llama, Qwen2, Mistral, ...) loads as transformers defines it.
 Only the CCQ classes have CCQ.
 """

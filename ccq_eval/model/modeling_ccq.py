@@ -1,15 +1,17 @@
 """The CCQ model types: fla's models of every backbone CCQ attaches to (ccq_eval.model.backbones), with the
 Curvature-Conditioned Query on the read.
 
-`ccq_gla`, `ccq_gated_deltanet`, `ccq_delta_net`, `ccq_kda`, `ccq_retnet` and `ccq_mamba2` extend fla 0.6.0's
-classes of the family (CCQ_CLASSES). Every fla layer keeps its parameters and names; a CCQ layer adds two
-per head (gate weight a_h [H, K] at 0, gate bias b_h [H] at ccq_gate_bias_init), so every fla checkpoint of
-the family loads with the CCQ parameters at their initial values. With `ccq=False` a layer runs its
+`ccq_gla`, `ccq_gated_deltanet`, `ccq_delta_net`, `ccq_kda`, `ccq_retnet`, `ccq_mamba2` and
+`ccq_precond_gated_deltanet` extend fla 0.6.0's classes of the family (CCQ_CLASSES). Every fla layer keeps
+its parameters and names; a CCQ layer adds two per head (gate weight a_h [H, K] at 0, gate bias b_h [H] at
+ccq_gate_bias_init), so every fla checkpoint of the family loads with the CCQ parameters at their initial
+values. With `ccq=False` a layer runs its
 backbone's own forward, so the logits are fla's. Only the read changes: the kernels get q~ in place of the
 query; keys, values, gates and the write are untouched (docs/operator.md).
 
 The recurrent state of a CCQ layer in fla's Cache is the tuple (S, P, m, n): the backbone state, then
-the CCQ covariance state (see ccq_eval.model.ccq.CCQState and backbones.seam).
+the CCQ covariance state (see ccq_eval.model.ccq.CCQState and backbones.seam); a Preconditioned Gated DeltaNet
+layer keeps its ATK statistic beside it, ((S, P, m, n), A), as fla's layer keeps (S, A).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fla.layers.gla import GatedLinearAttention
 from fla.layers.kda import KimiDeltaAttention
 from fla.layers.mamba2 import Mamba2
 from fla.layers.multiscale_retention import MultiScaleRetention
+from fla.layers.precond_gated_deltanet import PrecondGatedDeltaNet
 from fla.models import (
     DeltaNetConfig,
     DeltaNetForCausalLM,
@@ -36,6 +39,8 @@ from fla.models import (
     KDAForCausalLM,
     Mamba2Config,
     Mamba2ForCausalLM,
+    PrecondGatedDeltaNetConfig,
+    PrecondGatedDeltaNetForCausalLM,
     RetNetConfig,
     RetNetForCausalLM,
 )
@@ -48,6 +53,7 @@ from ccq_eval.model.backbones.gated_deltanet import CCQGatedDeltaNet
 from ccq_eval.model.backbones.gla import CCQGatedLinearAttention
 from ccq_eval.model.backbones.kda import CCQKimiDeltaAttention
 from ccq_eval.model.backbones.mamba2 import CCQMamba2
+from ccq_eval.model.backbones.precond_gated_deltanet import CCQPrecondGatedDeltaNet
 from ccq_eval.model.backbones.retnet import CCQMultiScaleRetention
 from ccq_eval.model.backbones.seam import (  # noqa: F401  (re-exported: inspection and benchmarks use them)
     _CCQ_LAYER,
@@ -186,6 +192,15 @@ class CCQMamba2Config(CCQConfigMixin, Mamba2Config):
         self._init_ccq(**ccq_kwargs)
 
 
+class CCQPrecondGatedDeltaNetConfig(CCQConfigMixin, PrecondGatedDeltaNetConfig):
+    model_type = "ccq_precond_gated_deltanet"
+
+    def __init__(self, **kwargs):
+        ccq_kwargs = _pop_ccq_kwargs(kwargs)
+        super().__init__(**kwargs)
+        self._init_ccq(**ccq_kwargs)
+
+
 class CCQCausalLMMixin:
     """Turns the fla layers of a freshly built model into CCQ layers and its other fla modules into ones
     that also run on CPU (fla_cpu.use_torch_backend), and fixes generate()'s cache name."""
@@ -255,6 +270,11 @@ class CCQMamba2ForCausalLM(CCQCausalLMMixin, Mamba2ForCausalLM):
     _ccq_layer_types: ClassVar[dict[type, type]] = {Mamba2: CCQMamba2}
 
 
+class CCQPrecondGatedDeltaNetForCausalLM(CCQCausalLMMixin, PrecondGatedDeltaNetForCausalLM):
+    config_class = CCQPrecondGatedDeltaNetConfig
+    _ccq_layer_types: ClassVar[dict[type, type]] = {PrecondGatedDeltaNet: CCQPrecondGatedDeltaNet}
+
+
 # plain fla model type -> (CCQ config class, CCQ causal-LM class): every backbone CCQ attaches to.
 CCQ_CLASSES: dict[str, tuple[type, type]] = {
     "gla": (CCQGLAConfig, CCQGLAForCausalLM),
@@ -263,6 +283,7 @@ CCQ_CLASSES: dict[str, tuple[type, type]] = {
     "kda": (CCQKDAConfig, CCQKDAForCausalLM),
     "retnet": (CCQRetNetConfig, CCQRetNetForCausalLM),
     "mamba2": (CCQMamba2Config, CCQMamba2ForCausalLM),
+    "precond_gated_deltanet": (CCQPrecondGatedDeltaNetConfig, CCQPrecondGatedDeltaNetForCausalLM),
 }
 
 

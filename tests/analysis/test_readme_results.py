@@ -13,6 +13,7 @@ from ccq_eval import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "results" / "reference"
+KDA_SWEEP = ROOT / "results" / "ccq-attach-kda"  # the --ccq-attach sweep on tiny-kda (docs/results.md)
 
 
 def _one_line(path: Path) -> str:
@@ -52,3 +53,18 @@ def test_readme_and_results_doc_quote_compare_summary_s_numbers(summary):
     assert f"(S-NIAH-2 {delta} points, p = {p})" in readme and f"(S-NIAH-2 {delta}, p = {p})" in doc
     _, p, raw = _cell(summary, "tiny-gdn+ccq-lambda1 vs tiny-gdn", "S-NIAH-1")
     assert f"(raw p = {raw}, {p} after Holm)" in readme and f"(raw p = {raw}, {p} after Holm)" in doc
+
+
+def test_results_doc_quotes_the_kda_sweep_as_compare_summary_prints_it():
+    result = CliRunner().invoke(cli.app, ["compare", str(KDA_SWEEP), "--summary"])
+    assert result.exit_code == 0, result.output
+    summary = result.output
+    assert summary.split("\n\n")[0] in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    doc = _one_line(ROOT / "docs" / "results.md")
+    family = re.search(r"over a family of (\d+) p-values", summary).group(1)
+    assert f"over the table's {family} p-values" in doc
+    delta, p, _ = _cell(summary, "tiny-kda+ccq-lambda2 vs tiny-kda", "S-NIAH-2")
+    assert f"({delta} points, p = {p})" in doc
+    for task in ("S-NIAH-1", "S-NIAH-2"):
+        _, p, raw = _cell(summary, "tiny-kda+ccq-lambda1 vs tiny-kda", task)
+        assert f"(raw p = {raw}, {p} after Holm)" in doc

@@ -1,7 +1,8 @@
-"""CCQ on the backbones beyond GLA and Gated DeltaNet (DeltaNet, KDA, RetNet, Mamba2): lambda = 0 gives the
-backbone's own logits bit for bit, the read each layer makes equals a naive per-token recurrence of the
-definition (docs/operator.md) in fp64 for every form, chunked prefill then decoding equals one forward, a
-checkpoint round-trips through save and load, and a plain checkpoint takes CCQ training-free."""
+"""CCQ on the backbones beyond GLA and Gated DeltaNet (DeltaNet, KDA, RetNet, Mamba2, Preconditioned Gated
+DeltaNet): lambda = 0 gives the backbone's own logits bit for bit, the read each layer makes equals a naive
+per-token recurrence of the definition (docs/operator.md) in fp64 for every form, chunked prefill then decoding
+equals one forward, a checkpoint round-trips through save and load, and a plain checkpoint takes CCQ
+training-free."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ccq_eval.model.modeling_ccq import CCQ_CLASSES, prepare_runtime
 
 prepare_runtime()
 
-BACKBONES = ["delta_net", "kda", "retnet", "mamba2"]
+BACKBONES = ["delta_net", "kda", "retnet", "mamba2", "precond_gated_deltanet"]
 ONE_TOKEN_CACHE = {"mamba2"}  # fla's Mamba2 cache takes one token per call once it holds a state
 FORMS = [("series", {"ccq_order": 1}), ("series", {"ccq_order": 2}), ("resolvent", {})]
 
@@ -125,7 +126,7 @@ def _expected_log_decay(model_type, layer, call_r, log_decay):
         return torch.zeros(B, T, H, dtype=torch.float64)
     if model_type == "retnet":
         return torch.tensor([math.log(1 - 2.0 ** (-5 - h)) for h in range(H)], dtype=torch.float64).expand(B, T, H)
-    return None  # KDA, Mamba2: input-dependent; checked through the model output below
+    return None  # KDA, Mamba2, Preconditioned Gated DeltaNet: input-dependent; checked by their own tests below
 
 
 @pytest.mark.parametrize("model_type", BACKBONES)
@@ -178,6 +179,66 @@ def test_mamba2_reads_with_c_as_query_b_as_key_and_its_own_decay():
     torch.testing.assert_close(read["log_decay"], -layer.A_log.exp() * dt, rtol=1e-12, atol=1e-12)
 
 
+def _naive_written_keys(k, g_atk, beta_atk, log_atk_scale, x, eps):
+    """The keys a Preconditioned Gated DeltaNet writes its state along, token by token as fla's naive reference
+    (fla.ops.precond_gated_delta_rule.naive) forms them: A_t = exp(g_atk_t) A_{t-1} + beta_atk_t k_t^2, then
+    w_t = k_t * exp(-log(x) s_t), s_t = u / (1 + |u|), u = log(A_t + eps) - log_atk_scale. fp64."""
+    A = k.new_zeros(k.shape[0], k.shape[2], k.shape[3])
+    written = []
+    for t in range(k.shape[1]):
+        A = A * g_atk[:, t, :, None].exp() + beta_atk[:, t, :, None] * k[:, t] ** 2
+        u = torch.log(A + eps) - log_atk_scale[:, None]
+        written.append(k[:, t] * torch.exp(-math.log(x) * u / (1 + u.abs())))
+    return torch.stack(written, 1)
+
+
+def test_precond_gated_deltanet_reads_with_the_unit_query_the_written_keys_and_the_main_decay():
+    model = _ccq_model("precond_gated_deltanet", ccq_form="series")
+    layer = _ccq_layers(model)[0]
+    captured = _capture_reads(model)
+    seen = {}
+    def keep_input(module, args, kwargs):
+        seen["hidden"] = args[0] if args else kwargs["hidden_states"]
+
+    def keep_output(name):
+        def hook(module, args, out):
+            seen[name] = out[0]  # ShortConvolution returns (output, cache)
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(keep_input, with_kwargs=True),
+             layer.q_conv1d.register_forward_hook(keep_output("q")),
+             layer.k_conv1d.register_forward_hook(keep_output("k"))]
+    with torch.no_grad():
+        model(_tokens(100), use_cache=False)  # > 64 tokens: the chunk kernel
+    for hook in hooks:
+        hook.remove()
+    read, hidden = captured[0], seen["hidden"]
+    # fla's l2norm (the kernel's): x / sqrt(sum(x^2) + 1e-6)
+    q, k = (x * (x.square().sum(-1, keepdim=True) + 1e-6).rsqrt()
+            for x in (seen[name].unflatten(-1, (-1, layer.head_k_dim)) for name in ("q", "k")))
+    softplus = torch.nn.functional.softplus
+    # the two decays as fla's layer forms them (its .float() rounds A_log and the projection to fp32)
+    g = -layer.A_log.float().exp() * softplus(layer.a_proj(hidden).float() + layer.dt_bias)
+    g_atk = -layer.A_log_atk.float().exp() * softplus(layer.a_atk_proj(hidden).float() + layer.dt_bias_atk)
+    written = _naive_written_keys(k, g_atk, layer.b_atk_proj(hidden).sigmoid(), layer.log_atk_scale, layer.squash_x,
+                                  layer.squash_eps)
+    torch.testing.assert_close(read["r"], q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(read["keys"], written, rtol=1e-12, atol=1e-12)  # chunked statistic vs per token
+    torch.testing.assert_close(read["log_decay"], g, rtol=1e-12, atol=1e-12)  # the state's decay, not g_atk
+    assert not torch.allclose(read["keys"] / read["keys"].norm(dim=-1, keepdim=True), k, atol=1e-3)  # not k
+
+
+def test_precond_gated_deltanet_naive_mode_is_refused_by_ccq_layers():
+    model = _ccq_model("precond_gated_deltanet", attn_mode="naive")
+    with pytest.raises(ValueError, match="CCQ layers cannot read with naive_recurrent_precond_gated_delta_rule"), \
+            torch.no_grad():
+        model(_tokens(90), use_cache=False)
+    # fla's naive reference computes in fp32 whatever the model's dtype
+    baseline = _ccq_model("precond_gated_deltanet", attn_mode="naive", ccq=False, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(baseline(_tokens(90), use_cache=False).logits).all()
+
+
 @pytest.mark.parametrize("model_type", BACKBONES)
 @pytest.mark.parametrize("ccq", [True, False])
 def test_prefill_then_decode_equals_one_forward(model_type, ccq):
@@ -193,6 +254,9 @@ def test_prefill_then_decode_equals_one_forward(model_type, ccq):
     torch.testing.assert_close(pieces, full, rtol=1e-8, atol=1e-8)
     if ccq:  # each layer's cached state is (S, P, m, n) for the delta rules, (S, P, m, n) under Mamba2's too
         state = cache[0]["recurrent_state"]
+        if model_type == "precond_gated_deltanet":  # the ATK statistic stays beside it, where fla keeps it
+            state, atk_statistic = state
+            assert atk_statistic.shape == (1, model.config.num_heads, model.config.head_dim)
         assert isinstance(state, tuple) and len(state) == 4 and state[1].shape[-1] == state[1].shape[-2]
 
 
@@ -236,8 +300,8 @@ def test_attaching_to_a_family_without_a_ccq_read_stops_in_one_line(tmp_path, mo
     message = str(error.value)
     assert "\n" not in message
     assert message == (f"cannot attach CCQ to {model_type}: a {model_type} model has no CCQ in ccq-eval (it attaches "
-                       "to gla, gated_deltanet, delta_net, kda, retnet, mamba2); attach it to a plain checkpoint of "
-                       "one of those families")
+                       "to gla, gated_deltanet, delta_net, kda, retnet, mamba2, precond_gated_deltanet); attach it "
+                       "to a plain checkpoint of one of those families")
 
 
 def test_retnet_parallel_form_is_refused_by_ccq_layers():

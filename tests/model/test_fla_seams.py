@@ -78,21 +78,25 @@ def test_ccq_layers_run_fla_forward_code():
     from fla.layers.delta_net import DeltaNet
     from fla.layers.kda import KimiDeltaAttention
     from fla.layers.multiscale_retention import MultiScaleRetention
+    from fla.layers.precond_gated_deltanet import PrecondGatedDeltaNet
 
     from ccq_eval.model.backbones.delta_net import CCQDeltaNet
     from ccq_eval.model.backbones.kda import CCQKimiDeltaAttention
     from ccq_eval.model.backbones.mamba2 import CCQMamba2
+    from ccq_eval.model.backbones.precond_gated_deltanet import CCQPrecondGatedDeltaNet
     from ccq_eval.model.backbones.retnet import CCQMultiScaleRetention
     from ccq_eval.model.fla_cpu import mamba2
 
     for ccq_cls, fla_cls in ((CCQGatedLinearAttention, GatedLinearAttention), (CCQGatedDeltaNet, GatedDeltaNet),
                              (CCQDeltaNet, DeltaNet), (CCQKimiDeltaAttention, KimiDeltaAttention),
-                             (CCQMultiScaleRetention, MultiScaleRetention)):
+                             (CCQMultiScaleRetention, MultiScaleRetention),
+                             (CCQPrecondGatedDeltaNet, PrecondGatedDeltaNet)):
         assert ccq_cls._fla_forward.__code__ is fla_cls.forward.__code__
-        # only fla's op names are bound: the read kernels to the CCQ reads, the rest to the dispatchers
+        # only fla's op names are bound: the read kernels to the CCQ reads, the refused ones (fla's naive torch
+        # reference among them) to the refusal, the rest to the dispatchers
         changed = {name for name, value in ccq_cls._fla_forward.__globals__.items()
                    if value is not fla_cls.forward.__globals__.get(name)}
-        assert changed <= set(dispatch.OPS), changed
+        assert changed <= set(dispatch.OPS) | set(ccq_cls.ccq_backbone.refused_kernels), changed
         assert set(ccq_cls.ccq_backbone.read_kernels) <= changed
     # Mamba2: fla's forward runs mamba_ssm's scan; the CCQ layer runs the torch backend's forward of the layer
     assert CCQMamba2._fla_forward.__code__ is mamba2._mamba2_forward_cpu.__code__

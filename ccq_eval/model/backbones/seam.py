@@ -59,8 +59,10 @@ class Backbone:
         layer_class: fla's layer class.
         read_kernels: name the forward looks up -> the fla op (a key of dispatch.OPS) it calls, for every
             kernel the forward reads its state with.
-        refused_kernels: fla ops the forward may call whose read CCQ cannot condition (a form without a
-            state to carry CCQ's): a CCQ layer calling one stops with an error instead of reading without CCQ.
+        refused_kernels: fla ops (or other functions the forward looks up, such as fla's naive torch
+            references) the forward may call whose read CCQ cannot condition (a form without a state to carry
+            CCQ's, or one that would normalise q~ again): a CCQ layer calling one stops with an error instead of
+            reading without CCQ.
     """
 
     model_type: ClassVar[str]
@@ -94,7 +96,8 @@ class Backbone:
         torch backend elsewhere) and its read kernels to the CCQ reads."""
         function = self.forward_function()
         reads = {name: ccq_kernel_read(self, name) for name in self.read_kernels}
-        refused = {name: refuse_for_ccq(name, dispatch.dispatcher(name)) for name in self.refused_kernels}
+        refused = {name: refuse_for_ccq(name, dispatch.dispatcher(name) if name in dispatch.OPS
+                                        else function.__globals__[name]) for name in self.refused_kernels}
         return rebind(function, **{**names_to_bind(function), **reads, **refused})
 
 

@@ -62,3 +62,17 @@ def test_every_declared_package_is_imported_or_explained():
     imported = {_canonical(d) for module in _imported_modules() for d in distributions.get(module, [module])}
     unused = _declared() - imported - {_canonical(name) for name in NEEDED_WITHOUT_IMPORT}
     assert not unused, f"declared in pyproject.toml but imported nowhere in {INSTALLED_CODE}: {sorted(unused)}"
+
+
+def test_every_package_of_the_checkout_is_in_the_distribution():
+    """setuptools installs only the packages pyproject lists: a package folder left out imports in the
+    checkout (the editable install maps folders) but not from a wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    folders = {"ccq_eval": ROOT / "ccq_eval", "ccq_eval.tasks": ROOT / "tasks", "ccq_eval.models": ROOT / "models"}
+    found = set()
+    for prefix, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                relative = init.parent.relative_to(folder).parts
+                found.add(".".join((prefix, *relative)))
+    assert found == set(setuptools["packages"]), found ^ set(setuptools["packages"])

@@ -47,8 +47,19 @@ def unreachable_hub(monkeypatch):
     fingerprints.hub_reachable.cache_clear()
 
 
+def pytest_configure(config):
+    """Under `--dist loadfile` (the README's test command), pytest-xdist hands out whole modules in
+    collection order rather than ordered by their number of tests, so that the modules with slow tests,
+    collected first below, start first."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu_long (minutes each) go first: pytest-xdist hands out tests in collection order, so
-    each starts on a worker at once while the other workers share the short ones, and `pytest -m gpu -n 12`
-    takes about as long as its longest test rather than that test after the rest."""
-    items.sort(key=lambda item: item.get_closest_marker("gpu_long") is None)
+    """Tests marked gpu_long (minutes each) go first, then the modules that hold a test marked slow (each
+    module's tests in their own order): pytest-xdist hands out tests (or, with --dist loadfile, modules) in
+    collection order, so the long ones start on the workers at once while the short ones fill in around
+    them. `pytest -m gpu -n 12` takes about as long as its longest test rather than that test after the
+    rest, and `pytest -n 2 --dist loadfile` ends on short modules rather than on a long one."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (item.get_closest_marker("gpu_long") is None, item.path not in slow_modules))

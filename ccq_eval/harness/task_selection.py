@@ -113,26 +113,26 @@ def _check_lengths(grid_tasks: list[str], lengths: list[int] | None, given: str 
 
 
 def _check_lm_eval_args_apply(resolved: list[tuple[str, str]], lm_eval_args: dict) -> None:
-    """--lm-eval-arg gen_kwargs for a task that generates nothing, or num_fewshot for one whose config fixes
-    it at 0, is ignored by lm-eval but recorded in the unit's settings: refused, naming the task. Tasks whose
+    """--lm-eval-arg gen_kwargs when no task of the run generates, or num_fewshot when every task's config fixes
+    it at 0, is ignored by lm-eval but recorded in the units' settings: refused, naming the tasks. A run that
+    mixes tasks which use it with tasks which do not passes (lm-eval applies it where it can). Tasks whose
     config is not at hand (lm-eval's, beyond the zero-shot suite) are left to lm-eval."""
     gen_kwargs, shots = lm_eval_args.get("gen_kwargs"), lm_eval_args.get("num_fewshot")
     if not gen_kwargs and shots in (None, 0):
         return
     from ccq_eval.harness.task_registry import declared_config
 
-    for task, _ in resolved:
-        config = declared_config(task)
-        if config is None:
-            continue
-        if gen_kwargs and config.get("output_type", "generate_until") != "generate_until":
-            raise PlanError(f"--lm-eval-arg gen_kwargs: {task} generates nothing (its requests are "
-                            f"{config.get('output_type')}), so lm-eval would ignore gen_kwargs for it while the unit "
-                            "records them; drop the argument, or run the generation tasks in a run of their own")
-        if shots not in (None, 0) and config.get("num_fewshot") == 0:
-            raise PlanError(f"--lm-eval-arg num_fewshot={shots}: {task}'s config fixes num_fewshot at 0, so lm-eval "
-                            "would ignore it while the unit records it; drop the argument, or run the tasks that "
-                            "take few-shot examples in a run of their own")
+    configs = {task: declared_config(task) for task, _ in resolved}
+    if any(config is None for config in configs.values()):
+        return
+    if gen_kwargs and all(config.get("output_type", "generate_until") != "generate_until"
+                          for config in configs.values()):
+        kinds = ", ".join(f"{task}: {config.get('output_type')}" for task, config in configs.items())
+        raise PlanError(f"--lm-eval-arg gen_kwargs: no task of this run generates ({kinds}), so lm-eval would "
+                        "ignore gen_kwargs while the units record them; drop the argument")
+    if shots not in (None, 0) and all(config.get("num_fewshot") == 0 for config in configs.values()):
+        raise PlanError(f"--lm-eval-arg num_fewshot={shots}: the config of {', '.join(configs)} fixes "
+                        "num_fewshot at 0, so lm-eval would ignore it while the units record it; drop the argument")
 
 
 def _embedded_eval_bytes() -> int:

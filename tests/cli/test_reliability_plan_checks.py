@@ -160,15 +160,28 @@ def test_a_symlinked_unit_folder_is_refused_by_run_and_named_by_the_readers(fake
     assert_one_line_error(result, f"{Path('out') / 'tiny-strong'} is a symbolic link", "readers do not follow")
 
 
-@pytest.mark.parametrize(("task", "argument", "expected"), [
-    ("s-niah-1", "num_fewshot=3", "ccq_s_niah_1's config fixes num_fewshot at 0"),
-    ("ppl-sweep", "gen_kwargs=temperature=0.5", "ccq_ppl_sweep generates nothing"),
+@pytest.mark.parametrize(("tasks", "argument", "expected"), [
+    (["s-niah-1"], "num_fewshot=3", "the config of ccq_s_niah_1 fixes num_fewshot at 0"),
+    (["ppl-sweep"], "gen_kwargs=temperature=0.5", "no task of this run generates (ccq_ppl_sweep: loglikelihood"),
+    (["ppl-sweep", "ppl-buckets"], "gen_kwargs=temperature=0.5", "ccq_ppl_buckets: loglikelihood_rolling"),
 ])
-def test_an_lm_eval_arg_the_task_ignores_is_refused_before_the_model_loads(tmp_path, task, argument, expected):
-    result = invoke("run", "--model", "tiny-gla", "--task", task, "--lengths", "1k", "--samples-per-cell", "1",
+def test_an_lm_eval_arg_no_task_uses_is_refused_before_the_model_loads(tmp_path, tasks, argument, expected):
+    task_args = [arg for task in tasks for arg in ("--task", task)]
+    result = invoke("run", "--model", "tiny-gla", *task_args, "--lengths", "1k", "--samples-per-cell", "1",
                     "--lm-eval-arg", argument, "--output", str(tmp_path / "out"))
     assert_one_line_error(result, f"--lm-eval-arg {argument.split('=')[0]}", expected, "drop the argument")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_lm_eval_arg_some_task_uses_passes_the_plan():
+    """gen_kwargs in a run of generation and perplexity tasks (the paper suite's smoke run): lm-eval applies it
+    to the generation tasks, so the run is not refused."""
+    from ccq_eval.harness.task_selection import _check_lm_eval_args_apply
+
+    _check_lm_eval_args_apply([("ccq_s_niah_1", "s-niah-1"), ("ccq_ppl_buckets", "ppl")],
+                              {"gen_kwargs": "max_gen_toks=8"})
+    with pytest.raises(Exception, match="no task of this run generates"):
+        _check_lm_eval_args_apply([("ccq_ppl_buckets", "ppl")], {"gen_kwargs": "max_gen_toks=8"})
 
 
 def test_the_super_glue_override_warning_is_not_shown_and_others_are(capsys):

@@ -224,41 +224,65 @@ def logprob_checks():
     return out
 
 
+def _tuned_kernels(module):
+    from ccq_eval.model.kernels.ccq_chunk_states import FirstConfig
+
+    return {name: x for name, x in vars(module).items() if isinstance(x, FirstConfig)}
+
+
 def candidate_checks():
     """Every kernel with each of its autotune candidates (a GPU's autotuner may pick any of them),
     under the bounds check, at shapes like those that crashed on the H200: half precision, whole and
-    ragged last chunks, several batches and heads, head dims 64 and 128. Returns, per candidate and
-    shape, the worst relative L2 error of each path against fp64 (an out-of-bounds access raises
-    _triton_bounds.OutOfBounds), and whether the bounds check catches a planted overrun."""
+    ragged last chunks, several batches and heads, head dims 64 and 128. Candidate i of every kernel
+    (its last where it has fewer) runs together; a path (the forward kernels', the backward kernels')
+    runs only with picks it has not run yet, since the interpreter ignores num_warps and num_stages and
+    the backward kernels' results do not depend on the read kernel's picks. Returns, per candidate and
+    shape, the worst relative L2 error of each path run against fp64 (an out-of-bounds access raises
+    _triton_bounds.OutOfBounds), each kernel's distinct candidates and those run, and whether the
+    bounds check catches a planted overrun."""
     from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward
-    from ccq_eval.model.kernels.ccq_chunk_states import FirstConfig
 
-    tuned = [x for m in (ccq_forward, ccq_backward, ccq_decode) for x in vars(m).values() if isinstance(x, FirstConfig)]
-    errors, runs = {}, set()
-    for candidate in range(max(len(x.configs) for x in tuned)):
-        picks = tuple(tuple(sorted(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs.items()))
-                      for kernel in tuned)
-        if picks in runs:  # the interpreter ignores num_warps and num_stages: the same run again
+    forward, backward = _tuned_kernels(ccq_forward), _tuned_kernels(ccq_backward)
+    assert not _tuned_kernels(ccq_decode)  # the decoding step has no candidates: it runs once per shape
+    tuned = forward | backward
+
+    def picked(kernel, candidate):
+        return tuple(sorted(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs.items()))
+
+    errors, run = {}, {"forward": set(), "backward": set()}
+    ran = {name: set() for name in tuned}
+    for candidate in range(max(len(x.configs) for x in tuned.values())):
+        picks = {name: picked(kernel, candidate) for name, kernel in tuned.items()}
+        new = {path: tuple(picks[name] for name in kernels) for path, kernels in (("forward", forward),
+                                                                                   ("backward", backward))}
+        paths = {path for path, key in new.items() if key not in run[path]}
+        if not paths:
             continue
-        runs.add(picks)
-        for kernel, kwargs in zip(tuned, picks):
-            kernel.kwargs = dict(kwargs)
-        errors.update(_every_kernel_once(candidate))
-    return {"errors": errors, "runs": len(runs), "overrun_caught": _overrun_is_caught()}
+        for path in paths:
+            run[path].add(new[path])
+            for name in (forward if path == "forward" else backward):
+                ran[name].add(picks[name])
+        for name, kernel in tuned.items():
+            kernel.kwargs = dict(picks[name])
+        errors.update(_every_kernel_once(candidate, paths, decode=not errors))
+    candidates = {name: sorted({tuple(sorted(c.kwargs.items())) for c in kernel.configs})
+                  for name, kernel in tuned.items()}
+    return {"errors": errors, "candidates": candidates, "ran": {name: sorted(picks) for name, picks in ran.items()},
+            "runs": {path: len(keys) for path, keys in run.items()}, "overrun_caught": _overrun_is_caught()}
 
 
 def _relative(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-def _every_kernel_once(candidate):
-    """Forward (raw keys, gate, prior state), forward + backward (zero state; given unit keys and lambda,
-    and on raw keys with the gate) and one decoding step,
-    each against fp64: the worst relative L2 error of its outputs, per shape. The backward's values
-    only in fp32: in half precision it multiplies in bf16, and the interpreter's bf16 tl.dot returns
-    garbage (a 16 x 16 product off by 1e9 relative, checked), so there it is run for the bounds alone."""
+def _every_kernel_once(candidate, paths, decode):
+    """The paths asked for, each against fp64: "forward" (raw keys, gate, prior state), "backward"
+    (forward + backward, zero state; given unit keys and lambda, and on raw keys with the gate), and,
+    where `decode`, one decoding step: per shape, the worst relative L2 error of each one's outputs (None
+    where not run). The backward's values only in fp32: in half precision it multiplies in bf16, and the
+    interpreter's bf16 tl.dot returns garbage (a 16 x 16 product off by 1e9 relative, checked), so there
+    it is run for the bounds alone."""
     from ccq_eval.model.ccq import CCQGate, ccq_read_recurrent
-    from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
     from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
 
     out = {}
@@ -266,7 +290,7 @@ def _every_kernel_once(candidate):
                               (1, 192, 2, 128, torch.float16), (2, 64, 2, 64, torch.float32),
                               (2, 130, 2, 128, torch.float32)):
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T, dtype=dtype)
-        r64, kappa64, lg64, lam64 = (x.double() for x in (r, kappa, log_gamma, lam))
+        r64, kappa64, lg64 = (x.double() for x in (r, kappa, log_gamma))
         state64 = prior_state(B, H, K, seed=1)
         state = tuple(x.float() for x in state64)
         g = torch.Generator().manual_seed(K)
@@ -274,37 +298,54 @@ def _every_kernel_once(candidate):
         kernel_gate = (gate.weight, gate.bias, gate.lam_max)
         gate64 = CCQGate(gate.weight.double(), gate.bias.double(), gate.lam_max)
 
-        q, final = ccq_order1_forward(r, kappa, log_gamma, None, True, state, output_final_state=True,
-                                      raw_keys=True, gate=kernel_gate)
-        q_ref, final_ref = ccq_read_reference(r64, unit_keys(kappa64), lg64, gate64.values(r64), 1, True, state64)
-        forward = max(_relative(x, y) for x, y in zip((q, *final), (q_ref, *final_ref)))
+        forward = backward = step_error = None
+        if "forward" in paths:
+            q, final = ccq_order1_forward(r, kappa, log_gamma, None, True, state, output_final_state=True,
+                                          raw_keys=True, gate=kernel_gate)
+            q_ref, final_ref = ccq_read_reference(r64, unit_keys(kappa64), lg64, gate64.values(r64), 1, True,
+                                                  state64)
+            forward = max(_relative(x, y) for x, y in zip((q, *final), (q_ref, *final_ref)))
 
-        dq = torch.randn(q.shape, generator=g).to(dtype)
-        q, _, chunk_states = ccq_order1_forward(r, kappa, log_gamma, lam, True, return_chunk_states=True)
-        grads = ccq_order1_backward(r, kappa, log_gamma, lam, dq, *chunk_states)
-        leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, lam64)]
-        q_ref, _ = ccq_read_reference(*leaves, 1, True)
-        grads_ref = torch.autograd.grad((q_ref * dq.double()).sum(), leaves)
-        # The training path of the layers: raw keys and the gate's chain rules in the kernels.
-        _, _, raw_states = ccq_order1_forward(r, kappa, log_gamma, None, True, return_chunk_states=True,
-                                              raw_keys=True, gate=kernel_gate)
-        dr, dk, dlg, dlogit, dweight = ccq_order1_backward(r, kappa, log_gamma, None, dq, *raw_states,
-                                                           raw_keys=True, gate=kernel_gate)
-        leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, gate64.weight, gate64.bias)]
-        q_raw_ref, _ = ccq_read_reference(leaves[0], unit_keys(leaves[1]), leaves[2],
-                                          CCQGate(leaves[3], leaves[4], gate.lam_max).values(leaves[0]))
-        raw_ref = torch.autograd.grad((q_raw_ref * dq.double()).sum(), leaves)
-        raw = (dr, dk, dlg, dweight, dlogit.sum((0, 1)))
-        backward = (max(_relative(x, y) for x, y in zip((q, *grads, *raw), (q_ref, *grads_ref, *raw_ref)))
-                    if dtype == torch.float32 else None)
+        dq = torch.randn(B, T, H, K, generator=g).to(dtype)
+        if "backward" in paths:
+            backward = _backward_error(r, kappa, log_gamma, lam, dq, kernel_gate, gate, dtype)
 
-        step = ccq_order1_decode(r[:, :1], kappa[:, :1], log_gamma[:, :1], kernel_gate, state)
-        step_ref = ccq_read_recurrent(r64[:, :1], unit_keys(kappa64[:, :1]), lg64[:, :1],
-                                      gate64.values(r64[:, :1]), 1, True, state64)
-        decode = max(_relative(x, y) for x, y in zip((step[0], *step[1]), (step_ref[0], *step_ref[1])))
+        if decode:
+            step = ccq_order1_decode(r[:, :1], kappa[:, :1], log_gamma[:, :1], kernel_gate, state)
+            step_ref = ccq_read_recurrent(r64[:, :1], unit_keys(kappa64[:, :1]), lg64[:, :1],
+                                          gate64.values(r64[:, :1]), 1, True, state64)
+            step_error = max(_relative(x, y) for x, y in zip((step[0], *step[1]), (step_ref[0], *step_ref[1])))
         name = f"config{candidate}_B{B}_T{T}_H{H}_K{K}_{str(dtype).split('.')[-1]}"
-        out[name] = {"forward": forward, "backward": backward, "decode": decode}
+        out[name] = {"forward": forward, "backward": backward, "decode": step_error, "paths": sorted(paths)}
     return out
+
+
+def _backward_error(r, kappa, log_gamma, lam, dq, kernel_gate, gate, dtype):
+    """Forward + backward against autograd in fp64, on unit keys and lambda and on raw keys with the gate:
+    the worst relative L2 error of q and every gradient (None in half precision: run for the bounds)."""
+    from ccq_eval.model.ccq import CCQGate
+    from ccq_eval.model.kernels.ccq_backward import ccq_order1_backward
+
+    r64, kappa64, lg64, lam64 = (x.double() for x in (r, kappa, log_gamma, lam))
+    gate64 = CCQGate(gate.weight.double(), gate.bias.double(), gate.lam_max)
+    q, _, chunk_states = ccq_order1_forward(r, kappa, log_gamma, lam, True, return_chunk_states=True)
+    grads = ccq_order1_backward(r, kappa, log_gamma, lam, dq, *chunk_states)
+    leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, lam64)]
+    q_ref, _ = ccq_read_reference(*leaves, 1, True)
+    grads_ref = torch.autograd.grad((q_ref * dq.double()).sum(), leaves)
+    # The training path of the layers: raw keys and the gate's chain rules in the kernels.
+    _, _, raw_states = ccq_order1_forward(r, kappa, log_gamma, None, True, return_chunk_states=True,
+                                          raw_keys=True, gate=kernel_gate)
+    dr, dk, dlg, dlogit, dweight = ccq_order1_backward(r, kappa, log_gamma, None, dq, *raw_states,
+                                                       raw_keys=True, gate=kernel_gate)
+    leaves = [x.clone().requires_grad_(True) for x in (r64, kappa64, lg64, gate64.weight, gate64.bias)]
+    q_raw_ref, _ = ccq_read_reference(leaves[0], unit_keys(leaves[1]), leaves[2],
+                                      CCQGate(leaves[3], leaves[4], gate.lam_max).values(leaves[0]))
+    raw_ref = torch.autograd.grad((q_raw_ref * dq.double()).sum(), leaves)
+    raw = (dr, dk, dlg, dweight, dlogit.sum((0, 1)))
+    if dtype != torch.float32:
+        return None
+    return max(_relative(x, y) for x, y in zip((q, *grads, *raw), (q_ref, *grads_ref, *raw_ref)))
 
 
 def _overrun_is_caught() -> bool:

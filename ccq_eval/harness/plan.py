@@ -42,7 +42,7 @@ FOLDER_METADATA_KEYS = ("qa_dir", "data_dir", "zeroshot_dir", "recall_dir")
 RECALL_JRT_KEYS = ("recall_length", "recall_prompt")
 # How the zero-shot suite's loglikelihood units fit a context over the max length (their spec's
 # context_truncation): cut from the left as lm-eval's HFLM cuts it (scoring.Scorer._prepare_loglikelihood).
-# Units stored before it scored such contexts whole, so they differ in it and are not reused.
+# A stored unit without this field scored such contexts whole: it differs in it and is not reused.
 ZEROSHOT_CONTEXT_TRUNCATION = "left"
 
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ccq_eval.data.json_rows import checked_rows
 from ccq_eval.errors import UserError
 from ccq_eval.task_families import ZEROSHOT_AVERAGED, ZEROSHOT_PAPER_COLUMNS, ZEROSHOT_TASKS
 
@@ -234,20 +235,7 @@ def check_rows(name: str, path: str | Path, dataset: str | None = None) -> None:
     line that is not JSON and a file with no row. `dataset`: the hub dataset whose schema the file follows."""
     schema = f"rows in {dataset}'s schema" if dataset else "rows in the dataset's schema"
     fix = f"fix or remove that row (--zeroshot-dir holds {schema})"
-    rows = 0
-    with open(path, encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ZeroshotDataError(f"{path} line {line_number}: not valid JSON ({error}); {fix}") from None
-            problem = row_problem(name, row)
-            if problem is not None:
-                raise ZeroshotDataError(f"{path} line {line_number}: {problem}; {fix}")
-            rows += 1
-    if not rows:
+    if not checked_rows(path, lambda row: row_problem(name, row), ZeroshotDataError, fix):
         raise ZeroshotDataError(f"{path} holds no rows: give task {name} its split there, {schema}")
 
 

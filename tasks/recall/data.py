@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ccq_eval.data.json_rows import checked_rows
 from ccq_eval.errors import UserError
 
 SPLIT = "validation"
@@ -127,19 +128,7 @@ def read_file(path: Path, dataset: RecallDataset, prompt_mode: str = "once") -> 
     """The rows of one local file, each checked (row_problem); RecallDataError naming the file, the line and
     the field of the first bad row, or saying the file holds no row."""
     fix = f"fix or remove that row (--recall-dir holds rows in {dataset.hub_id}'s field layout)"
-    rows: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise RecallDataError(f"{path} line {line_number}: not valid JSON ({error}); {fix}") from None
-            problem = row_problem(dataset, row, prompt_mode)
-            if problem is not None:
-                raise RecallDataError(f"{path} line {line_number}: {problem}; {fix}")
-            rows.append(row)
+    rows = checked_rows(path, lambda row: row_problem(dataset, row, prompt_mode), RecallDataError, fix)
     if not rows:
         raise RecallDataError(f"{path} holds no rows: put {dataset.hub_id}'s {SPLIT} split there, one JSON row a line")
     return rows

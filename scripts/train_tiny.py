@@ -281,6 +281,10 @@ def initial_model(spec: ModelSpec, settings: TrainSettings):
     model_cls = checkpoint_family(folder).model_class
     model, info = model_cls.from_pretrained(folder, config=config, dtype=torch.float32, use_safetensors=True,
                                             local_files_only=True, output_loading_info=True)
+    if spec.family in FLA_OWN_FAMILIES:  # fla's classes get ccq-eval's op dispatch, as build_model gives them
+        from ccq_eval.model import fla_cpu
+
+        model = fla_cpu.use_torch_backend(model)
     # Only CCQ's gate may be absent (a baseline's checkpoint has none); it starts at its initial values.
     missing = [key for key in info.get("missing_keys") or [] if ".ccq_gate_" not in key]
     if missing or info.get("unexpected_keys"):
@@ -373,10 +377,27 @@ def train(spec: ModelSpec, settings: TrainSettings) -> tuple[torch.nn.Module, di
 
 
 # ------------------------------------------------------------------------------------ evaluation
+def heldout_precision(model, device: str):
+    """fp32 (no autocast), except on CUDA for a family whose fla kernel refuses fp32 (DeltaNet's
+    chunk_delta_rule): there bf16 autocast, as in training."""
+    from ccq_eval.model.families import family_of
+
+    family = family_of(getattr(model.config, "model_type", None))
+    if device.startswith("cuda") and family is not None and family.cuda_float32_blocker:
+        return autocast_context(device)
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def heldout_metrics(model, settings: TrainSettings) -> dict:
     """Held-out NLL per byte (nats) on fixed eval-split windows and teacher-forced recall on fixed
-    held-out recall documents. Run on the weights as saved, in fp32 (no autocast)."""
+    held-out recall documents. Run on the weights as saved, in fp32 where the family's kernels take it
+    (heldout_precision)."""
+    with heldout_precision(model, settings.device):
+        return _heldout_metrics(model, settings)
+
+
+def _heldout_metrics(model, settings: TrainSettings) -> dict:
     device = settings.device
     model.eval()
     windows, where = tiny_data.heldout_windows(settings.context, settings.eval_windows)

@@ -298,7 +298,6 @@ def test_bad_model_name_is_refused_with_the_choices():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_smoke_new_family_baselines_train_save_and_load(tmp_path):
     """The baselines of other families (fla's own classes, no twin): trained a few steps on the CPU through
     fla_cpu's ops (backward included), saved as plain fla checkpoints, loaded by ccq-eval's loader."""
@@ -311,6 +310,11 @@ def test_smoke_new_family_baselines_train_save_and_load(tmp_path):
         model, _ = load_model(str(tmp_path / name))
         assert type(model).__name__ == family_of(model_type).model_class.__name__  # fla's own class
         assert "fla's own model" in (tmp_path / name / "README.md").read_text()
+    # A later stage continues from the saved folder (--init-from) through the same op dispatch: on the CPU
+    # fla's own kernels would fail, so a finished stage shows the continued model got it too.
+    continued = train_tiny.main([*SMOKE_ARGS, "--models", "tiny-precond-gdn", "--init-from", str(tmp_path),
+                                 "--out", str(tmp_path / "stage2")])
+    assert math.isfinite(continued["tiny-precond-gdn"]["heldout"]["heldout_perplexity"])
 
 
 def test_smoke_gated_deltanet_twins(tmp_path):
@@ -406,3 +410,17 @@ def test_read_path_freeze_keeps_every_query_and_key_input_fixed(name):
 def test_bad_freeze_pattern_is_refused():
     with pytest.raises(SystemExit, match="--freeze"):
         train_settings.settings_from_args(train_settings.parse_args(["--smoke", "--freeze", "q_proj("]))
+
+
+def test_heldout_metrics_use_bf16_only_where_the_cuda_kernel_refuses_fp32():
+    """DeltaNet's chunk_delta_rule refuses fp32 on CUDA: its held-out metrics run under bf16 autocast there,
+    every other family (and every family on the CPU) in fp32."""
+    from types import SimpleNamespace
+
+    def model_of(model_type):
+        return SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+
+    precision = train_tiny.heldout_precision(model_of("delta_net"), "cuda")
+    assert isinstance(precision, torch.autocast) and precision.fast_dtype == torch.bfloat16
+    for model_type, device in (("delta_net", "cpu"), ("kda", "cuda"), ("gla", "cuda"), ("llama", "cuda")):
+        assert not isinstance(train_tiny.heldout_precision(model_of(model_type), device), torch.autocast)

@@ -47,7 +47,7 @@ ONE_TOKEN_CACHE_LAYERS = frozenset({
 # tests/model/test_families_gpu.py); the adapter runs other families eagerly at batch 1 on CUDA unless asked
 # otherwise. RetNet is left out: its graphed batch decodes other tokens than batch 1 does.
 GPU_FAST_PATH_MEASURED = frozenset({"gla", "gated_deltanet", "ccq_gla", "ccq_gated_deltanet", "delta_net", "kda",
-                                    "hgrn2", "rwkv7", "precond_gated_deltanet", "precond_kda"})
+                                    "hgrn2", "rwkv7", "precond_gated_deltanet", "precond_kda", "mamba", "mamba2"})
 # fla layers whose chunked CUDA kernel refuses float32 inputs (fla asserts in the op): on CUDA their families
 # run in bfloat16 or float16.
 CUDA_HALF_ONLY_LAYERS = {

@@ -322,18 +322,22 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and f
 @gpu
 @pytest.mark.parametrize("model_type", BACKBONES)
 def test_gpu_lambda_zero_matches_the_backbone_and_ccq_matches_the_cpu_path(tmp_path, model_type):
+    """float32 where the backbone's CUDA kernel takes it; bfloat16 (looser bounds) where it refuses float32
+    (DeltaNet's chunk_delta_rule)."""
     folder = tiny_checkpoint(model_type, tmp_path / model_type)
     x = _tokens(300)
-    plain, _ = load_model(str(folder), device="cuda")
-    attached, _ = load_model(str(folder), device="cuda", ccq_lambda=0.0)
+    half_only = family_of(model_type).cuda_float32_blocker is not None
+    dtype, same_kernels_bound, cpu_bound = (torch.bfloat16, 1e-2, 3e-2) if half_only else (torch.float32, 1e-3, 2e-3)
+    plain, _ = load_model(str(folder), device="cuda", dtype=dtype)
+    attached, _ = load_model(str(folder), device="cuda", dtype=dtype, ccq_lambda=0.0)
     with torch.no_grad():
         expected = plain(x.cuda(), use_cache=False).logits.float()
         got = attached(x.cuda(), use_cache=False).logits.float()
     relative = ((got - expected).norm() / expected.norm()).item()
-    assert relative < 1e-3, f"{model_type}: lambda = 0 on CUDA vs fla's model, relative L2 {relative:.2e}"
+    assert relative < same_kernels_bound, f"{model_type}: lambda = 0 on CUDA vs fla's model, relative L2 {relative:.2e}"
     model = _ccq_model(model_type, dtype=torch.float32)
     with torch.no_grad():
         cpu_logits = model(x, use_cache=False).logits
-        gpu_logits = model.to("cuda")(x.cuda(), use_cache=False).logits.float().cpu()
+        gpu_logits = model.to("cuda", dtype)(x.cuda(), use_cache=False).logits.float().cpu()
     relative = ((gpu_logits - cpu_logits).norm() / cpu_logits.norm()).item()
-    assert relative < 2e-3, f"{model_type}: CCQ on CUDA vs the CPU path, relative L2 {relative:.2e}"
+    assert relative < cpu_bound, f"{model_type}: CCQ on CUDA vs the CPU path, relative L2 {relative:.2e}"

@@ -20,7 +20,15 @@ from ccq_eval.harness.fingerprints import (
 from ccq_eval.harness.options import ParsedOptions, PlanError
 from ccq_eval.harness.suites import SuitePart
 from ccq_eval.harness.task_registry import TaskCatalog
-from ccq_eval.task_families import PERPLEXITY, RECALL, RECALL_LMEVAL_TASKS, RECALL_PAPER_COLUMNS, ZEROSHOT, family_of
+from ccq_eval.task_families import (
+    FAMILIES,
+    PERPLEXITY,
+    RECALL,
+    RECALL_LMEVAL_TASKS,
+    RECALL_PAPER_COLUMNS,
+    ZEROSHOT,
+    family_of,
+)
 
 # The default run's tasks, and those of its CCQ sweep (model_resolution.DEFAULT_SWEEP_ATTACH's lambdas).
 DEFAULT_TASKS = ["s-niah", "ppl"]
@@ -60,7 +68,9 @@ def select_tasks(parsed: ParsedOptions, catalog: TaskCatalog, *, with_sweep: boo
     resolved, recall_notes = _recall_tasks_with_data(resolved, part_of, parsed)
     notes += recall_notes
     if grid.depths is not None and not any(family_of(task).takes_depths for task, _ in resolved):
-        raise PlanError("--depths applies to S-NIAH tasks only, and no S-NIAH task was selected")
+        with_depths = ", ".join(family.title for family in FAMILIES if family.takes_depths)
+        raise PlanError(f"--depths applies only to tasks that place their needles at a depth ({with_depths}), "
+                        "and none was selected; leave --depths out or add such a task")
     grid_tasks = [task for task, _ in resolved if family_of(task).length_grid]
     _check_lengths(grid_tasks, grid.lengths, options.lengths)
     _check_lm_eval_args_apply(resolved, parsed.lm_eval_args)

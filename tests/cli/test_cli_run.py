@@ -303,7 +303,8 @@ def test_depths_without_sniah_task_is_rejected(fake_world, monkeypatch):
 
     monkeypatch.setattr(run_plan, "default_task_catalog", lambda: NoSniah(Path(".")))
     result = invoke("run", "--model", "tiny-strong", "--task", "ppl", "--depths", "0,50")
-    assert result.exit_code == 2 and "--depths applies to S-NIAH tasks only" in result.output
+    assert result.exit_code == 2 and "--depths applies only to tasks that place their needles at a depth (" \
+        "S-NIAH, NIAH with competitors, variable tracking, RULER QA), and none was selected" in result.output
 
 
 def test_rerun_with_other_settings_into_same_output_is_refused(fake_world):

@@ -4,7 +4,10 @@ one process, on the same random-init weights.
 
 Sections (--sections, comma-separated):
   model       forward (eval, use_cache=False) and forward+backward at each T: time, tokens/s,
-              CCQ/baseline ratio, peak memory, MFU against a bf16 matmul rate measured here
+              CCQ/baseline ratio, peak memory, MFU against a bf16 matmul rate measured here; also
+              for the other CCQ backbones (--archs delta_net,kda,retnet,mamba2,precond_gated_deltanet:
+              fla's own model vs CCQ attached to the same weights; no MFU, the FLOP model is GLA's and
+              Gated DeltaNet's)
   ops         single kernels on the issue's reference shape (chunk_gla, chunk_simple_gla v=k,
               chunk_gated_delta_rule, the whole CCQ read)
   harness     perplexity scoring of long documents: bare forward vs the ccq adapter's
@@ -23,6 +26,9 @@ split across device calls) into one report. See benchmarks/README.md for the com
 
   python benchmarks/bench.py --smoke                       # CPU, tiny shapes, < 1 min
   python benchmarks/bench.py --sections model --out $OUT   # on the GPU
+  # the cost CCQ adds per backbone (issue 55): forward at 8K, CCQ over fla's own model, on the GPU
+  python benchmarks/bench.py --sections model --archs delta_net,kda,retnet,mamba2,precond_gated_deltanet \
+      --modes forward --lengths 8192 --out $OUT --name backbones
 """
 
 from __future__ import annotations
@@ -132,7 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sections",
         help=f"comma-separated, from {', '.join(SECTION_NAMES)} (default {FULL['sections']}; smoke: all)",
     )
-    p.add_argument("--archs", help="gla,gated_deltanet; with --sections sniah also fla's own delta_net,kda,mamba2")
+    p.add_argument("--archs", help="gla,gated_deltanet; with --sections sniah also fla's own delta_net,kda,mamba2; "
+                   "with --sections model also delta_net,kda,retnet,mamba2,precond_gated_deltanet (fla's own "
+                   "model vs CCQ attached to its weights)")
     p.add_argument("--ccq", help="off,on: which CCQ settings to run (off = fla's own layer forward)")
     p.add_argument("--modes", help="model section: forward,train (eager), forward_graphed,train_graphed (the "
                    "same call captured once in a CUDA graph and replayed: no host-side cost)")
@@ -236,12 +244,20 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     ops_shape = _ints(raw["ops_shape"], "ops-shape")
     if len(ops_shape) != 4:
         raise SystemExit(f"error: --ops-shape {raw['ops_shape']!r}: expected T,H,K,V")
-    archs = _choices(raw["archs"], workload.ARCHS + workload.FLA_ARCHS, "archs")
     sections = _choices(raw["sections"], SECTION_NAMES, "sections")
-    fla_archs = [arch for arch in archs if arch in workload.FLA_ARCHS]
-    if fla_archs and sections != ["sniah"]:  # the other sections switch CCQ or count its FLOPs
-        raise SystemExit(f"error: --archs {','.join(fla_archs)}: fla's own families run in the sniah section "
-                         "only (--sections sniah)")
+    # GLA and Gated DeltaNet run everywhere. fla's own families run in the sniah section (no CCQ) and, paired
+    # with CCQ attached to their weights, in the model section; the other sections switch CCQ in place.
+    runs_in = {arch: set(SECTION_NAMES) for arch in workload.ARCHS}
+    for arch in workload.FLA_ARCHS:
+        runs_in.setdefault(arch, set()).add("sniah")
+    for arch in workload.ATTACH_ARCHS:
+        runs_in.setdefault(arch, set()).add("model")
+    archs = _choices(raw["archs"], tuple(runs_in), "archs")
+    outside = [arch for arch in archs if not set(sections) <= runs_in[arch]]
+    if outside:
+        raise SystemExit(f"error: --archs {','.join(outside)}: fla's own families run in the sniah section only "
+                         f"({', '.join(workload.FLA_ARCHS)}, no CCQ) and the model section (fla's model vs CCQ "
+                         "attached to its weights): --sections sniah or --sections model")
     settings = {
         "smoke": args.smoke,
         "sections": sections,

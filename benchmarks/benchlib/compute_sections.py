@@ -42,9 +42,10 @@ def _model_case(
             model.eval()
             for p in model.parameters():
                 p.grad = None
-        flops = workload.forward_flops_per_token(model, ccq)
+        # The FLOP model knows GLA's and Gated DeltaNet's mixing only: the other backbones get no MFU.
+        flops = workload.forward_flops_per_token(model, ccq) if arch in workload.ARCHS else None
     n_tokens = s["batch"] * T
-    step_flops = flops["total"] * n_tokens * (3 if training else 1)
+    step_flops = flops["total"] * n_tokens * (3 if training else 1) if flops else None
     seconds = m.median_ms / 1000.0
     return {
         "arch": arch,
@@ -57,7 +58,7 @@ def _model_case(
         "tokens_per_s": n_tokens / seconds,
         "flops": step_flops,
         "flops_breakdown_per_token": flops,
-        "mfu": step_flops / seconds / ceiling,
+        "mfu": step_flops / seconds / ceiling if flops else None,
     }
 
 
@@ -79,25 +80,39 @@ def _graphed(call: Callable[[], Any], device: torch.device) -> Callable[[], None
     return graph.replay
 
 
+def _models(bench: Bench, arch: str) -> dict[bool, torch.nn.Module]:
+    """The model each CCQ setting runs: one model for GLA and Gated DeltaNet (CCQ switched in place); for
+    the other backbones fla's own model off, and on a CCQ model holding its weights (workload.attach_ccq)."""
+    models = {ccq: bench.model(arch) for ccq in bench.ccq_settings()}
+    if arch in workload.ATTACH_ARCHS and True in models:
+        bench.log(f"attaching CCQ to {arch}'s weights")
+        models[True] = workload.attach_ccq(models[True], arch, bench.settings["shapes"][arch], bench.vocab_size)
+    return models
+
+
 def run_model(bench: Bench) -> None:
     """Forward (eval, use_cache=False, logits for every position) and forward + backward (train mode,
     loss on the same tokens) at each T, CCQ off and on, on the same weights; eagerly, or (*_graphed
-    modes) replayed from a CUDA graph."""
+    modes) replayed from a CUDA graph. GLA and Gated DeltaNet switch CCQ in place in one model; the other
+    backbones (workload.ATTACH_ARCHS) time fla's own model against CCQ attached to its weights."""
     s = bench.settings
     ceiling = bench.matmul_ceiling()["flops_per_s"]
     for arch in s["archs"]:
-        model = bench.model(arch)
+        # Recorded per arch: a backbone that fails to build leaves the others to run.
+        models = bench.attempt("model", {"arch": arch, "build": True}, functools.partial(_models, bench, arch))
+        if models is None:
+            continue
         for mode in s["modes"]:
             for T in s["lengths"]:
                 tokens = workload.random_tokens(s["batch"], T, bench.vocab_size, bench.device)
                 by_ccq: dict[bool, dict[str, Any]] = {}
-                for ccq in bench.ccq_settings():
+                for ccq in models:
                     case = {"arch": arch, "mode": mode, "T": T, "ccq": ccq}
                     bench.log(f"model {case}")
                     row = bench.attempt(
                         "model",
                         case,
-                        functools.partial(_model_case, bench, model, arch, mode, T, ccq, tokens, ceiling),
+                        functools.partial(_model_case, bench, models[ccq], arch, mode, T, ccq, tokens, ceiling),
                     )
                     if row is not None:
                         by_ccq[ccq] = bench.add("model", row)
@@ -109,6 +124,7 @@ def run_model(bench: Bench) -> None:
                         if on["peak_mem_bytes"] and off["peak_mem_bytes"]
                         else None
                     )
+        del models  # an ATTACH_ARCHS backbone's CCQ twin: freed before the next arch's is built
 
 
 # ------------------------------------------------------------------------------------------ ops

@@ -264,11 +264,148 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
     }
 
 
+# ------------------------------------------------------------------------------------------ sniah: near ties
+# Greedy decoding of a random-init model, whose top logits are near ties, follows the rounding of its path.
+# Two paths (a batched kernel and a batch-1 one, a chunked prefill and a whole-prompt one) compute the same
+# logit with different accumulated rounding, a few ulps of the logit scale (dtype eps * max|logit|) apart;
+# TIE_ULPS allows some margin over that. A split is a near tie when the two texts' tokens lie within
+# TIE_ULPS such ulps of each other and of the position's top logit.
+TIE_ULPS = 8
+
+
+def generated_ids(tokenizer, context: str, text: str) -> list[list[int]]:
+    """Two candidate token ids of `text`, generated after `context` (a decoded text does not tell whether
+    its first token started a word: the decoder drops that token's leading space): the tokens of context +
+    text past the context's own, where they split there and decode back to the text, and the text's own
+    tokens, which start a word (those twice where the first fails)."""
+    context_ids = workload.encode(tokenizer, context)
+    ids = workload.encode(tokenizer, context + text)
+    rest, alone = ids[len(context_ids):], workload.encode(tokenizer, text)
+    if ids[:len(context_ids)] == context_ids and tokenizer.decode(rest, skip_special_tokens=True) == text:
+        return [rest, alone]
+    return [alone, alone]
+
+
+def parting_points(tokenizer, context: str, tested: str, reference: str) -> list[dict[str, Any]]:
+    """Where two different texts generated after `context` part, per candidate tokenization
+    (generated_ids; duplicates dropped): the generated tokens they share ("common") and each one's next
+    token (EOS past a text's end). generate_until returns texts, so they are re-tokenized; where a text's
+    ids do not decode back to it (a random model may emit splits that decode lossily), only the texts'
+    longest common character prefix is re-encoded, less its last token (a word the texts may go on to
+    finish differently), and both texts' ids must begin with those. Empty where no candidate parts them."""
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+    chars = 0
+    while chars < min(len(tested), len(reference)) and tested[chars] == reference[chars]:
+        chars += 1
+    candidates = zip(generated_ids(tokenizer, context, tested), generated_ids(tokenizer, context, reference),
+                     generated_ids(tokenizer, context, tested[:chars]))
+    points = []
+    for test_ids, ref_ids, common_ids in candidates:
+        common, shorter = 0, min(len(test_ids), len(ref_ids))
+        if decode(test_ids) == tested and decode(ref_ids) == reference:
+            how = "tokens"
+        else:
+            how, common = "common characters", len(common_ids[:-1])
+            if test_ids[:common] != common_ids[:common] or ref_ids[:common] != common_ids[:common]:
+                continue
+        # past the common characters' ids, the tokens the texts share whole (in the fallback: the dropped one)
+        while (common < shorter and test_ids[common] == ref_ids[common]
+               and (how == "tokens" or tested[:chars].startswith(decode(test_ids[:common + 1])))):
+            common += 1
+        tokens = [ids[common] if common < len(ids) else tokenizer.eos_token_id for ids in (test_ids, ref_ids)]
+        point = {"common": test_ids[:common], "tested_token": tokens[0], "reference_token": tokens[1], "how": how}
+        if None not in tokens and tokens[0] != tokens[1] and point not in points:
+            points.append(point)
+    return points
+
+
+def classify_split(logits: torch.Tensor, reference_token: int, tested_token: int, dtype: torch.dtype,
+                   tie_ulps: float = TIE_ULPS) -> dict[str, Any]:
+    """A split at one position, judged on the reference model's logits there (one row): the gap between
+    the two tokens' logits, in absolute terms and in ulps of the logit scale (eps of `dtype` times the
+    largest |logit|), each token's rank (0: argmax, 1: runner-up), and whether it is a near tie: both
+    tokens within tie_ulps of the scale of each other and of the top logit (either could then have been a
+    path's argmax; a token far below the top, e.g. after a re-tokenized context other than the generated
+    one, is no tie)."""
+    logits = logits.float()
+    ulp = max(torch.finfo(dtype).eps * float(logits.abs().max()), torch.finfo(torch.float32).tiny)
+    ref, test, top = float(logits[reference_token]), float(logits[tested_token]), float(logits.max())
+    gap, tolerance = abs(ref - test), tie_ulps * ulp
+    return {
+        "gap": gap,
+        "gap_ulps": gap / ulp,
+        "top_gap_ulps": (top - min(ref, test)) / ulp,
+        "tie": gap <= tolerance and top - min(ref, test) <= tolerance,
+        "reference_rank": int((logits > ref).sum()),
+        "tested_rank": int((logits > test).sum()),
+    }
+
+
+def _greedy_consistent(logits: torch.Tensor, tokens: list[int], dtype: torch.dtype) -> bool:
+    """Whether each of `tokens` is within TIE_ULPS of the top logit of its row of `logits`: a token greedy
+    decoding could have chosen there, by classify_split's measure."""
+    if not tokens:
+        return True
+    logits = logits.float()
+    ulp = torch.finfo(dtype).eps * logits.abs().amax(-1)
+    chosen = logits.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    return bool((logits.amax(-1) - chosen <= TIE_ULPS * ulp).all())
+
+
+def compare_texts(bench: Bench, model, ccq: bool, contexts: list[str], tested: list[str],
+                  reference: list[str]) -> list[dict[str, Any] | None]:
+    """Per sample (as many as both ran): None where the texts are equal, else where they part
+    (parting_points) and classify_split's verdict on a plain forward of the model (no cache, the bench's
+    dtype) over the prompt as the adapter encodes it (BOS, then the context) and the generated tokens the
+    texts share. The same forward checks that context: each shared token within TIE_ULPS of its position's
+    top logit, as greedy decoding chose it ("prefix_consistent"; a split in any other context is no tie).
+    Where the first candidate tokenization fails that check, the second gets a forward too: at most two
+    forwards per differing sample, after the timed runs."""
+    tokenizer, splits = bench.tokenizer, []
+    for context, test, ref in zip(contexts, tested, reference):
+        if test == ref:
+            splits.append(None)
+            continue
+        prompt = workload.prefix_ids(tokenizer) + workload.encode(tokenizer, context)
+        split = {"how": "unresolved", "tie": False}
+        for point in parting_points(tokenizer, context, test, ref):
+            ids = torch.tensor([prompt + point["common"]], device=bench.device)
+            with torch.no_grad(), workload.ccq_mode(model, ccq):
+                logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
+            consistent = _greedy_consistent(logits[:-1], point["common"], bench.dtype)
+            judged = classify_split(logits[-1], point["reference_token"], point["tested_token"], bench.dtype)
+            split = {"first_divergence_token": len(point["common"]), "how": point["how"],
+                     "tested_token": point["tested_token"], "reference_token": point["reference_token"],
+                     **judged, "prefix_consistent": consistent, "tie": judged["tie"] and consistent}
+            if consistent:
+                break
+        splits.append(split)
+    return splits
+
+
+def _near_ties(bench: Bench, model, contexts: list[str], row: dict[str, Any], reference: dict[str, Any],
+               against: str) -> None:
+    """compare_texts' verdicts for `row`'s texts against `reference`'s (`against`: "hflm", "batch1"), stored
+    in `row`: the fraction of samples that part at a near tie, the largest gap in ulps, and per sample the
+    generated tokens shared before the split (None: same text) and the split itself."""
+    case = {key: row[key] for key in ("arch", "ccq", "method", "length", "batch")}
+    splits = bench.attempt("sniah", {**case, "compared_with": against}, functools.partial(
+        compare_texts, bench, model, row["ccq"], contexts, row["texts"], reference["texts"]))
+    if splits is None:
+        return
+    judged = [s for s in splits if s is not None and "gap_ulps" in s]
+    row[f"ties_vs_{against}_fraction"] = sum(s is not None and s["tie"] for s in splits) / len(splits)
+    row[f"max_gap_ulps_vs_{against}"] = max((s["gap_ulps"] for s in judged), default=None)
+    row[f"first_divergence_tokens_vs_{against}"] = [
+        None if s is None else s.get("first_divergence_token") for s in splits]
+    row[f"splits_vs_{against}"] = splits
+
+
 def run_sniah(bench: Bench) -> None:
     """S-NIAH-1 samples at one length through generate_until: the ccq adapter vs lm-eval's stock HFLM
     (max_length large enough, RULER's generation settings), same requests, same model (HFLM on the first
     sniah_hflm_samples of them): seconds per sample and whether the generated texts agree, with HFLM's
-    and, for the adapter's other batch sizes, with its batch 1's (every sample)."""
+    and, for the adapter's other batch sizes, with its batch 1's (every sample), or part at a near tie."""
     from lm_eval.api.instance import Instance
 
     s = bench.settings
@@ -276,6 +413,7 @@ def run_sniah(bench: Bench) -> None:
     depths = [round(100 * i / (n - 1)) for i in range(n)] if n > 1 else [50]
     docs = workload.sniah_docs(bench.tokenizer_spec, [s["sniah_length"]], depths=depths)
     utils = workload.s_niah_utils()
+    contexts = [utils.doc_to_text(doc) for doc in docs]
     # The task YAML's generation_kwargs (tasks/s_niah/_s_niah_template_yaml); HFLM gets the same
     # minus the adapter-only truncation key, which transformers' generate() would reject.
     adapter_kwargs = {
@@ -303,7 +441,7 @@ def run_sniah(bench: Bench) -> None:
                         idx=0,
                         task_name="ccq_s_niah_1",
                         doc_id=i,
-                        arguments=(utils.doc_to_text(doc), dict(kwargs)),
+                        arguments=(contexts[i], dict(kwargs)),
                     )
                     for i, doc in enumerate(method_docs)
                 ]
@@ -315,11 +453,13 @@ def run_sniah(bench: Bench) -> None:
                 )
                 if row is not None:
                     rows.append(bench.add("sniah", row))
-            # Every sample, not only HFLM's: a larger batch must answer as batch 1 does (issue 54).
+            # Every sample, not only HFLM's: a larger batch must answer as batch 1 does (issue 54), or part from
+            # it at a near tie (compare_texts; untimed, after the timed runs).
             batch1 = next((r for r in rows if r["method"] == "ccq_adapter" and r["batch"] == 1), None)
             for adapter in (r for r in rows if batch1 is not None and r["method"] == "ccq_adapter" and r is not batch1):
                 same = [a == b for a, b in zip(adapter["texts"], batch1["texts"], strict=True)]
                 adapter["same_text_as_batch1_fraction"] = sum(same) / len(same)
+                _near_ties(bench, model, contexts, adapter, batch1, "batch1")
             hflm = next((r for r in rows if r["method"] == "lm_eval HFLM"), None)
             if hflm is None:
                 continue
@@ -331,3 +471,4 @@ def run_sniah(bench: Bench) -> None:
                 hflm["same_text_fraction"] = min(
                     hflm.get("same_text_fraction", 1.0), adapter["same_text_fraction"]
                 )
+                _near_ties(bench, model, contexts, adapter, hflm, "hflm")

@@ -1,6 +1,6 @@
 """What the benchmark runs: model shapes, random-init CCQ models with CCQ switchable in place (so the
-baseline and CCQ share every weight), random-init models of fla's own DeltaNet, KDA and Mamba2 (no CCQ), a
-FLOP model for MFU, tokenizers, a long document, and S-NIAH prompts."""
+baseline and CCQ share every weight), random-init models of fla's own families (no CCQ) and CCQ attached
+to their weights, a FLOP model for MFU, tokenizers, a long document, and S-NIAH prompts."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ ARCHS = ("gla", "gated_deltanet")
 # fla families built in fla's own classes, as ccq-eval loads their checkpoints (issue 54): no CCQ layers, so
 # they run once, CCQ off; the sniah section times them.
 FLA_ARCHS = ("delta_net", "kda", "mamba2")
+# The other backbones CCQ attaches to (ccq_eval.model.modeling_ccq.CCQ_CLASSES): the model section times
+# fla's own model (build_fla_model) against a CCQ model holding the same weights (attach_ccq), as
+# load_model(path, ccq_lambda=...) gives a plain checkpoint CCQ: the baseline is the model ccq-eval loads for
+# the plain checkpoint, not a CCQ model switched off.
+ATTACH_ARCHS = ("delta_net", "kda", "retnet", "mamba2", "precond_gated_deltanet")
 
 # fla's 340M shapes, as flame's configs/gla_340M.json and configs/gated_deltanet_340M.json give
 # them (hidden 1024; GLA 24 layers x 4 heads, expand_k 0.5; Gated DeltaNet 21 layers x 6 heads x 256,
@@ -108,6 +113,44 @@ SHAPES_340M: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # flame ships no RetNet config: fla's RetNetConfig defaults (24 layers x 8 heads, expand_k 1, expand_v 2,
+    # hidden_ratio 2, output gate) at hidden 1024: heads of 128 (keys) / 256 (values), 380.2M parameters.
+    "retnet": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_heads": 8,
+        "expand_k": 1,
+        "expand_v": 2,
+        "hidden_ratio": 2,
+        "attn_mode": "chunk",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # flame ships no Preconditioned Gated DeltaNet config: fla's PrecondGatedDeltaNetConfig defaults are
+    # GatedDeltaNetConfig's (21 layers x 6 heads x 256, expand_v 2, short conv, output gate), so Gated
+    # DeltaNet's 340M shape above (flame's configs/gated_deltanet_340M.json), with the preconditioner at
+    # fla's defaults (226 parameters more than Gated DeltaNet's 512.3M at the 32K vocabulary): its
+    # CCQ/baseline ratio reads against the gated_deltanet row's.
+    "precond_gated_deltanet": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 21,
+        "num_heads": 6,
+        "head_dim": 256,
+        "expand_v": 2,
+        "hidden_ratio": 4,
+        "use_short_conv": True,
+        "conv_size": 4,
+        "use_gate": True,
+        "attn_mode": "chunk",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 # CPU smoke shapes: the same model classes, a few seconds for everything.
 SHAPES_SMOKE: dict[str, dict[str, Any]] = {
@@ -117,6 +160,8 @@ SHAPES_SMOKE: dict[str, dict[str, Any]] = {
     "kda": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
     "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "head_dim": 16, "state_size": 16, "expand": 2,
                "n_groups": 1, "chunk_size": 32},
+    "retnet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2},
+    "precond_gated_deltanet": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 32},
 }
 
 # fla's chunked kernels work on blocks of this many tokens (BT = 64 in chunk_gla / chunk_simple_gla /
@@ -144,21 +189,25 @@ def model_classes(arch: str):
 def build_model(
     arch: str, shape: dict[str, Any], vocab_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> torch.nn.Module:
-    """A random-init CCQ model (CCQ layers attached, enabled), or for an arch of FLA_ARCHS fla's own model
-    (build_fla_model). Built directly on `device`."""
-    if arch in FLA_ARCHS:
+    """A random-init CCQ model (CCQ layers attached, enabled), or for an arch of FLA_ARCHS / ATTACH_ARCHS
+    fla's own model (build_fla_model). Built directly on `device`."""
+    if arch in FLA_ARCHS or arch in ATTACH_ARCHS:
         return build_fla_model(arch, shape, vocab_size, device, dtype, seed)
     config_cls, model_cls = model_classes(arch)
     config = config_cls(vocab_size=vocab_size, ccq=True, **shape)
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config)
+    _trained_looking_gate(model)
+    return model.to(dtype).eval()
+
+
+def _trained_looking_gate(model: torch.nn.Module) -> None:
     # A query-dependent gate, as after training (a = 0 would make lambda constant); costs the same.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("ccq_gate_weight"):
                 param.normal_(0.0, 0.02)
-    return model.to(dtype).eval()
 
 
 def build_fla_model(
@@ -181,6 +230,33 @@ def build_fla_model(
     fla_cpu.use_torch_backend(model)
     model.register_forward_pre_hook(read_generate_cache_keyword, with_kwargs=True)
     return model.to(dtype).eval()
+
+
+def attach_ccq(
+    baseline: torch.nn.Module, arch: str, shape: dict[str, Any], vocab_size: int, seed: int = 0, **ccq_fields: Any
+) -> torch.nn.Module:
+    """A CCQ model of backbone `arch` holding every weight of `baseline` (fla's own model, build_fla_model,
+    built from the same `shape` and `vocab_size`), on its device and in its dtype, in eval mode. CCQ as
+    build_model's GLA / Gated DeltaNet models have it: on, order 1, the query gate with b = 0 and a drawn
+    small (lambda near 2, query-dependent), unless `ccq_fields` (CCQ config fields) say otherwise, e.g.
+    ccq_eval.model.loading.constant_gate_fields(0.0): lambda = 0, which reads as the baseline does."""
+    from ccq_eval.model.modeling_ccq import CCQ_CLASSES
+
+    config_cls, model_cls = CCQ_CLASSES[arch]
+    config = config_cls(vocab_size=vocab_size, **shape, **{"ccq": True, **ccq_fields})
+    reference = next(baseline.parameters())
+    torch.manual_seed(seed)
+    with torch.device(reference.device):
+        model = model_cls(config)
+    # Only the CCQ gate is the twin's own (missing from the baseline's weights); any other difference is a
+    # shape or naming mismatch, which would time a different model.
+    missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
+    stray = [key for key in missing if ".ccq_gate_" not in key] + list(unexpected)
+    if stray or not missing:
+        raise ValueError(f"{arch}: the CCQ model's weights do not match fla's model's ({sorted(stray)[:3]})")
+    if config.ccq_gate == "query":
+        _trained_looking_gate(model)
+    return model.to(reference.dtype).eval()
 
 
 def ccq_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

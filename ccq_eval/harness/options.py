@@ -291,6 +291,21 @@ def environment_int(name: str, default: int) -> int:
     return int(text)
 
 
+# Tests set this to 1 so that `--workers auto` keeps fakes and counts in one process.
+WORKERS_ENV = "CCQ_EVAL_WORKERS"
+
+
+def workers_override() -> int | None:
+    """The number of worker processes CCQ_EVAL_WORKERS sets for `--workers auto`; None when unset."""
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise PlanError(f"environment variable {WORKERS_ENV}={text!r} is not a whole number >= 1: it sets the "
+                        f"processes of --workers auto; give one, or unset it (`unset {WORKERS_ENV}`)")
+    return int(text)
+
+
 def data_parallel_ranks() -> tuple[int, int]:
     """(RANK, WORLD_SIZE) of this process, (0, 1) outside torchrun / accelerate launch. A RANK that is not
     below WORLD_SIZE (a RANK=1 left in the shell, without the launcher's WORLD_SIZE) is a PlanError:
@@ -408,6 +423,7 @@ def _check_values(options: RunOptions) -> None:
         raise PlanError(f"--seed {options.seed} is out of range: give a whole number from 0 to {2**32 - 1} "
                         "(numpy's seed range, which lm-eval seeds too)")
     data_parallel_ranks()
+    workers_override()
     if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
         raise PlanError(f"--dtype {options.dtype!r}: valid choices are {', '.join(DTYPE_CHOICES)}")
     if options.cuda_graphs and options.device != "auto" and not str(options.device).startswith("cuda"):

@@ -25,18 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from ccq_eval.harness import plan as run_plan
+from ccq_eval.harness.options import workers_override
 from ccq_eval.harness.reporting import Reporter, SilentReporter
-
-# Tests set this to 1 so that "auto" keeps fakes and counts in one process.
-WORKERS_ENV = "CCQ_EVAL_WORKERS"
 
 
 def auto_workers(plan: run_plan.RunPlan, threads_per_worker: int) -> int:
     """Processes for "auto": on a CPU, as many as the usable cores hold at `threads_per_worker` threads
     each, at most one per pending unit; one on a GPU and under a data-parallel launch (one device, and
     torchrun's ranks already split each unit). CCQ_EVAL_WORKERS overrides it."""
-    if os.environ.get(WORKERS_ENV, "").isdigit() and int(os.environ[WORKERS_ENV]) > 0:
-        return int(os.environ[WORKERS_ENV])
+    override = workers_override()
+    if override is not None:
+        return override
     if plan.device != "cpu" or run_plan.environment_int("WORLD_SIZE", 1) > 1:
         return 1
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -61,6 +61,15 @@ def test_a_local_rank_that_is_not_a_number_is_refused_before_the_model_loads(fak
     assert fake_world.loads == [] and not Path("out").exists()
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_a_worker_count_that_is_not_a_positive_number_is_refused_before_the_model_loads(fake_world, monkeypatch,
+                                                                                         value):
+    monkeypatch.setenv("CCQ_EVAL_WORKERS", value)
+    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    assert_one_line_error(result, f"CCQ_EVAL_WORKERS={value!r} is not a whole number >= 1", "unset CCQ_EVAL_WORKERS")
+    assert fake_world.loads == [] and not Path("out").exists()
+
+
 def test_sighup_during_a_run_is_one_line_that_says_how_to_resume(fake_world, monkeypatch):
     from ccq_eval.harness import runner
 

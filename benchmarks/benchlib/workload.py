@@ -129,29 +129,13 @@ SHAPES_340M: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
-    # flame ships no Preconditioned Gated DeltaNet config: fla's PrecondGatedDeltaNetConfig defaults are
-    # GatedDeltaNetConfig's (21 layers x 6 heads x 256, expand_v 2, short conv, output gate), so Gated
-    # DeltaNet's 340M shape above (flame's configs/gated_deltanet_340M.json), with the preconditioner at
-    # fla's defaults (226 parameters more than Gated DeltaNet's 512.3M at the 32K vocabulary): its
-    # CCQ/baseline ratio reads against the gated_deltanet row's.
-    "precond_gated_deltanet": {
-        "hidden_size": 1024,
-        "num_hidden_layers": 21,
-        "num_heads": 6,
-        "head_dim": 256,
-        "expand_v": 2,
-        "hidden_ratio": 4,
-        "use_short_conv": True,
-        "conv_size": 4,
-        "use_gate": True,
-        "attn_mode": "chunk",
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "norm_eps": 1e-6,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
 }
+# flame ships no Preconditioned Gated DeltaNet config: fla's PrecondGatedDeltaNetConfig defaults are
+# GatedDeltaNetConfig's (21 layers x 6 heads x 256, expand_v 2, short conv, output gate), so Gated
+# DeltaNet's 340M shape above (flame's configs/gated_deltanet_340M.json), with the preconditioner at
+# fla's defaults (226 parameters more than Gated DeltaNet's 512.3M at the 32K vocabulary): its
+# CCQ/baseline ratio reads against the gated_deltanet row's.
+SHAPES_340M["precond_gated_deltanet"] = dict(SHAPES_340M["gated_deltanet"])
 # CPU smoke shapes: the same model classes, a few seconds for everything.
 SHAPES_SMOKE: dict[str, dict[str, Any]] = {
     "gla": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2},

@@ -39,7 +39,7 @@ from ccq_eval.analysis.pairing import group_order
 from ccq_eval.analysis.ruler import RULER_FAMILY_NAMES
 from ccq_eval.analysis.tidy import task_family
 from ccq_eval.analysis.zeroshot import paper_header
-from ccq_eval.task_families import ZEROSHOT, ZEROSHOT_PAPER_COLUMNS
+from ccq_eval.task_families import RECALL_PAPER_COLUMNS, ZEROSHOT, ZEROSHOT_PAPER_COLUMNS
 
 ADJUSTMENT_COLUMNS = ("p_adjusted", "p_adjust", "p_family")
 Comparisons = Iterable[tuple[str, str, pd.DataFrame]]
@@ -173,15 +173,19 @@ def render_comparisons(comparisons: Comparisons, fmt: str = "markdown", confiden
 
 
 def _summary_order(task: str, metric: str = "") -> tuple[int, int, str]:
-    """S-NIAH first, then the other RULER families in their order, then every other task by name, then the
-    zero-shot suite in the order of the papers' columns."""
+    """S-NIAH first, then the other RULER families in their order, then the recall tasks in the order of the
+    papers' columns (SWDE, SQD, FDA, TQA, NQ, DROP; either protocol's names), then every other task by name,
+    then the zero-shot suite in the order of the papers' columns."""
     family = task_family(task)
     if family in RULER_FAMILY_NAMES:
         return 0, RULER_FAMILY_NAMES.index(family), task
+    for column, names in enumerate((ours, stock) for ours, stock, _ in RECALL_PAPER_COLUMNS):
+        if task in names:
+            return 1, column, task
     if family == ZEROSHOT.name:
         columns = [(paper_task, paper_metric) for paper_task, paper_metric, _ in ZEROSHOT_PAPER_COLUMNS]
         return 2, columns.index((task, metric)) if (task, metric) in columns else len(columns), task
-    return 1, 0, task
+    return 1, len(RECALL_PAPER_COLUMNS), task
 
 
 def _summary_column(task: str, metric: str, metrics_of_task: int) -> str:

@@ -138,6 +138,10 @@ def test_run_table_and_compare_offline_on_the_fixtures(tmp_path):
     rows = [line for line in compare.output.splitlines() if line.startswith("| recall ")]
     assert len(rows) == 6 and all("McNemar exact" in row and "contains (jrt, 2048 tokens)" in row for row in rows)
     assert "Holm" in compare.output
+    summary = invoke("compare", out, "--baseline", "tiny-gla", "--variant", "tiny-gla-ccq", "--summary")
+    header = next(line for line in summary.output.splitlines() if line.startswith("| comparison"))
+    assert [cell.split(" (")[0].strip() for cell in header.strip("|").split("|")[1:]] == [
+        f"recall {name}" for name in ("swde", "squad", "fda", "triviaqa", "nq", "drop")]  # the papers' order
     again = invoke("run", "-m", "tiny-gla", "-m", "tiny-gla-ccq", "-t", "recall", "--recall-dir", FIXTURES,
                    "-o", out, "--no-report")
     assert "12 skipped" in again.output

@@ -19,7 +19,7 @@
 # Environment knobs: STAGES (comma-separated subset of tests,train,eval,paper,bench; default
 # tests,train,eval,bench),
 # BENCH (subset of firstrun,model,train4,harness,ops,
-# sniah,generation,tune,profile; default all but tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
+# sniah,backbones,generation,tune,profile; default all but backbones, tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS,
 # HARNESS_FLAGS (e.g. --no-cuda-graphs, or --archs gated_deltanet --ccq on), SNIAH_FLAGS, HARNESS_TIMEOUT (480 s),
 # SMOKE_TIMEOUT (480 s: the fused-kernel smoke check before the benchmarks),
@@ -86,12 +86,14 @@ evaluate() {
     [ -f "$WORK/models/$m/model.safetensors" ] && rm -rf "models/$m" && cp -r "$WORK/models/$m" "models/$m"
   done
   python3 scripts/train_tiny.py --register-only --models "$(echo $MODELS | tr ' ' ,)" --out models > /dev/null
-  run=(python3 cli.py run --device cuda --dtype float32 --no-report --quiet --keep-going -o "$WORK/results/gpu-grid")
-  local pids=() m p
+  run=(python3 cli.py run --device cuda --no-report --quiet --keep-going -o "$WORK/results/gpu-grid")
+  local pids=() m p dtype
   for m in $MODELS; do
-    ( timeout "${EVAL_TIMEOUT:-420}" "${run[@]}" -m "$m" -t s-niah --lengths 1k,2k,4k,8k --depths 0,25,50,75,100 \
+    # float32, except DeltaNet, whose chunk_delta_rule refuses it on CUDA (families.CUDA_HALF_ONLY_LAYERS)
+    dtype=float32; [ "$m" = tiny-deltanet ] && dtype=bfloat16
+    ( timeout "${EVAL_TIMEOUT:-420}" "${run[@]}" --dtype "$dtype" -m "$m" -t s-niah --lengths 1k,2k,4k,8k --depths 0,25,50,75,100 \
         --samples-per-cell "${SAMPLES:-10}" ;\
-      timeout 150 "${run[@]}" -m "$m" -t ppl --lengths 1k,2k,4k,8k,16k,20k \
+      timeout 150 "${run[@]}" --dtype "$dtype" -m "$m" -t ppl --lengths 1k,2k,4k,8k,16k,20k \
     ) > "$WORK/logs/eval-$m.log" 2>&1 & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || stage "an evaluation process failed (rc $?)"; done
@@ -128,8 +130,11 @@ pipeline() {
     for m in $MODELS; do
       (
         n_stages=$((1 + ${#followups[@]})); out() { [ "$1" -eq "$n_stages" ] && echo "$WORK/models" || echo "$WORK/models-stage$1"; }
+        # A stage-1 checkpoint carried in the checkout's .stage1/ (copied by `start`) is continued, not retrained.
+        if [ -f "$(out 1)/$m/model.safetensors" ]; then stage "1: $m stage 1 carried in"; else
         timeout "${TRAIN_TIMEOUT:-1500}" "${train[@]}" ${STEPS:+--steps "$STEPS"} ${TRAIN_ARGS:-} --models "$m" \
           --out "$(out 1)" > "$WORK/logs/train-$m.log" 2>&1 || { stage "training $m stage 1 failed (rc $?)"; exit 1; }
+        fi
         n=1
         for extra in "${followups[@]}"; do
           n=$((n + 1)); stage "1: $m training stage $n"
@@ -201,6 +206,10 @@ pipeline() {
   # S-NIAH through the adapter (its defaults: graphs, batched; and batch 1) vs stock HFLM.
   group sniah && { timeout "${SNIAH_TIMEOUT:-900}" "${bench[@]}" --sections sniah --name sniah ${SNIAH_FLAGS:-} \
     > "$WORK/logs/bench-sniah.log" 2>&1 || stage "bench sniah rc $?"; }
+  # The cost CCQ adds per backbone (issue 55): forward at 8K, CCQ attached vs fla's model, beside GLA / GDN.
+  group backbones && { timeout "${BACKBONES_TIMEOUT:-540}" "${bench[@]}" --sections model --modes forward --lengths 8192 \
+    --archs gla,gated_deltanet,delta_net,kda,retnet,mamba2,precond_gated_deltanet --name backbones \
+    > "$WORK/logs/bench-backbones.log" 2>&1 || stage "bench backbones rc $?"; }
   group generation && { timeout 300 "${bench[@]}" --sections generation --archs gla --gen-repeats 2 \
     --adapter-chunk-sizes 32768 --name generation > "$WORK/logs/bench-generation.log" 2>&1 || stage "bench generation rc $?"; }
   # The fused CCQ forward's read configs, segment lengths and key normalisation side by side (stdout).
@@ -236,6 +245,7 @@ case "$cmd" in
     # Autotune winners of earlier leases (same image, same cap): only the winning config compiles.
     mkdir -p "$WORK/autotune-seed"
     for f in ccq_eval/model/kernels/tuned/*.tgz; do [ -f "$f" ] && tar xzf "$f" -C "$WORK/autotune-seed" --strip-components=2; done
+    [ -d .stage1 ] && mkdir -p "$WORK/models-stage1" && cp -r .stage1/. "$WORK/models-stage1/"
     : > "$WORK/status"
     setsid nohup bash "$WORK/repo/scripts/gpu_session.sh" pipeline > "$WORK/pipeline.log" 2>&1 < /dev/null &
     sleep 5; cat "$WORK/status" ;;

@@ -199,7 +199,7 @@ def build_fla_model(
 ) -> torch.nn.Module:
     """A random-init model of fla's own class for `arch` (families.fla_families), prepared as ccq-eval's
     loader prepares an fla checkpoint (loading.load_model): fla_cpu's backend on its modules (fla's kernels
-    on CUDA, except Mamba2's layer without mamba_ssm: ccq-eval's chunked torch SSD; torch ops elsewhere),
+    on CUDA, Mamba2's layer without mamba_ssm: its SSD as fla's chunk_simple_gla; torch ops elsewhere),
     and generate()'s `cache` keyword read as fla's `past_key_values`, so that stock HFLM decodes from the
     carried state."""
     from ccq_eval.model import fla_cpu

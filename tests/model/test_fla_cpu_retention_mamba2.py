@@ -472,3 +472,22 @@ def test_mamba2_on_cuda_without_mamba_ssm_matches_fla_torch_path():
         out, _, _ = layer(x)
         expected, _, _ = type(layer).__bases__[0].torch_forward(layer, x)
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)  # fla's product and our chunks: tf32 matmuls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mamba2_training_on_cuda_without_mamba_ssm_follows_fla_torch_path():
+    """The backward through fla's chunk_simple_gla kernels (the Hopper-safe one where fla #640 applies) gives
+    the gradients of fla's own torch path, under the bf16 autocast training uses."""
+    layer = mamba2_layer(D_has_hdim=True, norm_before_gate=True).cuda()
+    x = torch.randn(2, 300, 32, device="cuda")
+    grads = []
+    for forward in (layer, lambda h: type(layer).__bases__[0].torch_forward(layer, h)):
+        layer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = forward(x)[0]
+        out.float().square().mean().backward()
+        grads.append({name: param.grad.clone() for name, param in layer.named_parameters()})
+    for name, expected in grads[1].items():
+        scale = expected.abs().max().clamp_min(1e-6)
+        assert (grads[0][name] - expected).abs().max() / scale < 3e-2, name  # bf16 inputs, tf32 products

@@ -27,7 +27,7 @@ class Mamba2Backbone(Backbone):
     model_type = "mamba2"
     layer_class = Mamba2
     # the names ccq-eval's Mamba2 forward calls its SSD by -> the fla op that serves them on every device
-    read_kernels: ClassVar[dict[str, str]] = {"torch_chunk_simple_gla": "chunk_simple_gla",
+    read_kernels: ClassVar[dict[str, str]] = {"chunk_simple_gla": "chunk_simple_gla",
                     "torch_fused_recurrent_simple_gla": "fused_recurrent_simple_gla"}
 
     def forward_function(self):

@@ -14,8 +14,8 @@ dispatcher bound in its place). MODULE_FORWARDS: "fla.module.path:Class" -> (tor
 tensor argument that decides the device, whether CUDA calls take the torch forward too) (merged into the
 backend's module table). Mamba2 on CUDA takes it where fla lacks mamba_ssm's kernels: fla's fallback there
 is the torch path above, whose [B, T, chunk, H, head_dim] product needs 17 GB per layer for one 8K row of
-a 340M-shape model, where the chunked simple-GLA form holds [B, H, chunks, chunk, chunk] and [B, H, chunks,
-head_dim, state_size].
+a 340M-shape model, where the chunked simple-GLA form runs fla's own chunk_simple_gla kernels (through the
+dispatcher, so with the Hopper-safe backward where fla #640 applies).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ccq_eval.model.fla_cpu.common import FlaOp, compute_dtype
-from ccq_eval.model.fla_cpu.linear_attention import torch_chunk_simple_gla, torch_fused_recurrent_simple_gla
+from ccq_eval.model.fla_cpu.linear_attention import torch_fused_recurrent_simple_gla
 from ccq_eval.model.fla_cpu.modules import torch_causal_conv1d
 
 # --------------------------------------------------------------------------------------------
@@ -90,6 +90,15 @@ def _heads_of_groups(x: torch.Tensor, num_heads: int, state_size: int) -> torch.
     return groups.repeat_interleave(num_heads // groups.shape[2], dim=2)
 
 
+def chunk_simple_gla(*args, **kwargs):
+    """fla's chunk_simple_gla kernels on CUDA tensors (forward and backward, the Hopper-safe backward where fla
+    #640 applies), the torch op elsewhere: the dispatcher's, imported here at the call (dispatch imports this
+    module)."""
+    from ccq_eval.model.fla_cpu.dispatch import chunk_simple_gla as dispatched
+
+    return dispatched(*args, **kwargs)
+
+
 def _mamba2_mix(self, x: torch.Tensor, last_state: dict | None, use_cache: bool, attention_mask: torch.Tensor | None):
     """Mamba2.torch_forward's computation (projection, causal conv, SSD, gated norm, output projection) in float32
     or wider. Returns (output in x.dtype, conv state or None, ssm state [B, H, head_dim, state_size])."""
@@ -128,7 +137,8 @@ def _mamba2_mix(self, x: torch.Tensor, last_state: dict | None, use_cache: bool,
     B, C = (_heads_of_groups(t.to(dtype), H, N) for t in (B, C))
     A = -self.A_log.to(dtype).exp()  # [H]
     dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype)).clamp(self.dt_limit[0], self.dt_limit[1])  # [B, T, H]
-    ssd = torch_fused_recurrent_simple_gla if last_state is not None else torch_chunk_simple_gla
+    # one token: a few small torch ops (in CUDA graphs too); a prefill or training: chunk_simple_gla below
+    ssd = torch_fused_recurrent_simple_gla if last_state is not None else chunk_simple_gla
     y, ssm_state = ssd(
         C, B, hidden * dt[..., None], g=dt * A, scale=1.0, initial_state=ssm_state,
         output_final_state=True, state_v_first=True,

@@ -15,6 +15,22 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _torch_environment_report_once():
+    """lm-eval's simple_evaluate adds torch's environment report (torch.utils.collect_env: pip, nvidia-smi,
+    lscpu and more in subprocesses, about 2 s a call) to every results dict; it does not change while the
+    tests run, so each test process takes it once (ccq-eval's own runs take it once per process already,
+    ccq_eval/harness/lm_eval_call.py). Processes the tests start take their own."""
+    import functools
+
+    from torch.utils import collect_env
+
+    original = collect_env.get_pretty_env_info
+    collect_env.get_pretty_env_info = functools.cache(original)
+    yield
+    collect_env.get_pretty_env_info = original
+
+
 @pytest.fixture(autouse=True)
 def _gpu_tests_autotune_few_candidates(request):
     """GPU tests run fla's kernels with a few autotuning candidates each (tests/autotune_cap.py), so that a

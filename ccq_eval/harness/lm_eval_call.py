@@ -18,6 +18,7 @@ import os
 import random
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from ccq_eval.harness.options import environment_int
@@ -37,6 +38,23 @@ def git_commit_hash() -> str | None:
         from lm_eval.loggers.utils import get_commit_from_path
 
         return get_commit_from_path(os.getcwd())
+
+
+# lm-eval's add_env_info entries that do not change within a process (torch's environment report, the
+# transformers and lm-eval versions), taken once: torch's report runs pip, nvidia-smi, lscpu and more in
+# subprocesses (about 2 s a call), which every unit of a run would otherwise repeat.
+_PROCESS_ENVIRONMENT: dict[str, Any] = {}
+
+
+def add_environment_info(results: dict[str, Any]) -> None:
+    """lm_eval's add_env_info(results): the process's environment entries (taken once per process), and the
+    git commit of the folder above the working folder (looked up each time: the working folder may change)."""
+    from lm_eval.loggers.utils import add_env_info, get_commit_from_path
+
+    if not _PROCESS_ENVIRONMENT:
+        add_env_info(_PROCESS_ENVIRONMENT)
+    results.update(_PROCESS_ENVIRONMENT)
+    results["upper_git_hash"] = get_commit_from_path(Path(os.getcwd(), ".."))
 
 
 def _load(task_manager: Any, tasks: list[str], zeroshot_dir: str | None) -> dict[str, Any]:
@@ -112,7 +130,7 @@ def evaluate_tasks(
     data from `zeroshot_dir` where it holds them, a missing dataset as one line)."""
     import numpy as np
     from lm_eval.evaluator import evaluate
-    from lm_eval.loggers.utils import add_env_info, add_tokenizer_info
+    from lm_eval.loggers.utils import add_tokenizer_info
     from lm_eval.utils import set_torch_seed
 
     if check_integrity:  # refused when planning (options.UNSUPPORTED_LMEVAL_ARGS): no task tests installed
@@ -150,6 +168,6 @@ def evaluate_tasks(
     }
     results["git_hash"] = git_commit_hash()
     results["date"] = start_date
-    add_env_info(results)
+    add_environment_info(results)
     add_tokenizer_info(results, lm)
     return results

@@ -291,19 +291,14 @@ def environment_int(name: str, default: int) -> int:
     return int(text)
 
 
-# Tests set this to 1 so that `--workers auto` keeps fakes and counts in one process.
-WORKERS_ENV = "CCQ_EVAL_WORKERS"
-
-
 def workers_override() -> int | None:
-    """The number of worker processes CCQ_EVAL_WORKERS sets for `--workers auto`; None when unset."""
-    text = os.environ.get(WORKERS_ENV, "").strip()
-    if not text:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise PlanError(f"environment variable {WORKERS_ENV}={text!r} is not a whole number >= 1: it sets the "
-                        f"processes of --workers auto; give one, or unset it (`unset {WORKERS_ENV}`)")
-    return int(text)
+    """The processes CCQ_EVAL_WORKERS sets for `--workers auto` (tests set it to 1: fakes and counts stay in one
+    process); None when unset."""
+    text = os.environ.get("CCQ_EVAL_WORKERS", "").strip()
+    if text and not (text.isdigit() and int(text) >= 1):
+        raise PlanError(f"environment variable CCQ_EVAL_WORKERS={text!r} is not a whole number >= 1: it sets the "
+                        "processes of --workers auto; give one, or unset it (`unset CCQ_EVAL_WORKERS`)")
+    return int(text) if text else None
 
 
 def data_parallel_ranks() -> tuple[int, int]:

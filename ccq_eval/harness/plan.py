@@ -181,11 +181,11 @@ def plan_run(
 def _check_models_run_on(models: ResolvedModels, device: str, dtype: str) -> None:
     """Before anything loads: a checkpoint folder whose family cannot run on `device` (no CPU version of its
     ops), or in `dtype` there, stops the run in one line naming the model, its family, the reason and the
-    alternative."""
-    from ccq_eval.model.loading import ModelLoadError, check_runs_on
-
+    alternative. (ccq_eval.model.loading imports fla, seconds: only where a checkpoint folder is checked.)"""
     for model in models.models:
         if Path(model.source).is_dir():
+            from ccq_eval.model.loading import ModelLoadError, check_runs_on
+
             try:
                 check_runs_on(Path(model.source), device, dtype)
             except ModelLoadError as exc:

@@ -159,6 +159,22 @@ def _zeroshot_index() -> dict[str, Any]:
     return TaskIndex.build([root / name for name in ZEROSHOT_TASK_FOLDERS if (root / name).is_dir()])
 
 
+def _yaml_stamp(folders: list[str]) -> tuple[tuple[str, int, int], ...]:
+    """Every YAML file below `folders` (the task configs and their `_..._yaml` templates) with its mtime and
+    size: what an index of those folders was built from."""
+    files = sorted(path for folder in folders for path in Path(folder).rglob("*yaml") if path.is_file())
+    return tuple((str(path), (stat := path.stat()).st_mtime_ns, stat.st_size) for path in files)
+
+
+@lru_cache(maxsize=4)
+def _folders_index(folders: tuple[str, ...], stamp: tuple[tuple[str, int, int], ...]) -> dict[str, Any]:
+    """lm-eval's TaskIndex of `folders` as a TaskManager over them builds it (a run builds one manager per
+    unit: this index is built again only when a YAML file below them changes, `stamp`)."""
+    from lm_eval.tasks._index import TaskIndex
+
+    return TaskIndex.build([Path(folder) for folder in folders])
+
+
 def _make_manager_class():
     from lm_eval.tasks import TaskManager
 
@@ -167,8 +183,15 @@ def _make_manager_class():
         does not know (ours keep precedence), so runs of our tasks skip the 8 s index; a zero-shot suite
         name indexes only the suite's folders (ZEROSHOT_TASK_FOLDERS)."""
 
-        def __init__(self, *, include_defaults: bool = False, **kwargs: Any) -> None:
-            super().__init__(include_defaults=include_defaults, **kwargs)
+        def __init__(self, *, include_defaults: bool = False, include_path: Any = None, **kwargs: Any) -> None:
+            if not include_defaults and isinstance(include_path, list) and include_path == task_paths():
+                # our folders alone (a run builds a manager per unit): their index is kept while their YAML
+                # files stay as they were
+                super().__init__(include_defaults=False, include_path=None, **kwargs)
+                self.include_path = include_path
+                self._add(_folders_index(tuple(include_path), _yaml_stamp(include_path)))
+            else:
+                super().__init__(include_defaults=include_defaults, include_path=include_path, **kwargs)
             self._defaults_loaded = include_defaults
 
         def _add_defaults(self) -> None:
@@ -310,6 +333,12 @@ def valid_names_message() -> str:
             "or any lm-eval task name (see `lm-eval ls tasks`)")
 
 
+def _lm_eval_defines(name: str) -> bool:
+    """Whether lm-eval's task tree defines `name`: a zero-shot suite name is looked up in the suite's folders
+    (well under a second), any other name in the whole tree's index (seconds, built once)."""
+    return (name in ZEROSHOT_TASKS and name in _zeroshot_index()) or name in _default_index()
+
+
 def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True, ours_only: bool = False) -> list[str]:
     """User task names -> lm-eval task names, in order, without duplicates.
 
@@ -332,7 +361,7 @@ def resolve_tasks(names: list[str] | str, *, expand_groups: bool = True, ours_on
                                        "does not define (is that task family installed?)")
         elif name in index:
             targets = [name]
-        elif not ours_only and not name.startswith("ccq_") and name in _default_index():  # ccq_ names: ours only
+        elif not ours_only and not name.startswith("ccq_") and _lm_eval_defines(name):  # ccq_ names: ours only
             resolved += [name] if name not in resolved else []
             continue
         else:

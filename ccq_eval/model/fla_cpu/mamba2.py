@@ -14,17 +14,20 @@ dispatcher bound in its place). MODULE_FORWARDS: "fla.module.path:Class" -> (tor
 tensor argument that decides the device, whether CUDA calls take the torch forward too) (merged into the
 backend's module table). Mamba2 on CUDA takes it where fla lacks mamba_ssm's kernels: fla's fallback there
 is the torch path above, whose [B, T, chunk, H, head_dim] product needs 17 GB per layer for one 8K row of
-a 340M-shape model, where the chunked simple-GLA form runs fla's own chunk_simple_gla kernels (through the
-dispatcher, so with the Hopper-safe backward where fla #640 applies).
+a 340M-shape model, where the chunked simple-GLA form runs fla's own chunk_simple_gla kernels (with the
+Hopper-safe backward where fla #640 applies).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
 from ccq_eval.model.fla_cpu.common import FlaOp, compute_dtype
-from ccq_eval.model.fla_cpu.linear_attention import torch_fused_recurrent_simple_gla
+from ccq_eval.model.fla_cpu.dqkwg import hopper_safe_op, hopper_triton_affected
+from ccq_eval.model.fla_cpu.linear_attention import torch_chunk_simple_gla, torch_fused_recurrent_simple_gla
 from ccq_eval.model.fla_cpu.modules import torch_causal_conv1d
 
 # --------------------------------------------------------------------------------------------
@@ -90,13 +93,21 @@ def _heads_of_groups(x: torch.Tensor, num_heads: int, state_size: int) -> torch.
     return groups.repeat_interleave(num_heads // groups.shape[2], dim=2)
 
 
-def chunk_simple_gla(*args, **kwargs):
-    """fla's chunk_simple_gla kernels on CUDA tensors (forward and backward, the Hopper-safe backward where fla
-    #640 applies), the torch op elsewhere: the dispatcher's, imported here at the call (dispatch imports this
-    module)."""
-    from ccq_eval.model.fla_cpu.dispatch import chunk_simple_gla as dispatched
+def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
+    """fla's chunk_simple_gla kernels on CUDA tensors (forward and backward; on a machine hit by fla #640 the
+    same op with the torch chunk_bwd_dqkwg, as dispatch serves it), the torch op elsewhere."""
+    if q.is_cuda:
+        return _cuda_chunk_simple_gla()(q, k, v, **kwargs)
+    return torch_chunk_simple_gla(q, k, v, **kwargs)
 
-    return dispatched(*args, **kwargs)
+
+@cache
+def _cuda_chunk_simple_gla():
+    if hopper_triton_affected():
+        return hopper_safe_op("chunk_simple_gla")
+    from fla.ops.simple_gla.chunk import chunk_simple_gla as fla_chunk_simple_gla
+
+    return fla_chunk_simple_gla
 
 
 def _mamba2_mix(self, x: torch.Tensor, last_state: dict | None, use_cache: bool, attention_mask: torch.Tensor | None):

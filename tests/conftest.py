@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -7,12 +6,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Compiled bytecode is cached (__pycache__, ignored by git), also where the environment turns caching off
-# (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of Python processes (xdist workers, CLI and worker
-# subprocesses), each of which would otherwise compile ccq-eval and the tests again. (A PYTHONPYCACHEPREFIX
-# would not do: it hides the installed packages' own __pycache__, so torch and the rest would compile too.)
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 # One process per run unless a test asks for more: fakes and monkeypatches live in this process only.
 os.environ.setdefault("CCQ_EVAL_WORKERS", "1")
 # Under pytest-xdist each worker takes its share of the cores for torch's CPU references, not all of them.

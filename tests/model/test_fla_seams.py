@@ -171,7 +171,7 @@ def test_hopper_safe_op_is_fla_code_with_only_chunk_bwd_dqkwg_replaced():
 
 def test_cuda_calls_use_the_hopper_safe_op_only_where_fla_refuses_its_kernel(monkeypatch):
     for affected in (False, True):
-        monkeypatch.setattr(dispatch, "hopper_triton_affected", lambda affected=affected: affected)
+        monkeypatch.setattr(dqkwg, "hopper_triton_affected", lambda affected=affected: affected)
         for name in dqkwg.DQKWG_CALLERS:
             expected = dqkwg.hopper_safe_op(name) if affected else dispatch.fla_original(name)
             assert dispatch._cuda_function(name) is expected

@@ -27,7 +27,7 @@ from ccq_eval.model.fla_cpu.delta_rule import (
     torch_l2norm,
 )
 from ccq_eval.model.fla_cpu.dqkwg import DQKWG_CALLERS as HOPPER_SAFE_OPS
-from ccq_eval.model.fla_cpu.dqkwg import hopper_safe_op, hopper_triton_affected
+from ccq_eval.model.fla_cpu.dqkwg import cuda_op
 from ccq_eval.model.fla_cpu.linear_attention import (
     torch_chunk_gla,
     torch_chunk_simple_gla,
@@ -119,10 +119,8 @@ def _call_torch(name: str, args: tuple, kwargs: dict):
 
 def _cuda_function(name: str) -> Callable:
     """What serves op `name` on CUDA: fla's function, or on a machine hit by fla #640 the same op with a
-    backward that works there (dqkwg.hopper_safe_op)."""
-    if name in HOPPER_SAFE_OPS and hopper_triton_affected():
-        return hopper_safe_op(name)
-    return fla_original(name)
+    backward that works there (dqkwg.cuda_op)."""
+    return cuda_op(name) if name in HOPPER_SAFE_OPS else fla_original(name)
 
 
 # fla ops whose CUDA kernels refuse float32 inputs: under autocast their float32 inputs (a float32 model's

@@ -202,6 +202,21 @@ def hopper_triton_affected() -> bool:
     return chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1
 
 
+def cuda_op(name: str) -> Callable:
+    """What serves op `name` (a key of DQKWG_CALLERS) on CUDA: fla's function, or on a machine hit by fla #640
+    the same op with a backward that works there (hopper_safe_op)."""
+    if hopper_triton_affected():
+        return hopper_safe_op(name)
+    return _fla_function(DQKWG_CALLERS[name][0], name)
+
+
+@cache
+def _fla_function(module_name: str, name: str) -> Callable:
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)
+
+
 def _hopper_dqkwg(original: Callable) -> Callable:
     def chunk_bwd_dqkwg(
         q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,

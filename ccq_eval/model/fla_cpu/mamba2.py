@@ -20,13 +20,11 @@ Hopper-safe backward where fla #640 applies).
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 
 from ccq_eval.model.fla_cpu.common import FlaOp, compute_dtype
-from ccq_eval.model.fla_cpu.dqkwg import hopper_safe_op, hopper_triton_affected
+from ccq_eval.model.fla_cpu.dqkwg import cuda_op
 from ccq_eval.model.fla_cpu.linear_attention import torch_chunk_simple_gla, torch_fused_recurrent_simple_gla
 from ccq_eval.model.fla_cpu.modules import torch_causal_conv1d
 
@@ -97,17 +95,8 @@ def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs
     """fla's chunk_simple_gla kernels on CUDA tensors (forward and backward; on a machine hit by fla #640 the
     same op with the torch chunk_bwd_dqkwg, as dispatch serves it), the torch op elsewhere."""
     if q.is_cuda:
-        return _cuda_chunk_simple_gla()(q, k, v, **kwargs)
+        return cuda_op("chunk_simple_gla")(q, k, v, **kwargs)
     return torch_chunk_simple_gla(q, k, v, **kwargs)
-
-
-@cache
-def _cuda_chunk_simple_gla():
-    if hopper_triton_affected():
-        return hopper_safe_op("chunk_simple_gla")
-    from fla.ops.simple_gla.chunk import chunk_simple_gla as fla_chunk_simple_gla
-
-    return fla_chunk_simple_gla
 
 
 def _mamba2_mix(self, x: torch.Tensor, last_state: dict | None, use_cache: bool, attention_mask: torch.Tensor | None):

@@ -121,30 +121,36 @@ def terminated_as_exit() -> Iterator[None]:
     Terminated (a SystemExit) in the main thread, so that the run ends as on Ctrl-C, with its line: its helper
     processes are stopped, what was answered stays in the units' resume caches. A SIGHUP that is ignored
     (`nohup`) stays ignored. Elsewhere than the main thread the signals are left as they are. A process forked
-    inside the block (lm-eval's bootstrap pool) inherits the handler: there the signal ends the process as it
-    would without it, since a SystemExit raised in a pool worker that holds the pool's locks can leave it
-    hanging."""
+    inside the block (lm-eval's bootstrap pool) starts with the default action again (_default_signals_in_child):
+    a Python-level handler there could lose a SIGTERM that lands just before the worker blocks on the pool's
+    lock (the handler only flags it), and the pool's terminate() would then wait on that worker forever."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    own_pid = os.getpid()
-
-    def exit_on_term(signum: int, frame: Any) -> None:
-        if os.getpid() != own_pid:  # a forked child: the default action, termination by the signal
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise Terminated(128 + signum)
-
     handled = [signal.SIGTERM]
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the run outlives its terminal
         handled.append(signal.SIGHUP)
-    previous = {signum: signal.signal(signum, exit_on_term) for signum in handled}
+    previous = {signum: signal.signal(signum, _exit_on_term) for signum in handled}
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise Terminated(128 + signum)
+
+
+def _default_signals_in_child() -> None:
+    """In a process forked while terminated_as_exit is active: SIGTERM and SIGHUP take the kernel's default
+    action (termination) again, with no window in which a signal is only flagged for Python to handle."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is _exit_on_term:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_signals_in_child)
 
 
 def _exit_with_parent(parent: int) -> None:

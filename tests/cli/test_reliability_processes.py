@@ -52,6 +52,18 @@ def test_a_process_forked_in_the_run_block_is_ended_by_sigterm_as_without_it():
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
 
 
+def test_a_process_forked_in_the_run_block_starts_with_the_default_sigterm_action():
+    """The default action, not a Python handler: a Python handler only flags the signal, and a pool worker
+    flagged just before it blocks on the pool's lock would never see it (the run then hangs in terminate())."""
+    with workers.terminated_as_exit():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else 1)
+        _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 def test_a_helper_whose_parent_is_gone_exits():
     process = multiprocessing.get_context("spawn").Process(target=workers._exit_with_parent, args=(-1,))
     process.start()  # its parent is not -1: as if the command's process had died

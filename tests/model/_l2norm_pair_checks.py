@@ -9,9 +9,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run these checks")
 
 import _triton_bounds
+import _triton_patch_once
 import torch
 
 _triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
+_triton_patch_once.install()
 
 from ccq_eval.model import fla_cpu  # noqa: E402
 from ccq_eval.model.kernels.l2norm_pair import l2norm_pair, uses_kernels  # noqa: E402

@@ -9,9 +9,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("set TRITON_INTERPRET=1 (before triton is imported) to run these checks")
 
 import _triton_bounds
+import _triton_patch_once
 import torch
 
 _triton_bounds.install()  # every check below also fails on an out-of-bounds load or store
+_triton_patch_once.install()
 
 from ccq_eval.model.ccq import _FusedOrder1, ccq_read_reference, unit_keys  # noqa: E402
 from ccq_eval.model.kernels.ccq_forward import ccq_order1_forward  # noqa: E402

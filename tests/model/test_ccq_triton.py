@@ -1,7 +1,7 @@
 """The fused Triton CCQ read (ccq_eval/model/kernels/ccq_*.py) against the O(T^2) reference.
 
 On CPU the kernels run in Triton's interpreter, which must be switched on before triton compiles
-anything, so the checks run in a subprocess (tests/model/_triton_interpreter_checks.py). On a GPU the
+anything, so the checks run in one subprocess (tests/model/_triton_interpreter_checks.py). On a GPU the
 compiled kernels are checked directly, in bf16 and fp32, at 4K tokens.
 """
 
@@ -26,18 +26,39 @@ def fused(monkeypatch):
     monkeypatch.setenv("CCQ_EVAL_TOKEN_LOGPROB", "triton")
 
 
-def _interpreter(which: str) -> dict:
+# The interpreter check each test reads (an argument of _triton_interpreter_checks.py).
+CHECK_OF_TEST = {
+    "test_fused_forward_matches_reference_in_interpreter": "forward",
+    "test_fused_gradients_match_reference_in_interpreter": "gradient",
+    "test_training_on_raw_keys_matches_reference_in_interpreter": "raw_key_gradient",
+    "test_fused_decode_step_matches_recurrence_in_interpreter": "decode",
+    "test_token_logprob_kernel_matches_torch_in_interpreter": "logprob",
+    "test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter": "candidates",
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(request) -> dict:
+    """The checks of this module's selected tests, run in one subprocess (one start of torch and triton)."""
+    selected = [CHECK_OF_TEST[item.name] for item in request.session.items
+                if item.path == request.path and item.name in CHECK_OF_TEST]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # No time limit: the interpreter's run time follows the machine's speed, and a slow machine is no
     # failure; CI's job limit ends a hang.
-    done = subprocess.run([sys.executable, str(CHECKS), which], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(CHECKS), *selected], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])[which]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def interpreter(request, interpreter_results) -> dict:
+    """The result of the calling test's own check."""
+    return interpreter_results[CHECK_OF_TEST[request.node.name]]
 
 
 @pytest.mark.slow  # the triton interpreter runs every shape of the fused forward on the CPU
-def test_fused_forward_matches_reference_in_interpreter():
-    result = _interpreter("forward")
+def test_fused_forward_matches_reference_in_interpreter(interpreter):
+    result = interpreter
     for name, errors in result.items():
         if isinstance(errors, dict):  # fp32 inputs, exact-precision dots: fp32 rounding only
             assert errors["q"] < 1e-5, (name, errors)
@@ -48,17 +69,17 @@ def test_fused_forward_matches_reference_in_interpreter():
 
 
 @pytest.mark.slow  # the triton interpreter runs the fused backward on the CPU
-def test_fused_gradients_match_reference_in_interpreter():
-    for name, relative in _interpreter("gradient").items():
+def test_fused_gradients_match_reference_in_interpreter(interpreter):
+    for name, relative in interpreter.items():
         assert relative < 1e-5, (name, relative)
 
 
 @pytest.mark.slow  # the triton interpreter runs the fused training path on the CPU
-def test_training_on_raw_keys_matches_reference_in_interpreter():
+def test_training_on_raw_keys_matches_reference_in_interpreter(interpreter):
     """The training path of the layers on CUDA (_FusedOrder1Keys: keys normalised and lambda formed in
     the kernels, their chain rules in the backward): every gradient, the gate's included, against
     autograd in fp64; gate parameters in half precision get their gradients in their dtype."""
-    result = _interpreter("raw_key_gradient")
+    result = interpreter
     assert len(result) == 10
     for name, relative in result.items():
         assert relative < 1e-5, (name, relative)
@@ -118,27 +139,27 @@ def test_fused_cuda_gradients_match_reference(K, dtype, tolerance, fused):
 
 
 @pytest.mark.slow  # triton's interpreter
-def test_fused_decode_step_matches_recurrence_in_interpreter():
-    for name, errors in _interpreter("decode").items():  # five steps from a prior state, fp32
+def test_fused_decode_step_matches_recurrence_in_interpreter(interpreter):
+    for name, errors in interpreter.items():  # five steps from a prior state, fp32
         assert errors["q"] < 1e-5, (name, errors)
         assert errors["state"] < 1e-5, (name, errors)
 
 
 @pytest.mark.slow  # triton's interpreter
-def test_token_logprob_kernel_matches_torch_in_interpreter():
-    for name, result in _interpreter("logprob").items():
+def test_token_logprob_kernel_matches_torch_in_interpreter(interpreter):
+    for name, result in interpreter.items():
         assert result["max_abs_logprob"] < 1e-5, (name, result)
         assert result["greedy_equal"], (name, result)
         assert result["greedy_count"] == 6, (name, result)  # 5 greedy targets + the cross-block tie
 
 
 @pytest.mark.slow  # minutes: every autotune candidate of every kernel in the triton interpreter
-def test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter():
+def test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter(interpreter):
     """Each autotune candidate of every kernel (a GPU's autotuner may pick any), at head dims 64 and
     128, whole and ragged last chunks, several batches and heads: values against fp64, and every load
     and store inside its tensors (tests/model/_triton_bounds.py; all interpreter checks run under it). The
     bounds check itself must catch a planted overrun."""
-    result = _interpreter("candidates")
+    result = interpreter
     assert result["overrun_caught"]
     # Every distinct candidate of every kernel (by its constexprs) ran: the read kernel's 4, at 5 shapes each.
     assert result["ran"] == result["candidates"], result

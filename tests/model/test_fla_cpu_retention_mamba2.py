@@ -477,17 +477,25 @@ def test_mamba2_on_cuda_without_mamba_ssm_matches_fla_torch_path():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mamba2_training_on_cuda_without_mamba_ssm_follows_fla_torch_path():
-    """The backward through fla's chunk_simple_gla kernels (the Hopper-safe one where fla #640 applies) gives
-    the gradients of fla's own torch path, under the bf16 autocast training uses."""
+    """The backward through fla's chunk_simple_gla kernels (the Hopper-safe one where fla #640 applies), under
+    the bf16 autocast training uses, is as close to fla's torch path in fp32 as fla's torch path is under the
+    same autocast: per parameter, at most twice its error, or 1% of the gradient's largest entry (parameters
+    with near-zero gradients, such as dt_bias, differ by bf16 rounding alone)."""
     layer = mamba2_layer(D_has_hdim=True, norm_before_gate=True).cuda()
     x = torch.randn(2, 300, 32, device="cuda")
+
+    def fla_torch(h):
+        return type(layer).__bases__[0].torch_forward(layer, h)
+
     grads = []
-    for forward in (layer, lambda h: type(layer).__bases__[0].torch_forward(layer, h)):
+    for forward, dtype in ((layer, torch.bfloat16), (fla_torch, torch.bfloat16), (fla_torch, None)):
         layer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             out = forward(x)[0]
         out.float().square().mean().backward()
         grads.append({name: param.grad.clone() for name, param in layer.named_parameters()})
-    for name, expected in grads[1].items():
-        scale = expected.abs().max().clamp_min(1e-6)
-        assert (grads[0][name] - expected).abs().max() / scale < 3e-2, name  # bf16 inputs, tf32 products
+    ours, fla_bf16, fla_fp32 = grads
+    for name, expected in fla_fp32.items():
+        fla_error = (fla_bf16[name] - expected).abs().max()
+        bound = torch.maximum(2 * fla_error, 1e-2 * expected.abs().max())
+        assert (ours[name] - expected).abs().max() <= bound, (name, fla_error)

@@ -68,3 +68,14 @@ def test_results_doc_quotes_the_kda_sweep_as_compare_summary_prints_it():
     for task in ("S-NIAH-1", "S-NIAH-2"):
         _, p, raw = _cell(summary, "tiny-kda+ccq-lambda1 vs tiny-kda", task)
         assert f"(raw p = {raw}, {p} after Holm)" in doc
+
+
+@pytest.mark.parametrize("backbone", ["deltanet", "precond-gdn"])
+def test_results_doc_and_readme_quote_each_backbone_sweep_as_compare_summary_prints_it(backbone):
+    result = CliRunner().invoke(cli.app, ["compare", str(ROOT / "results" / f"ccq-attach-{backbone}"), "--summary"])
+    assert result.exit_code == 0, result.output
+    assert result.output.split("\n\n")[0] in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    readme = _one_line(ROOT / "README.md")
+    if backbone == "deltanet":
+        _, p, _ = _cell(result.output, "tiny-deltanet+ccq-lambda0.5 vs tiny-deltanet", "ppl_sweep @2048")
+        assert f"lambda 0.5 (p = {p})" in readme

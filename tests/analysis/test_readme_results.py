@@ -70,7 +70,7 @@ def test_results_doc_quotes_the_kda_sweep_as_compare_summary_prints_it():
         assert f"(raw p = {raw}, {p} after Holm)" in doc
 
 
-@pytest.mark.parametrize("backbone", ["deltanet", "precond-gdn"])
+@pytest.mark.parametrize("backbone", ["deltanet", "precond-gdn", "mamba2"])
 def test_results_doc_and_readme_quote_each_backbone_sweep_as_compare_summary_prints_it(backbone):
     result = CliRunner().invoke(cli.app, ["compare", str(ROOT / "results" / f"ccq-attach-{backbone}"), "--summary"])
     assert result.exit_code == 0, result.output

@@ -53,8 +53,8 @@ def test_a_process_forked_in_the_run_block_is_ended_by_sigterm_as_without_it():
 
 
 def test_a_process_forked_in_the_run_block_starts_with_the_default_sigterm_action():
-    """The default action, not a Python handler: a Python handler only flags the signal, and a pool worker
-    flagged just before it blocks on the pool's lock would never see it (the run then hangs in terminate())."""
+    """The default action, not a Python handler: a Python handler only flags the signal, so a pool worker that
+    blocks on the pool's lock after the flag is set never acts on it, and Pool.terminate() waits on it."""
     with workers.terminated_as_exit():
         assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         child = os.fork()

@@ -16,8 +16,8 @@
 #   3. the issue-6 benchmark sections (model, training at batch 4, harness + ops, S-NIAH, generation).
 #   4. (STAGES with "paper") benchmarks/paper_suite.py for PAPER_ARCH (gla) with CCQ PAPER_CCQ (on), after
 #      the tests, before the benchmarks; PAPER_TIMEOUT (1500 s).
-# Environment knobs: STAGES (comma-separated subset of tests,train,eval,paper,bench; default
-# tests,train,eval,bench),
+# Environment knobs: STAGES (comma-separated subset of tests,train,eval,paper,recheck,bench; default
+# tests,train,eval,bench; with "recheck" the benchmarks wait for a later call's `recheck`, RECHECK_WAIT s),
 # BENCH (subset of firstrun,model,train4,harness,ops,
 # sniah,backbones,generation,tune,profile; default all but backbones, tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS,
@@ -68,7 +68,7 @@ collect() {
   # Autotune winners (small JSON) go inside results.tgz: a call returns at most 8 files.
   find /tmp/triton-cache -name '*.autotune.json' 2>/dev/null | tar czf "$WORK/triton-autotune.tgz" -T - 2>/dev/null
   # The paper suite's `ccq-eval run` output (one log per checkpoint) says what a slow or failed unit did.
-  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench paper/report paper/work/runs/*.log \
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' logs archive bench paper/report paper/work/runs/*.log recheck/*.log \
     triton-autotune.tgz status pipeline.log 2>/dev/null
   ls -la "$OUT"
   tail -n 5 logs/*.log 2>/dev/null | tail -n 60
@@ -175,6 +175,13 @@ pipeline() {
 
   [ -n "$tests_pid" ] && { wait "$tests_pid"; stage "GPU tests finished (rc $?)"; }
 
+  # The committed grid's re-check (the `recheck` command, whose call brings the checkpoints) runs
+  # beside the GPU tests; the benchmarks wait for it, so that they time the GPU alone.
+  if want recheck; then
+    for _ in $(seq "${RECHECK_WAIT:-900}"); do [ -f "$WORK/recheck.done" ] && break; sleep 1; done
+    stage "grid re-check: $(tail -n 2 "$WORK/logs/recheck.log" 2>/dev/null | tr '\n' ' ')"
+  fi
+
   if want bench; then
   stage "3: benchmarks"
   # The benchmarks use the fused kernels (the default) when the smoke check (fused vs fp64 on this
@@ -261,10 +268,23 @@ case "$cmd" in
     while [ $SECONDS -lt $deadline ] && ! grep -q 'PIPELINE FINISHED' "$WORK/status" 2>/dev/null; do sleep 10; done
     collect ;;
   collect) collect ;;
+  recheck)  # a later call whose tree holds the RECHECK_MODELS checkpoints (STAGES with "recheck"):
+    # results/gpu-grid's units of those models rerun from their recorded commands and compared sample
+    # for sample (scripts/recheck_grid.py), in the pipeline's tree, in the background
+    cd "$WORK/repo" || exit 1
+    models=${RECHECK_MODELS:-tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq}
+    for m in $models; do cp -r "$OLDPWD/models/$m" models/ || exit 1; done
+    export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+      HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PATH=$VENV/bin:$PATH
+    mkdir -p "$WORK/recheck" "$WORK/logs"
+    setsid nohup bash -c "timeout ${RECHECK_TIMEOUT:-900} python3 scripts/recheck_grid.py results/gpu-grid \
+      --out $WORK/recheck/gpu-grid --models $(echo $models | tr ' ' ,); echo \"rc \$?\"; touch $WORK/recheck.done" \
+      > "$WORK/logs/recheck.log" 2>&1 < /dev/null &
+    stage "grid re-check started ($models)" ;;
   eval)  # after `wait` saw training finish: the grid from this call's (newer) tree, then collect
     export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
       HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     mkdir -p "$WORK/logs"; install_checkout; export PATH=$VENV/bin:$PATH
     evaluate; collect ;;
-  *) echo "usage: $0 start|wait SECONDS|go SECONDS|eval|collect"; exit 2 ;;
+  *) echo "usage: $0 start|wait SECONDS|go SECONDS|eval|recheck|collect"; exit 2 ;;
 esac

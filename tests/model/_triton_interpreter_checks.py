@@ -235,33 +235,33 @@ def _tuned_kernels(module):
 def candidate_checks():
     """Every kernel with each of its autotune candidates (a GPU's autotuner may pick any of them),
     under the bounds check, at shapes like those that crashed on the H200: half precision, whole and
-    ragged last chunks, several batches and heads, head dims 64 and 128. Candidate i of every kernel
-    (its last where it has fewer) runs together; a path (the forward kernels', the backward kernels')
-    runs only with picks it has not run yet, since the interpreter ignores num_warps and num_stages and
-    the backward kernels' results do not depend on the read kernel's picks. Returns, per candidate and
-    shape, the worst relative L2 error of each path run against fp64 (an out-of-bounds access raises
-    _triton_bounds.OutOfBounds), each kernel's distinct candidates and those run, and whether the
-    bounds check catches a planted overrun."""
+    ragged last chunks, several batches and heads, head dims 64 and 128. The i-th distinct candidate
+    of every kernel (its last where it has fewer) runs together; a path (the forward kernels', the
+    backward kernels') runs only where one of its kernels gets a candidate it has not run yet: the
+    interpreter ignores num_warps and num_stages, and what a kernel computes depends on its inputs, not
+    on the candidates the other kernels run with (their results are checked against fp64 too).
+    Returns, per candidate and shape, the worst relative L2 error of each path run against fp64 (an
+    out-of-bounds access raises _triton_bounds.OutOfBounds), each kernel's distinct candidates and
+    those run, and whether the bounds check catches a planted overrun."""
     from ccq_eval.model.kernels import ccq_backward, ccq_decode, ccq_forward
 
     forward, backward = _tuned_kernels(ccq_forward), _tuned_kernels(ccq_backward)
     assert not _tuned_kernels(ccq_decode)  # the decoding step has no candidates: it runs once per shape
     tuned = forward | backward
 
-    def picked(kernel, candidate):
-        return tuple(sorted(kernel.configs[min(candidate, len(kernel.configs) - 1)].kwargs.items()))
-
-    errors, run = {}, {"forward": set(), "backward": set()}
+    # Each kernel's distinct candidates by their constexprs, in the order of its configs.
+    distinct = {name: list(dict.fromkeys(tuple(sorted(c.kwargs.items())) for c in kernel.configs))
+                for name, kernel in tuned.items()}
+    errors, runs = {}, {"forward": 0, "backward": 0}
     ran = {name: set() for name in tuned}
-    for candidate in range(max(len(x.configs) for x in tuned.values())):
-        picks = {name: picked(kernel, candidate) for name, kernel in tuned.items()}
-        new = {path: tuple(picks[name] for name in kernels) for path, kernels in (("forward", forward),
-                                                                                   ("backward", backward))}
-        paths = {path for path, key in new.items() if key not in run[path]}
+    for candidate in range(max(len(picks) for picks in distinct.values())):
+        picks = {name: options[min(candidate, len(options) - 1)] for name, options in distinct.items()}
+        paths = {path for path, kernels in (("forward", forward), ("backward", backward))
+                 if any(picks[name] not in ran[name] for name in kernels)}
         if not paths:
             continue
         for path in paths:
-            run[path].add(new[path])
+            runs[path] += 1
             for name in (forward if path == "forward" else backward):
                 ran[name].add(picks[name])
         for name, kernel in tuned.items():
@@ -270,7 +270,7 @@ def candidate_checks():
     candidates = {name: sorted({tuple(sorted(c.kwargs.items())) for c in kernel.configs})
                   for name, kernel in tuned.items()}
     return {"errors": errors, "candidates": candidates, "ran": {name: sorted(picks) for name, picks in ran.items()},
-            "runs": {path: len(keys) for path, keys in run.items()}, "overrun_caught": _overrun_is_caught()}
+            "runs": runs, "overrun_caught": _overrun_is_caught()}
 
 
 def _relative(a, b):
@@ -288,9 +288,10 @@ def _every_kernel_once(candidate, paths, decode):
     from ccq_eval.model.kernels.ccq_decode import ccq_order1_decode
 
     out = {}
-    for B, T, H, K, dtype in ((2, 128, 3, 64, torch.float16), (2, 130, 3, 64, torch.float16),
-                              (1, 192, 2, 128, torch.float16), (2, 64, 2, 64, torch.float32),
-                              (2, 130, 2, 128, torch.float32)):
+    # Ragged last chunks (T = 130: a split of three chunks in two is uneven too) and whole ones, in both
+    # dtypes and head dims.
+    for B, T, H, K, dtype in ((2, 130, 3, 64, torch.float16), (1, 192, 2, 128, torch.float16),
+                              (2, 64, 2, 64, torch.float32), (2, 130, 2, 128, torch.float32)):
         r, kappa, log_gamma, lam = inputs(B, T, H, K, seed=T, dtype=dtype)
         r64, kappa64, lg64 = (x.double() for x in (r, kappa, log_gamma))
         state64 = prior_state(B, H, K, seed=1)

@@ -161,11 +161,11 @@ def test_every_autotune_candidate_is_correct_and_in_bounds_in_interpreter(interp
     bounds check itself must catch a planted overrun."""
     result = interpreter
     assert result["overrun_caught"]
-    # Every distinct candidate of every kernel (by its constexprs) ran: the read kernel's 4, at 5 shapes each.
+    # Every distinct candidate of every kernel (by its constexprs) ran: the read kernel's 4, at 4 shapes each.
     assert result["ran"] == result["candidates"], result
-    assert result["runs"]["forward"] >= 4 and len(result["errors"]) % 5 == 0, result
-    assert sum(e["forward"] is not None for e in result["errors"].values()) == 5 * result["runs"]["forward"]
-    assert sum(e["decode"] is not None for e in result["errors"].values()) == 5  # the step has no candidates
+    assert result["runs"]["forward"] >= 4 and len(result["errors"]) % 4 == 0, result
+    assert sum(e["forward"] is not None for e in result["errors"].values()) == 4 * result["runs"]["forward"]
+    assert sum(e["decode"] is not None for e in result["errors"].values()) == 4  # the step has no candidates
     for name, errors in result["errors"].items():
         half = "float16" in name
         assert errors["forward"] is None or errors["forward"] < (2e-3 if half else 1e-5), (name, errors)

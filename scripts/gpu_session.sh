@@ -278,7 +278,7 @@ case "$cmd" in
       HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PATH=$VENV/bin:$PATH
     mkdir -p "$WORK/recheck" "$WORK/logs"
     setsid nohup bash -c "timeout ${RECHECK_TIMEOUT:-900} python3 scripts/recheck_grid.py results/gpu-grid \
-      --out $WORK/recheck/gpu-grid --models $(echo $models | tr ' ' ,); echo \"rc \$?\"; touch $WORK/recheck.done" \
+      --out $WORK/recheck/gpu-grid --models $(echo $models | tr ' ' ,) ${RECHECK_TASKS:+--tasks $RECHECK_TASKS}; echo \"rc \$?\"; touch $WORK/recheck.done" \
       > "$WORK/logs/recheck.log" 2>&1 < /dev/null &
     stage "grid re-check started ($models)" ;;
   eval)  # after `wait` saw training finish: the grid from this call's (newer) tree, then collect

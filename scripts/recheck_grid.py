@@ -35,13 +35,21 @@ def model_of(meta: dict) -> str:
     return argv[argv.index("-m") + 1] if "-m" in argv else meta["model"]
 
 
-def commands_of(committed: Path, models: set[str] | None) -> dict[str, list[list[str]]]:
-    """The distinct recorded argv per model, in a stable order."""
+def tasks_of(meta: dict) -> set[str]:
+    """The task names a unit's command asked for (-t / --task)."""
+    argv = meta["argv"]
+    return {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-t", "--task")}
+
+
+def commands_of(committed: Path, models: set[str] | None, tasks: set[str] | None = None,
+                ) -> dict[str, list[list[str]]]:
+    """The distinct recorded argv per model (of the commands that asked for one of `tasks`), in a stable
+    order."""
     per_model: dict[str, list[list[str]]] = {}
     for meta_path in sorted(committed.glob("*/*/meta.json")):
         meta = json.loads(meta_path.read_text())
         argv, model = meta["argv"], model_of(meta)
-        if models is not None and model not in models:
+        if not chosen(meta, models, tasks):
             continue
         if argv not in per_model.setdefault(model, []):
             per_model[model].append(argv)
@@ -66,12 +74,16 @@ def replay(per_model: dict[str, list[list[str]]], out: Path) -> None:
             process.wait()
 
 
-def differences(committed: Path, rerun: Path, models: set[str] | None) -> list[str]:
-    """Every unit of `committed` (of the chosen models) against its rerun: samples and metrics."""
+def chosen(meta: dict, models: set[str] | None, tasks: set[str] | None) -> bool:
+    return (models is None or model_of(meta) in models) and (tasks is None or bool(tasks & tasks_of(meta)))
+
+
+def differences(committed: Path, rerun: Path, models: set[str] | None, tasks: set[str] | None) -> list[str]:
+    """Every chosen unit of `committed` against its rerun: samples and metrics."""
     found = []
     for unit in sorted(p.parent for p in committed.glob("*/*/meta.json")):
         relative = unit.relative_to(committed)
-        if models is not None and model_of(json.loads((unit / "meta.json").read_text())) not in models:
+        if not chosen(json.loads((unit / "meta.json").read_text()), models, tasks):
             continue
         other = rerun / relative
         if not (other / "meta.json").exists():
@@ -98,19 +110,20 @@ def main() -> int:
     parser.add_argument("committed", type=Path)
     parser.add_argument("--out", type=Path, required=True, help="fresh folder for the rerun")
     parser.add_argument("--models", help="comma-separated models to recheck (default: all)")
+    parser.add_argument("--tasks", help="comma-separated task names as the commands gave them (default: all)")
     parser.add_argument("--compare-only", action="store_true", help="compare an existing --out")
     args = parser.parse_args()
     models = set(args.models.split(",")) if args.models else None
+    tasks = set(args.tasks.split(",")) if args.tasks else None
     committed = args.committed.resolve()
     out = args.out.resolve()
     if not args.compare_only:
         if out.exists() and any(out.iterdir()):
             parser.error(f"--out {out} is not empty: choose a fresh folder")
         out.mkdir(parents=True, exist_ok=True)
-        replay(commands_of(committed, models), out)
-    found = differences(committed, out, models)
-    units = sum(1 for p in committed.glob("*/*/meta.json")
-                if models is None or model_of(json.loads(p.read_text())) in models)
+        replay(commands_of(committed, models, tasks), out)
+    found = differences(committed, out, models, tasks)
+    units = sum(chosen(json.loads(p.read_text()), models, tasks) for p in committed.glob("*/*/meta.json"))
     print("\n".join(found[:40]) if found else f"all {units} units identical, sample for sample")
     return 1 if found else 0
 

@@ -24,8 +24,13 @@ def install():
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state = {"in_launch": False, "covered": set()}  # the language modules the running launch has swapped
 
+    seen: dict[object, set[int]] = {}  # per function: its module's globals do not change within a run
+
     def languages(fn) -> set[int]:
-        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        if fn not in seen:
+            seen[fn] = {id(value) for value in fn.__globals__.values()
+                        if inspect.ismodule(value) and value in (tl, tl.core)}
+        return seen[fn]
 
     def launch_tracked(self, *args, **kwargs):
         state["in_launch"], state["covered"] = True, set()

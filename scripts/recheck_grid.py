@@ -2,8 +2,9 @@
 
 Each unit's meta.json records the argv that made it; this replays those commands (one process per
 model, as the grid was run) into a fresh folder, then compares every samples file record by record
-and every results.json's metrics exactly. Used to show that a change of the model code leaves the
-committed GPU grid bitwise unchanged:
+and every results.json's metrics exactly. A committed archive (`ccq-eval archive`: long strings stored as
+their digest) is compared with an archive of the rerun, made the same way. Used to show that a change of
+the model code leaves the committed GPU grid bitwise unchanged:
 
     python3 scripts/recheck_grid.py results/gpu-grid --out /tmp/grid-recheck --models tiny-gla,tiny-gdn-ccq
 
@@ -14,19 +15,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import lzma
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from ccq_eval.harness.archive import archive_results
+from ccq_eval.harness.store import iter_jsonl, read_json
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def read_text(path: Path) -> str:
-    """A results file as text, whether `archive` compressed it (.xz) or not."""
-    xz = path.with_name(path.name + ".xz")
-    return lzma.open(xz, "rt").read() if xz.exists() else path.read_text()
 
 
 def model_of(meta: dict) -> str:
@@ -41,18 +38,24 @@ def tasks_of(meta: dict) -> set[str]:
     return {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-t", "--task")}
 
 
-def commands_of(committed: Path, models: set[str] | None, tasks: set[str] | None = None,
-                ) -> dict[str, list[list[str]]]:
-    """The distinct recorded argv per model (of the commands that asked for one of `tasks`), in a stable
-    order."""
-    per_model: dict[str, list[list[str]]] = {}
+def chosen_units(committed: Path, models: set[str] | None, tasks: set[str] | None) -> dict[Path, dict]:
+    """The unit folders of `committed` (with their meta.json) whose command named one of `models` and
+    asked for one of `tasks` (None: any), in a stable order."""
+    units = {}
     for meta_path in sorted(committed.glob("*/*/meta.json")):
         meta = json.loads(meta_path.read_text())
-        argv, model = meta["argv"], model_of(meta)
-        if not chosen(meta, models, tasks):
-            continue
-        if argv not in per_model.setdefault(model, []):
-            per_model[model].append(argv)
+        if (models is None or model_of(meta) in models) and (tasks is None or tasks & tasks_of(meta)):
+            units[meta_path.parent] = meta
+    return units
+
+
+def commands_of(units: dict[Path, dict]) -> dict[str, list[list[str]]]:
+    """The distinct recorded argv per model, in the units' order."""
+    per_model: dict[str, list[list[str]]] = {}
+    for meta in units.values():
+        argvs = per_model.setdefault(model_of(meta), [])
+        if meta["argv"] not in argvs:
+            argvs.append(meta["argv"])
     return per_model
 
 
@@ -74,33 +77,31 @@ def replay(per_model: dict[str, list[list[str]]], out: Path) -> None:
             process.wait()
 
 
-def chosen(meta: dict, models: set[str] | None, tasks: set[str] | None) -> bool:
-    return (models is None or model_of(meta) in models) and (tasks is None or bool(tasks & tasks_of(meta)))
+def results_file(unit: Path) -> Path:
+    """A unit's results: an archive's results.json.xz, a run's results.json."""
+    archived = unit / "results.json.xz"
+    return archived if archived.is_file() else unit / "results.json"
 
 
-def differences(committed: Path, rerun: Path, models: set[str] | None, tasks: set[str] | None) -> list[str]:
-    """Every chosen unit of `committed` against its rerun: samples and metrics."""
+def differences(units: dict[Path, dict], committed: Path, rerun: Path) -> list[str]:
+    """Every unit of `units` (under `committed`) against its rerun under `rerun`: samples and metrics."""
     found = []
-    for unit in sorted(p.parent for p in committed.glob("*/*/meta.json")):
+    for unit in units:
         relative = unit.relative_to(committed)
-        if not chosen(json.loads((unit / "meta.json").read_text()), models, tasks):
-            continue
         other = rerun / relative
         if not (other / "meta.json").exists():
             found.append(f"{relative}: no rerun unit")
             continue
-        metrics = [json.loads(read_text(u / "results.json"))["results"] for u in (unit, other)]
-        if metrics[0] != metrics[1]:
+        if read_json(results_file(unit))["results"] != read_json(results_file(other))["results"]:
             found.append(f"{relative}: results.json metrics differ")
         for samples in sorted(unit.glob("samples_*.jsonl*")):
-            name = samples.name.removesuffix(".xz")
-            lines = [read_text(u / name).splitlines() for u in (unit, other)]
-            if len(lines[0]) != len(lines[1]):
-                found.append(f"{relative}/{name}: {len(lines[0])} vs {len(lines[1])} records")
+            records = [list(iter_jsonl(samples)), list(iter_jsonl(other / samples.name))]
+            if len(records[0]) != len(records[1]):
+                found.append(f"{relative}/{samples.name}: {len(records[0])} vs {len(records[1])} records")
                 continue
-            changed = [i for i, (a, b) in enumerate(zip(*lines)) if json.loads(a) != json.loads(b)]
+            changed = [i for i, (a, b) in enumerate(zip(*records)) if a != b]
             if changed:
-                found.append(f"{relative}/{name}: {len(changed)} of {len(lines[0])} records differ "
+                found.append(f"{relative}/{samples.name}: {len(changed)} of {len(records[0])} records differ "
                              f"(first: record {changed[0]})")
     return found
 
@@ -115,16 +116,22 @@ def main() -> int:
     args = parser.parse_args()
     models = set(args.models.split(",")) if args.models else None
     tasks = set(args.tasks.split(",")) if args.tasks else None
-    committed = args.committed.resolve()
-    out = args.out.resolve()
+    committed, out = args.committed.resolve(), args.out.resolve()
+    units = chosen_units(committed, models, tasks)
+    archived = out.with_name(out.name + "-archive")  # the rerun as `ccq-eval archive` stores it
     if not args.compare_only:
-        if out.exists() and any(out.iterdir()):
-            parser.error(f"--out {out} is not empty: choose a fresh folder")
+        for folder in (out, archived):
+            if folder.exists() and any(folder.iterdir()):
+                parser.error(f"{folder} is not empty: choose a fresh --out")
         out.mkdir(parents=True, exist_ok=True)
-        replay(commands_of(committed, models, tasks), out)
-    found = differences(committed, out, models, tasks)
-    units = sum(chosen(json.loads(p.read_text()), models, tasks) for p in committed.glob("*/*/meta.json"))
-    print("\n".join(found[:40]) if found else f"all {units} units identical, sample for sample")
+        replay(commands_of(units), out)
+    compared = out
+    if any(results_file(unit).suffix == ".xz" for unit in units):
+        if not args.compare_only or not archived.exists():
+            archive_results(out, archived)
+        compared = archived
+    found = differences(units, committed, compared)
+    print("\n".join(found[:40]) if found else f"all {len(units)} units identical, sample for sample")
     return 1 if found else 0
 
 

@@ -176,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sniah-chunk-size", type=int, help="sniah: the adapter's chunk_size (prefill slice)")
     p.add_argument("--sniah-warmup", type=int, help="sniah: untimed generate_until calls on one sample first")
     p.add_argument("--sniah-repeats", type=int)
+    p.add_argument("--sniah-shared-prefill", action="store_true",
+                   help="sniah: the adapter's shared_prefill=True (prompts of nearly one length prefilled together)")
     p.add_argument("--ops-shape", help="ops: T,H,K,V")
     p.add_argument("--matmul-size", type=int, help="n of the n^3 matmul measured for MFU")
     p.add_argument("--device", help="auto (cuda when available), cuda, cuda:1, cpu")
@@ -286,6 +288,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sniah_chunk_size": max(1, raw["sniah_chunk_size"]),
         "sniah_warmup": max(0, raw["sniah_warmup"]),
         "sniah_repeats": max(1, raw["sniah_repeats"]),
+        "sniah_shared_prefill": args.sniah_shared_prefill,
         "ops_shape": ops_shape,
         "matmul_size": raw["matmul_size"],
         "device": device,

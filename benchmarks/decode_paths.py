@@ -3,13 +3,19 @@
 Greedy generation ends a prompt on different kernels depending on the batch: batch 1 prefills the whole
 prompt in one forward (the chunk kernels), a batched generate of prompts of different lengths prefills up
 to the shortest one and feeds each row's last tokens through the cached one-token step (the recurrent
-kernels). This compares, for the bench's 340M shapes (benchlib.workload.SHAPES_340M) on random tokens,
-the last position's logits of
-  - one forward without a cache (the reference),
+kernels; on CUDA replayed from a CUDA graph). This compares, for the bench's 340M shapes
+(benchlib.workload.SHAPES_340M) on random tokens, the last position's logits of
+  - one forward without a cache,
   - one forward with a cache (what a prefill runs),
-  - a forward over all but the last TAIL tokens, then TAIL cached one-token steps,
-as the largest difference in ulps of the logit scale (eps of the dtype times max |logit|) and whether the
-argmax agrees. Used to tell rounding from a path that computes something else, e.g.
+  - a forward over all but the last TAIL tokens, then TAIL cached one-token steps (eager, and on CUDA
+    also replayed from ccq-eval's decode graph),
+against a float32 copy of the same weights (`--reference float32`, the default: the bench dtype's weights
+widened exactly, so the model the paths compute, without their rounding; where fla's chunk kernel refuses
+float32 on CUDA, that layer runs its fused_recurrent mode, exact in float32) or against the first path
+(`--reference none`). Each difference is given in ulps of the bench dtype's logit scale (its eps times
+max |reference logit|), with the rank the reference gives the path's argmax, and the reference's own
+top-2 gap in the same unit: a path whose difference exceeds that gap may pick another token. Used to
+tell rounding from a path that computes something else, e.g.
 
     python benchmarks/decode_paths.py --arch delta_net --length 8192 --device cuda --dtype bfloat16
 """
@@ -17,21 +23,68 @@ argmax agrees. Used to tell rounding from a path that computes something else, e
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 from benchlib import workload
 
 
-def last_logits_by_path(model: torch.nn.Module, ids: torch.Tensor, tail: int) -> dict[str, torch.Tensor]:
+def last_logits_by_path(model: torch.nn.Module, ids: torch.Tensor, tail: int,
+                        graphed: bool = False) -> dict[str, torch.Tensor]:
+    """The last position's float32 logits of each forward path (module docstring); `graphed` adds the
+    tail replayed from ccq-eval's CUDA decode graph (CUDA only)."""
     with torch.no_grad():
         paths = {"no cache": model(input_ids=ids, use_cache=False).logits[0, -1].float(),
                  "cache": model(input_ids=ids, use_cache=True).logits[0, -1].float()}
-        out = model(input_ids=ids[:, :-tail], use_cache=True)
+        prefilled = model(input_ids=ids[:, :-tail], use_cache=True)
+        out = prefilled
+        cache = copy.deepcopy(prefilled.past_key_values) if graphed else None
         for i in range(ids.shape[1] - tail, ids.shape[1]):
             out = model(input_ids=ids[:, i:i + 1], past_key_values=out.past_key_values, use_cache=True)
         paths[f"prefill + {tail} steps"] = out.logits[0, -1].float()
+        if graphed:
+            from ccq_eval.harness.model_runtime import _backbone_and_head
+            from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
+
+            backbone, head = _backbone_and_head(model)
+            step = GraphedDecodeStep(backbone, head, cache, batch=1)
+            for i in range(ids.shape[1] - tail, ids.shape[1]):
+                logits = step(ids[0, i:i + 1])
+            paths[f"prefill + {tail} graphed steps"] = logits[0].float()
     return paths
+
+
+def float32_reference(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The last position's logits of a float32 copy of `model` (TF32 off), without a cache. On CUDA, a
+    layer whose chunk kernel refuses float32 (families.CUDA_HALF_ONLY_LAYERS) runs in fused_recurrent mode."""
+    from ccq_eval.model.families import CUDA_HALF_ONLY_LAYERS
+
+    exact = copy.deepcopy(model).float()
+    if ids.is_cuda:
+        for module in exact.modules():  # fla's class or fla_cpu's subclass of it
+            if any(f"{cls.__module__}:{cls.__name__}" in CUDA_HALF_ONLY_LAYERS for cls in type(module).__mro__):
+                module.mode = "fused_recurrent"
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            return exact(input_ids=ids, use_cache=False).logits[0, -1].float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        del exact
+
+
+def report(paths: dict[str, torch.Tensor], reference: torch.Tensor, dtype: torch.dtype) -> list[str]:
+    """One line per path: its largest difference from `reference` and the rank `reference` gives its argmax."""
+    ulp = torch.finfo(dtype).eps * reference.abs().max().item()
+    top2 = reference.topk(2).values
+    lines = [f"reference top-2 gap {(top2[0] - top2[1]).item() / ulp:.1f} ulps"]
+    for name, logits in paths.items():
+        rank = int((reference > reference[logits.argmax()]).sum())
+        lines.append(f"  {name}: max difference {(logits - reference).abs().max().item() / ulp:.1f} ulps; "
+                     f"its argmax is the reference's rank {rank}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", type=int, default=8, help="tokens fed as one-token steps at the end")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--reference", default="float32", choices=["float32", "none"],
+                        help="float32: a float32 copy of the weights; none: the forward without a cache")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not 0 < args.tail < args.length:
@@ -49,15 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(3, 32000, (1, args.length), generator=torch.Generator().manual_seed(args.seed)).to(device)
     model = workload.build_fla_model(args.arch, workload.SHAPES_340M[args.arch], 32000, device, dtype, args.seed)
     started = time.time()
-    paths = last_logits_by_path(model, ids, args.tail)
-    reference = paths.pop("no cache")
-    ulp = torch.finfo(dtype).eps * reference.abs().max().item()
+    reference = float32_reference(model, ids) if args.reference == "float32" else None
+    paths = last_logits_by_path(model, ids, args.tail, graphed=device.type == "cuda")
+    what = "a float32 copy of the weights, no cache"
+    if reference is None:
+        reference, what = paths["no cache"], "the forward without a cache"
     print(f"{args.arch}, {args.length} tokens, {args.dtype} on {device} ({time.time() - started:.1f} s); "
-          f"reference: the forward without a cache, logit scale {reference.abs().max().item():.3f}")
-    for name, logits in paths.items():
-        rank = int((reference > reference[logits.argmax()]).sum())
-        print(f"  {name}: max difference {(logits - reference).abs().max().item() / ulp:.1f} ulps; "
-              f"its argmax is the reference's rank {rank}")
+          f"reference: {what}, logit scale {reference.abs().max().item():.3f}")
+    print("\n".join(report(paths, reference, dtype)))
     return 0
 
 

@@ -18,8 +18,8 @@
 #      the tests, before the benchmarks; PAPER_TIMEOUT (1500 s).
 # Environment knobs: STAGES (comma-separated subset of tests,train,eval,paper,recheck,bench; default
 # tests,train,eval,bench; with "recheck" the benchmarks wait for a later call's `recheck`, RECHECK_WAIT s),
-# BENCH (subset of firstrun,model,train4,harness,ops,
-# sniah,backbones,generation,tune,profile; default all but backbones, tune and profile), GPU_TESTS (the pytest arguments of the GPU tests),
+# BENCH (subset of firstrun,model,train4,harness,ops,paths,
+# sniah,backbones,generation,tune,profile; default all but paths, backbones, tune and profile; PATHS_ARCHS), GPU_TESTS (the pytest arguments of the GPU tests),
 # PROFILES (subset of score,forward,train), PROFILE_DOCS, PROFILE_ARCHS, MODEL_MODES, MODEL_LENGTHS, MODEL_REPEATS,
 # HARNESS_FLAGS (e.g. --no-cuda-graphs, or --archs gated_deltanet --ccq on), SNIAH_FLAGS, HARNESS_TIMEOUT (480 s),
 # SMOKE_TIMEOUT (480 s: the fused-kernel smoke check before the benchmarks),
@@ -111,6 +111,7 @@ pipeline() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     > "$WORK/logs/install.log" 2>&1 || stage "install FAILED"
   install_checkout
+  touch "$WORK/installed"  # the `recheck` call waits for this
   export PATH=$VENV/bin:$PATH
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$WORK/logs/gpu.log" 2>&1
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
@@ -198,6 +199,11 @@ pipeline() {
   fi
   bench=(python3 benchmarks/bench.py --out "$WORK/bench")
   group() { listed "$1" "${BENCH:-firstrun,model,train4,harness,ops,sniah,generation}"; }
+  # Whether a prompt's last position agrees between a whole forward, prefill + one-token steps (eager and
+  # graphed) and a float32 copy of the weights, per family (benchmarks/decode_paths.py; stdout).
+  group paths && for arch in ${PATHS_ARCHS:-delta_net kda mamba2 gla gated_deltanet}; do
+    timeout 240 python3 benchmarks/decode_paths.py --arch "$arch" --length 8192 >> "$WORK/logs/decode-paths.log" 2>&1 \
+      || stage "decode paths $arch rc $?"; done
   # A user's first run (its own empty triton cache, ccq-eval's defaults): S-NIAH-1 at 8K, 10 samples.
   group firstrun && { timeout 900 python3 benchmarks/first_run.py --out "$WORK/bench/first-run" \
     > "$WORK/logs/bench-first-run.log" 2>&1 || stage "first run rc $?"; rm -rf "$WORK/bench/first-run/checkpoint" "$WORK/bench/first-run/triton-cache"; }
@@ -272,6 +278,7 @@ case "$cmd" in
     # results/gpu-grid's units of those models rerun from their recorded commands and compared sample
     # for sample (scripts/recheck_grid.py), in the pipeline's tree, in the background
     cd "$WORK/repo" || exit 1
+    for _ in $(seq 300); do [ -f "$WORK/installed" ] && break; sleep 1; done  # the pipeline's install
     models=${RECHECK_MODELS:-tiny-gla tiny-gla-ccq tiny-gdn tiny-gdn-ccq}
     for m in $models; do cp -r "$OLDPWD/models/$m" models/ || exit 1; done
     export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \

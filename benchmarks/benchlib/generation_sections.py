@@ -235,6 +235,7 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
                 batch_size=case["batch"] or "auto",
                 chunk_size=s["sniah_chunk_size"],
                 cuda_graphs="auto" if _graphs(bench, case) else False,
+                shared_prefill=s.get("sniah_shared_prefill", False),
             )
         # Compilation for this length, and the adapter's decode graph for its batch size: captured once
         # in an evaluation and then reused by every batch (HFLM's batch is 1).
@@ -266,10 +267,13 @@ def _sniah_case(bench: Bench, model, case: dict[str, Any], requests: list) -> di
 
 # ------------------------------------------------------------------------------------------ sniah: near ties
 # Greedy decoding of a random-init model, whose top logits are near ties, follows the rounding of its path.
-# Two paths (a batched kernel and a batch-1 one, a chunked prefill and a whole-prompt one) compute the same
-# logit with different accumulated rounding, a few ulps of the logit scale (dtype eps * max|logit|) apart;
-# TIE_ULPS allows some margin over that. A split is a near tie when the two texts' tokens lie within
-# TIE_ULPS such ulps of each other and of the position's top logit.
+# Two paths (a batched kernel and a batch-1 one) compute the same logit with different accumulated
+# rounding, a few ulps of the logit scale (dtype eps * max|logit|) apart; TIE_ULPS allows some margin over
+# that. A split is a near tie when the two texts' tokens lie within TIE_ULPS such ulps of each other and of
+# the position's top logit, in the logits of the reference's own path: the whole prompt in one forward with
+# a cache, then one cached step per generated token, as batch 1 and HFLM's generate compute them (a plain
+# forward over prompt and answer runs the chunk kernel over the answer too, which in half precision can
+# round far from what either generation saw).
 TIE_ULPS = 8
 
 
@@ -352,15 +356,28 @@ def _greedy_consistent(logits: torch.Tensor, tokens: list[int], dtype: torch.dty
     return bool((logits.amax(-1) - chosen <= TIE_ULPS * ulp).all())
 
 
+def generation_path_logits(model, prompt: list[int], generated: list[int], device) -> torch.Tensor:
+    """The logits greedy generation reads after `prompt` and after each of `generated` ([1 + len, V]): the
+    prompt in one forward with a cache, then one cached step per token (the kernels batch 1 runs)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+        rows = [out.logits[0, -1]]
+        for token in generated:
+            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
+                        use_cache=True)
+            rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
 def compare_texts(bench: Bench, model, ccq: bool, contexts: list[str], tested: list[str],
                   reference: list[str]) -> list[dict[str, Any] | None]:
     """Per sample (as many as both ran): None where the texts are equal, else where they part
-    (parting_points) and classify_split's verdict on a plain forward of the model (no cache, the bench's
-    dtype) over the prompt as the adapter encodes it (BOS, then the context) and the generated tokens the
-    texts share. The same forward checks that context: each shared token within TIE_ULPS of its position's
-    top logit, as greedy decoding chose it ("prefix_consistent"; a split in any other context is no tie).
-    Where the first candidate tokenization fails that check, the second gets a forward too: at most two
-    forwards per differing sample, after the timed runs."""
+    (parting_points) and classify_split's verdict on the generation path's logits
+    (generation_path_logits, the bench's dtype) after the prompt as the adapter encodes it (BOS, then the
+    context) and the generated tokens the texts share. The same logits check that context: each shared
+    token within TIE_ULPS of its position's top logit, as greedy decoding chose it ("prefix_consistent"; a
+    split in any other context is no tie). Where the first candidate tokenization fails that check, the
+    second is judged too: at most two per differing sample, after the timed runs."""
     tokenizer, splits = bench.tokenizer, []
     for context, test, ref in zip(contexts, tested, reference):
         if test == ref:
@@ -369,9 +386,8 @@ def compare_texts(bench: Bench, model, ccq: bool, contexts: list[str], tested: l
         prompt = workload.prefix_ids(tokenizer) + workload.encode(tokenizer, context)
         split = {"how": "unresolved", "tie": False}
         for point in parting_points(tokenizer, context, test, ref):
-            ids = torch.tensor([prompt + point["common"]], device=bench.device)
-            with torch.no_grad(), workload.ccq_mode(model, ccq):
-                logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
+            with workload.ccq_mode(model, ccq):
+                logits = generation_path_logits(model, prompt, point["common"], bench.device)
             consistent = _greedy_consistent(logits[:-1], point["common"], bench.dtype)
             judged = classify_split(logits[-1], point["reference_token"], point["tested_token"], bench.dtype)
             split = {"first_divergence_token": len(point["common"]), "how": point["how"],

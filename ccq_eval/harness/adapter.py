@@ -207,6 +207,12 @@ class CCQEvalLM(LM):
             "auto" (the default): on the CPU, where scoring is bound by the positions computed; off on
             CUDA, where a batch of short rows is bound by the host's calls, and whole rows take one
             (graph-replayed) forward per batch against the shared path's two eager ones.
+        shared_prefill: with a recurrent fla model, prompts of a generate batch whose lengths differ by a
+            few tokens (generation.FORCED_TOKENS_PER_ROW per row) are prefilled together up to the
+            shortest, the longer ones' last tokens fed through the first decode steps. Faster for many
+            short prompts; but those tokens then run on the recurrent kernel where batch 1 runs the chunk
+            kernel, and in half precision a greedy answer can then differ from batch 1's. Default False:
+            each prompt is prefilled alone, on batch 1's kernels.
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
         seed: for sampling when a task asks for do_sample: each request draws from its own generator,
             seeded by `seed` and the request's identity, so resuming or batching never changes an answer.
@@ -232,6 +238,7 @@ class CCQEvalLM(LM):
         rolling_windows: str | None = None,
         window_tokens: int | str | None = None,
         share_contexts: bool | str = "auto",
+        shared_prefill: bool | str = False,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -268,7 +275,8 @@ class CCQEvalLM(LM):
                              share_contexts=self._device.type == "cpu" if share_contexts == "auto"
                              else as_bool(share_contexts))
         self.generator = Generator(self.runtime, self.scorer, self.codec, self.truncator,
-                                   sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed))
+                                   sizer=self.sizer, cuda_graphs=self.cuda_graphs, seed=int(seed),
+                                   shared_prefill=as_bool(shared_prefill))
 
     def _batch_sizer(self, fixed_batch_size: int | None, chunk_size: int, logits_chunk: int,
                      generation_rows: int | None = None, short_rows: int | None = None) -> BatchSizer:

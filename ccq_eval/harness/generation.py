@@ -26,10 +26,10 @@ from ccq_eval.harness.truncation import Truncator
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_GEN_TOKS = 256
-# On CUDA the prompts of a batch that differ in length by at most this many tokens per row are prefilled
-# together up to the shortest of them, and the longer ones' last tokens go through the decode steps (one
-# graph replay each; prefill_groups). A replayed step costs a small fraction of one row's prefill: this
-# keeps the fed tokens well below break-even.
+# With shared_prefill, the prompts of a batch that differ in length by at most this many tokens per row are
+# prefilled together up to the shortest of them, and the longer ones' last tokens go through the decode
+# steps (one graph replay each; prefill_groups). A replayed step costs a small fraction of one row's
+# prefill: this keeps the fed tokens well below break-even.
 FORCED_TOKENS_PER_ROW = 8
 # generation_kwargs keys this adapter understands; anything else is an error, not ignored.
 _GEN_KWARGS = {
@@ -168,11 +168,13 @@ class Generator:
     per batch size, reused by later batches). `seed`: with a request's identity, the seed of its sampling.
     Prompts are fitted by `truncator` under each request's policy. `prefill_ahead` (on with CUDA graphs):
     while a batch decodes, the next one is prefilled beside it (PrefillAhead) where the memory free then
-    holds it by the sizer's row cost.
+    holds it by the sizer's row cost. `shared_prefill`: prompts of nearly one length are prefilled
+    together up to the shortest of them (_prefill); off, each prompt is prefilled whole and alone, on the
+    kernels batch 1 runs, so that a row's answer does not depend on its batch's other prompts.
     """
 
     def __init__(self, runtime: ModelRuntime, scorer: Scorer, codec: TokenCodec, truncator: Truncator, *,
-                 sizer: BatchSizer, cuda_graphs: bool, seed: int) -> None:
+                 sizer: BatchSizer, cuda_graphs: bool, seed: int, shared_prefill: bool = False) -> None:
         self.runtime = runtime
         self.scorer = scorer
         self.codec = codec
@@ -182,9 +184,10 @@ class Generator:
         self.seed = seed
         self.decode_graphs: dict[int, Any] = {}  # batch size -> GraphedDecodeStep (see decode_graph)
         self.last_decode_steps = 0  # one-token model calls of the last generate batch (for benchmarks)
-        # Prompts of different lengths share their prefill on CUDA (_prefill); the CPU prefills each
-        # alone, so its answers keep the bits they had.
-        self.forced_tails = runtime.device.type == "cuda"
+        # Why off by default: a shared prefill ends the longer prompts on the one-token recurrent kernel
+        # where batch 1 runs the chunk kernel, and in half precision the two round far enough apart (an
+        # untrained fla DeltaNet on CUDA) to change a greedy answer.
+        self.forced_tails = shared_prefill
         self.prefill_ahead = cuda_graphs
         self.last_prefills_ahead = 0  # batches of the last generate_until prefilled while another decoded
 
@@ -357,8 +360,8 @@ class Generator:
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any, list[list[int]]]:
         """(logits at the last prefilled position of each row, the cache of all rows, each row's prompt
         tokens left for the decode steps to feed). Prompts of one length take one pass. Otherwise (recurrent
-        fla models only, see _batches) each prompt is prefilled alone, or with forced_tails each run of
-        rows in prefill_groups together up to its shortest prompt."""
+        fla models only, see _batches) each prompt is prefilled alone, or with forced_tails (shared_prefill)
+        each run of rows in prefill_groups together up to its shortest prompt."""
         tensor = self.runtime.tensor
         lengths = [len(p) for p in prompts]
         if len(set(lengths)) == 1:

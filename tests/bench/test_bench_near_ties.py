@@ -83,23 +83,42 @@ def test_parting_points_find_the_first_differing_token(benchlib, tokenizer):
 
 class StandInModel(torch.nn.Module):
     """Logits that make greedy decoding pick `path` after `prompt_length` tokens and `last` after it: at
-    each position, the next token of the path 2.0 above the rest."""
+    each position, the next token of the path 2.0 above the rest. Its cache is the number of tokens read;
+    `inputs` holds each sequence it was fed (a prefill, then its cached steps)."""
 
     def __init__(self, prompt_length: int, path: list[int], last: torch.Tensor):
         super().__init__()
         self.prompt_length, self.path, self.last, self.inputs = prompt_length, path, last, []
 
-    def forward(self, input_ids, use_cache=True):
-        assert use_cache is False
-        self.inputs.append(input_ids[0].tolist())
+    def forward(self, input_ids, use_cache=False, past_key_values=None):
+        assert use_cache is True
+        if past_key_values is None:
+            self.inputs.append([])
+        self.inputs[-1] += input_ids[0].tolist()
+        start = past_key_values or 0
         logits = torch.zeros(1, input_ids.shape[1], self.last.shape[0])
-        for position, token in enumerate(self.path):
-            logits[0, self.prompt_length - 1 + position, token] = 2.0
-        logits[0, -1] = self.last
-        return SimpleNamespace(logits=logits)
+        for offset in range(input_ids.shape[1]):
+            step = start + offset - (self.prompt_length - 1)  # generated tokens before this position's next
+            if 0 <= step < len(self.path):
+                logits[0, offset, self.path[step]] = 2.0
+            elif step == len(self.path):
+                logits[0, offset] = self.last
+        return SimpleNamespace(logits=logits, past_key_values=start + input_ids.shape[1])
 
 
-def test_compare_texts_judges_each_differing_sample_on_one_forward(benchlib, tokenizer):
+def test_generation_path_logits_are_the_forwards_over_prompt_and_answer(benchlib):
+    """A prefill with a cache and one cached step per token: the logits one forward gives (float32)."""
+    workload = benchlib.workload
+    shape = dict(workload.SHAPES_SMOKE["delta_net"])
+    model = workload.build_fla_model("delta_net", shape, 300, torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, 300, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    path = benchlib.sections.generation_path_logits(model, ids[:80], ids[80:], torch.device("cpu"))
+    whole = model(input_ids=torch.tensor([ids])).logits[0, 79:]
+    assert path.shape == whole.shape
+    torch.testing.assert_close(path, whole, rtol=1e-4, atol=1e-5)
+
+
+def test_compare_texts_judges_each_differing_sample_on_its_generation_path(benchlib, tokenizer):
     tested, reference = "one two three", "one two four"
     point = benchlib.sections.parting_points(tokenizer, CONTEXT, tested, reference)[0]
     prompt = benchlib.workload.prefix_ids(tokenizer) + benchlib.workload.encode(tokenizer, CONTEXT)
@@ -113,7 +132,7 @@ def test_compare_texts_judges_each_differing_sample_on_one_forward(benchlib, tok
     assert splits[0]["tie"] is True and splits[0]["prefix_consistent"] is True
     assert splits[0]["tested_rank"] == 1 and splits[0]["reference_rank"] == 0
     assert splits[0]["first_divergence_token"] == len(point["common"]) > 0
-    # One forward per differing sample, over BOS, the prompt and the tokens the texts share.
+    # One prefill and its steps per differing sample, over BOS, the prompt and the tokens the texts share.
     assert model.inputs == [prompt + point["common"]] * 2
     # A model that would not have generated the shared tokens: the split is judged in a context other
     # than the texts', so no tie (after a forward for each candidate tokenization).

@@ -68,7 +68,7 @@ def test_an_error_in_a_prefill_ahead_reaches_the_caller(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["tiny-gla-ccq", "tiny-gdn-ccq"])
 def test_prefill_ahead_answers_as_none_on_cuda(name):
-    """bf16, the default CUDA path (graphed decode, shared prefill), batches of 2 rows: the same texts."""
+    """bf16, the default CUDA path (graphed decode), batches of 2 rows: the same texts."""
     model, tokenizer = load_model(name, device="cuda", dtype="bfloat16")
     lm = CCQEvalLM(model=model, tokenizer=tokenizer, max_length=2048, batch_size=2)
     docs = sn.generate_docs("s_niah_1", tokenizer=name, lengths=[1024], depths=[0, 25, 50, 75, 100],

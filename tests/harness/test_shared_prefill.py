@@ -1,7 +1,8 @@
-"""Prompts of different lengths in one generate batch (generation.Generator._prefill, the CUDA default):
-prefilled together up to the shortest prompt, the longer prompts' last tokens fed through the decode
-steps. In float64 on the CPU backend this answers every prompt as prefilling each alone does, greedy and
-sampled; a spread wider than FORCED_TOKENS_PER_ROW per row falls back to one prefill per prompt."""
+"""Prompts of different lengths in one generate batch with the adapter's shared_prefill
+(generation.Generator._prefill): prefilled together up to the shortest prompt, the longer prompts' last
+tokens fed through the decode steps. In float64 on the CPU backend this answers every prompt as
+prefilling each alone does, greedy and sampled; a spread wider than FORCED_TOKENS_PER_ROW per row falls
+back to one prefill per prompt."""
 
 from __future__ import annotations
 
@@ -68,6 +69,13 @@ def _check_shared_prefill(name: str, device: str, monkeypatch) -> None:
         assert shared == alone, gen_kwargs
         assert (shared_passes, alone_passes) == (1, len(requests))
         assert any(text.strip() for text in shared)
+
+
+def test_shared_prefill_is_asked_for_not_the_default():
+    """Off, a row's prompt runs on batch 1's kernels whatever else its batch holds."""
+    assert not _adapter("tiny-gla").generator.forced_tails
+    model, tokenizer = load_model("tiny-gla", device="cpu")
+    assert CCQEvalLM(model=model, tokenizer=tokenizer, shared_prefill="true").generator.forced_tails
 
 
 def test_prefill_groups_keep_the_spread_within_the_allowance():

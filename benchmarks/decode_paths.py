@@ -13,9 +13,9 @@ against a float32 copy of the same weights (`--reference float32`, the default: 
 widened exactly, so the model the paths compute, without their rounding; where fla's chunk kernel refuses
 float32 on CUDA, that layer runs its fused_recurrent mode, exact in float32) or against the first path
 (`--reference none`). Each difference is given in ulps of the bench dtype's logit scale (its eps times
-max |reference logit|), with the rank the reference gives the path's argmax, and the reference's own
-top-2 gap in the same unit: a path whose difference exceeds that gap may pick another token. Used to
-tell rounding from a path that computes something else, e.g.
+max |reference logit|), from the reference and from the first path, with the rank the reference gives
+the path's argmax, and the reference's own top-2 gap in the same unit: a path whose difference exceeds
+that gap may pick another token. Used to tell rounding from a path that computes something else, e.g.
 
     python benchmarks/decode_paths.py --arch delta_net --length 8192 --device cuda --dtype bfloat16
 """
@@ -79,10 +79,12 @@ def report(paths: dict[str, torch.Tensor], reference: torch.Tensor, dtype: torch
     """One line per path: its largest difference from `reference` and the rank `reference` gives its argmax."""
     ulp = torch.finfo(dtype).eps * reference.abs().max().item()
     top2 = reference.topk(2).values
+    first_name, first = next(iter(paths.items()))
     lines = [f"reference top-2 gap {(top2[0] - top2[1]).item() / ulp:.1f} ulps"]
     for name, logits in paths.items():
         rank = int((reference > reference[logits.argmax()]).sum())
-        lines.append(f"  {name}: max difference {(logits - reference).abs().max().item() / ulp:.1f} ulps; "
+        lines.append(f"  {name}: max difference {(logits - reference).abs().max().item() / ulp:.1f} ulps "
+                     f"({(logits - first).abs().max().item() / ulp:.1f} from {first_name}); "
                      f"its argmax is the reference's rank {rank}")
     return lines
 

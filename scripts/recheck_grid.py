@@ -83,8 +83,20 @@ def results_file(unit: Path) -> Path:
     return archived if archived.is_file() else unit / "results.json"
 
 
+def changed_fields(committed: dict, rerun: dict) -> set[str]:
+    """The fields in which two sample records differ, a document's own fields as `doc.<name>`: a task's
+    document may record where its data came from (a tokenizer's path) beside what the model answered."""
+    fields = {key for key in committed.keys() | rerun.keys() if committed.get(key) != rerun.get(key)}
+    docs = [record.get("doc") for record in (committed, rerun)]
+    if "doc" in fields and all(isinstance(doc, dict) for doc in docs):
+        fields.remove("doc")
+        fields |= {f"doc.{key}" for key in docs[0].keys() | docs[1].keys() if docs[0].get(key) != docs[1].get(key)}
+    return fields
+
+
 def differences(units: dict[Path, dict], committed: Path, rerun: Path) -> list[str]:
-    """Every unit of `units` (under `committed`) against its rerun under `rerun`: samples and metrics."""
+    """Every unit of `units` (under `committed`) against its rerun under `rerun`: samples (with the fields
+    that differ) and metrics."""
     found = []
     for unit in units:
         relative = unit.relative_to(committed)
@@ -99,10 +111,11 @@ def differences(units: dict[Path, dict], committed: Path, rerun: Path) -> list[s
             if len(records[0]) != len(records[1]):
                 found.append(f"{relative}/{samples.name}: {len(records[0])} vs {len(records[1])} records")
                 continue
-            changed = [i for i, (a, b) in enumerate(zip(*records)) if a != b]
+            changed = {i: changed_fields(a, b) for i, (a, b) in enumerate(zip(*records)) if a != b}
             if changed:
+                fields = ", ".join(sorted(set().union(*changed.values())))
                 found.append(f"{relative}/{samples.name}: {len(changed)} of {len(records[0])} records differ "
-                             f"(first: record {changed[0]})")
+                             f"(first: record {min(changed)}; fields: {fields})")
     return found
 
 

@@ -208,11 +208,10 @@ class CCQEvalLM(LM):
             CUDA, where a batch of short rows is bound by the host's calls, and whole rows take one
             (graph-replayed) forward per batch against the shared path's two eager ones.
         shared_prefill: with a recurrent fla model, prompts of a generate batch whose lengths differ by a
-            few tokens (generation.FORCED_TOKENS_PER_ROW per row) are prefilled together up to the
-            shortest, the longer ones' last tokens fed through the first decode steps. Faster for many
-            short prompts; but those tokens then run on the recurrent kernel where batch 1 runs the chunk
-            kernel, and in half precision a greedy answer can then differ from batch 1's. Default False:
-            each prompt is prefilled alone, on batch 1's kernels.
+            few tokens are prefilled together up to the shortest, the longer ones' last tokens fed through
+            the first decode steps (generation.prefill_groups): faster for many short prompts, but in half
+            precision the recurrent kernel that then reads those tokens can change a greedy answer from
+            batch 1's. Default False: each prompt is prefilled alone, on batch 1's kernels.
         device, dtype, allow_pickle, trust_remote_code: passed to load_model.
         seed: for sampling when a task asks for do_sample: each request draws from its own generator,
             seeded by `seed` and the request's identity, so resuming or batching never changes an answer.

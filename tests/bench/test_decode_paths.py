@@ -47,7 +47,7 @@ def test_the_float32_reference_is_the_float32_forward_and_ranks_paths_against_it
     # the bfloat16 weights widened exactly: the float32 copy computes the model those weights define
     assert torch.equal(reference, decode_paths.float32_reference(model.float(), ids))
     lines = decode_paths.report({"same": reference.clone(), "other": -reference}, reference, torch.bfloat16)
-    assert lines[1] == "  same: max difference 0.0 ulps; its argmax is the reference's rank 0"
+    assert lines[1] == "  same: max difference 0.0 ulps (0.0 from same); its argmax is the reference's rank 0"
     assert lines[2].endswith(f"rank {reference.numel() - 1}")
 
 

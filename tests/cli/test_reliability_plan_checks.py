@@ -79,7 +79,12 @@ def test_sighup_during_a_run_is_one_line_that_says_how_to_resume(fake_world, mon
             time.sleep(5)  # the handler interrupts this
 
     monkeypatch.setattr(runner, "execute_plan", hung_up_while_running)
-    result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    # A suite started under nohup inherits an ignored SIGHUP, which a run rightly leaves ignored.
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        result = invoke(*RUN_ARGS, "--model", "tiny-strong", "--output", "out")
+    finally:
+        signal.signal(signal.SIGHUP, before)
     assert_one_line_error(result, "hung up (SIGHUP", "every answered request are saved", "rerun the same command",
                           "nohup", code=128 + signal.SIGHUP)
 

@@ -201,7 +201,7 @@ pipeline() {
   group() { listed "$1" "${BENCH:-firstrun,model,train4,harness,ops,sniah,generation}"; }
   # Whether a prompt's last position agrees between a whole forward, prefill + one-token steps (eager and
   # graphed) and a float32 copy of the weights, per family (benchmarks/decode_paths.py; stdout).
-  group paths && for arch in ${PATHS_ARCHS:-delta_net}; do  # 2.5-3.5 min each on a fresh machine (autotuning)
+  group paths && for arch in ${PATHS_ARCHS:-delta_net}; do  # minutes each on a fresh machine (autotuning)
     timeout 240 python3 benchmarks/decode_paths.py --arch "$arch" --length 8192 >> "$WORK/logs/decode-paths.log" 2>&1 \
       || stage "decode paths $arch rc $?"; done
   # A user's first run (its own empty triton cache, ccq-eval's defaults): S-NIAH-1 at 8K, 10 samples.

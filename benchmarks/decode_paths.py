@@ -28,29 +28,27 @@ import time
 
 import torch
 from benchlib import workload
+from benchlib.generation_sections import generation_path_logits
 
 
 def last_logits_by_path(model: torch.nn.Module, ids: torch.Tensor, tail: int,
                         graphed: bool = False) -> dict[str, torch.Tensor]:
     """The last position's float32 logits of each forward path (module docstring); `graphed` adds the
     tail replayed from ccq-eval's CUDA decode graph (CUDA only)."""
+    prompt, fed = ids[0, :-tail].tolist(), ids[0, -tail:].tolist()
     with torch.no_grad():
         paths = {"no cache": model(input_ids=ids, use_cache=False).logits[0, -1].float(),
-                 "cache": model(input_ids=ids, use_cache=True).logits[0, -1].float()}
-        prefilled = model(input_ids=ids[:, :-tail], use_cache=True)
-        out = prefilled
-        cache = copy.deepcopy(prefilled.past_key_values) if graphed else None
-        for i in range(ids.shape[1] - tail, ids.shape[1]):
-            out = model(input_ids=ids[:, i:i + 1], past_key_values=out.past_key_values, use_cache=True)
-        paths[f"prefill + {tail} steps"] = out.logits[0, -1].float()
+                 "cache": model(input_ids=ids, use_cache=True).logits[0, -1].float(),
+                 f"prefill + {tail} steps": generation_path_logits(model, prompt, fed, ids.device)[-1].float()}
         if graphed:
-            from ccq_eval.harness.model_runtime import _backbone_and_head
+            from ccq_eval.harness.model_runtime import ModelRuntime
             from ccq_eval.model.cuda_graphs.decode import GraphedDecodeStep
 
-            backbone, head = _backbone_and_head(model)
-            step = GraphedDecodeStep(backbone, head, cache, batch=1)
-            for i in range(ids.shape[1] - tail, ids.shape[1]):
-                logits = step(ids[0, i:i + 1])
+            runtime = ModelRuntime(model)
+            prefilled = model(input_ids=ids[:, :-tail], use_cache=True).past_key_values
+            step = GraphedDecodeStep(runtime.backbone, runtime.lm_head, prefilled, batch=1)
+            for token in fed:
+                logits = step(torch.tensor([token], device=ids.device))
             paths[f"prefill + {tail} graphed steps"] = logits[0].float()
     return paths
 

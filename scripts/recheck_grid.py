@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ccq_eval.harness.archive import archive_results
-from ccq_eval.harness.store import iter_jsonl, read_json
+from ccq_eval.harness.store import UnitDir, iter_jsonl, read_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,12 +77,6 @@ def replay(per_model: dict[str, list[list[str]]], out: Path) -> None:
             process.wait()
 
 
-def results_file(unit: Path) -> Path:
-    """A unit's results: an archive's results.json.xz, a run's results.json."""
-    archived = unit / "results.json.xz"
-    return archived if archived.is_file() else unit / "results.json"
-
-
 def changed_fields(committed: dict, rerun: dict) -> set[str]:
     """The fields in which two sample records differ, a document's own fields as `doc.<name>`: a task's
     document may record where its data came from (a tokenizer's path) beside what the model answered."""
@@ -104,7 +98,8 @@ def differences(units: dict[Path, dict], committed: Path, rerun: Path) -> list[s
         if not (other / "meta.json").exists():
             found.append(f"{relative}: no rerun unit")
             continue
-        if read_json(results_file(unit))["results"] != read_json(results_file(other))["results"]:
+        metrics = [read_json(UnitDir(folder).finished_results)["results"] for folder in (unit, other)]
+        if metrics[0] != metrics[1]:
             found.append(f"{relative}: results.json metrics differ")
         for samples in sorted(unit.glob("samples_*.jsonl*")):
             records = [list(iter_jsonl(samples)), list(iter_jsonl(other / samples.name))]
@@ -139,7 +134,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         replay(commands_of(units), out)
     compared = out
-    if any(results_file(unit).suffix == ".xz" for unit in units):
+    if any(UnitDir(unit).finished_results.suffix == ".xz" for unit in units):
         if not args.compare_only or not archived.exists():
             archive_results(out, archived)
         compared = archived

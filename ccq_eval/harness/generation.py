@@ -187,7 +187,7 @@ class Generator:
         # Why off by default: a shared prefill ends the longer prompts on the one-token recurrent kernel
         # where batch 1 runs the chunk kernel, and in half precision the two round far enough apart (an
         # untrained fla DeltaNet on CUDA) to change a greedy answer.
-        self.forced_tails = shared_prefill
+        self.shared_prefill = shared_prefill
         self.prefill_ahead = cuda_graphs
         self.last_prefills_ahead = 0  # batches of the last generate_until prefilled while another decoded
 
@@ -360,14 +360,14 @@ class Generator:
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any, list[list[int]]]:
         """(logits at the last prefilled position of each row, the cache of all rows, each row's prompt
         tokens left for the decode steps to feed). Prompts of one length take one pass. Otherwise (recurrent
-        fla models only, see _batches) each prompt is prefilled alone, or with forced_tails (shared_prefill)
-        each run of rows in prefill_groups together up to its shortest prompt."""
+        fla models only, see _batches) each prompt is prefilled alone, or with shared_prefill each run of
+        rows in prefill_groups together up to its shortest prompt."""
         tensor = self.runtime.tensor
         lengths = [len(p) for p in prompts]
         if len(set(lengths)) == 1:
             _, _, logits, cache = self.scorer.run(tensor(prompts), lengths[0])
             return logits, cache, [[] for _ in prompts]
-        groups = prefill_groups(lengths) if self.forced_tails else [[i] for i in range(len(prompts))]
+        groups = prefill_groups(lengths) if self.shared_prefill else [[i] for i in range(len(prompts))]
         logits_parts, caches, tails = [], [], []
         for group in groups:
             shortest = min(lengths[i] for i in group)

@@ -32,7 +32,7 @@ def _requests(name: str, gen_kwargs: dict) -> list[Instance]:
 
 def _answers(lm: CCQEvalLM, requests: list[Instance], shared: bool, monkeypatch) -> tuple[list[str], int]:
     """The answers, and how many scorer passes the prefill took."""
-    lm.generator.forced_tails = shared
+    lm.generator.shared_prefill = shared
     passes = []
     run = lm.scorer.run
     monkeypatch.setattr(lm.scorer, "run", lambda *args, **kwargs: passes.append(1) or run(*args, **kwargs))
@@ -73,9 +73,9 @@ def _check_shared_prefill(name: str, device: str, monkeypatch) -> None:
 
 def test_shared_prefill_is_asked_for_not_the_default():
     """Off, a row's prompt runs on batch 1's kernels whatever else its batch holds."""
-    assert not _adapter("tiny-gla").generator.forced_tails
+    assert not _adapter("tiny-gla").generator.shared_prefill
     model, tokenizer = load_model("tiny-gla", device="cpu")
-    assert CCQEvalLM(model=model, tokenizer=tokenizer, shared_prefill="true").generator.forced_tails
+    assert CCQEvalLM(model=model, tokenizer=tokenizer, shared_prefill="true").generator.shared_prefill
 
 
 def test_prefill_groups_keep_the_spread_within_the_allowance():

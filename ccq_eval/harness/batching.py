@@ -11,7 +11,10 @@ A row is counted as one forward slice of its tokens (min(tokens, chunk_size)), t
 (scoring: up to logits_chunk positions of the slice; generation: the last position's, in the model's
 dtype and in fp32) and its recurrent state, twice for generation (the eager cache and the CUDA graph's
 copy of it). Counting the logits by the positions that form them, not by every token of the slice, is what
-lets long generation prompts batch: a prefill forms logits for its last position only.
+lets long generation prompts batch: a prefill forms logits for its last position only. Where a generation
+batch's prompts are prefilled one at a time (a recurrent model's default), the batch holds one forward
+slice, not one per row: its rows are counted by their state and logits, and prompts of one length that a
+single forward would take together are split into forwards that fit (`prefill_rows`).
 """
 
 from __future__ import annotations
@@ -50,16 +53,23 @@ PROBE_TOKENS = 1024
 
 
 def auto_batch_size(free_bytes: float, tokens_per_row: int, bytes_per_token: float, cap: int,
-                    fixed_bytes_per_row: float = 0.0) -> int:
+                    fixed_bytes_per_row: float = 0.0, one_forward: bool = False) -> int:
     """The largest power of two <= cap such that that many rows of `tokens_per_row` tokens at
     `bytes_per_token` each, plus `fixed_bytes_per_row` per row (state, logits), fit in `free_bytes`.
+    one_forward: the rows' forwards run one after another (prompts prefilled alone), so the batch holds
+    one row's forward and every row's fixed bytes.
 
     Raises MemoryError when not even one row fits (the run would fail at its first forward anyway; the
     message says why and what to change)."""
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
-    row_bytes = tokens_per_row * bytes_per_token + fixed_bytes_per_row
-    fitting = int(free_bytes // row_bytes) if row_bytes > 0 else cap
+    forward_bytes = tokens_per_row * bytes_per_token
+    row_bytes = forward_bytes + fixed_bytes_per_row
+    if one_forward:
+        room = free_bytes - forward_bytes
+        fitting = int(room // fixed_bytes_per_row) if fixed_bytes_per_row > 0 else (cap if room >= 0 else 0)
+    else:
+        fitting = int(free_bytes // row_bytes) if row_bytes > 0 else cap
     if fitting < 1:
         raise MemoryError(f"one row of {tokens_per_row} tokens needs about {row_bytes / 2**30:.2f} GiB "
                           f"({bytes_per_token:.0f} bytes per token, {fixed_bytes_per_row:.0f} bytes of "
@@ -184,10 +194,12 @@ class BatchSizer:
             self._row_cost = self._measure()
         return self._row_cost
 
-    def rows_for(self, generation: bool, short: bool = False) -> Callable[[int], int]:
+    def rows_for(self, generation: bool, short: bool = False, prefill_alone: bool = False) -> Callable[[int], int]:
         """tokens of a batch's longest row -> rows of that batch, for scoring or (generation=True)
-        generation; short=True: loglikelihood rows, which take short_rows where they are short. Auto sizing
-        reads the free memory now, once for the batches of one call."""
+        generation; short=True: loglikelihood rows, which take short_rows where they are short;
+        prefill_alone: generation batches whose prompts are prefilled one at a time (one forward slice
+        held beside every row's state). Auto sizing reads the free memory now, once for the batches of
+        one call."""
         if self.fixed is not None:
             fixed = self.generation_rows if generation and self.generation_rows else self.fixed
             if short and not generation and self.short_rows:
@@ -200,7 +212,8 @@ class BatchSizer:
         def rows(tokens: int) -> int:
             slice_tokens, fixed_bytes = self._row_parts(tokens, generation)
             try:
-                return auto_batch_size(free, slice_tokens, cost.bytes_per_token, self.cap, fixed_bytes)
+                return auto_batch_size(free, slice_tokens, cost.bytes_per_token, self.cap, fixed_bytes,
+                                       one_forward=generation and prefill_alone)
             except MemoryError as err:
                 # The row cost is an upper bound (margins on a probe), so one row may still fit: run it as a
                 # fixed batch of 1 would, rather than refuse what batch_size=1 could do.
@@ -209,19 +222,42 @@ class BatchSizer:
 
         return rows
 
-    def fits_now(self, lengths: list[int], generation: bool) -> bool:
+    def fits_now(self, lengths: list[int], generation: bool, prefill_alone: bool = False) -> bool:
         """Whether one more batch of rows of these token lengths fits in MEMORY_SHARE of the memory free
         now, beside what is allocated already (a batch that is decoding): the rows counted as auto sizing
-        counts them. False without measure and free_memory."""
+        counts them (prefill_alone as in rows_for). False without measure and free_memory."""
         if self._measure is None or self._free_memory is None:
             return False
-        planned = sum(self.planned_row_bytes(tokens, generation) for tokens in lengths)  # measures first
+        planned = self.planned_batch_bytes(lengths, generation, prefill_alone)  # measures first
         return planned <= MEMORY_SHARE * self._free_memory()
+
+    def planned_batch_bytes(self, lengths: list[int], generation: bool, prefill_alone: bool = False) -> float:
+        """The device memory auto sizing counts for a batch of rows of these token lengths (needs
+        `measure`): every row's, or with prefill_alone (generation) one forward slice, the longest, and
+        every row's state and logits."""
+        if not (generation and prefill_alone):
+            return sum(self.planned_row_bytes(tokens, generation) for tokens in lengths)
+        parts = [self._row_parts(tokens, generation) for tokens in lengths]
+        return (max(slice_tokens for slice_tokens, _ in parts) * self.row_cost.bytes_per_token
+                + sum(fixed_bytes for _, fixed_bytes in parts))
 
     def planned_row_bytes(self, tokens: int, generation: bool) -> float:
         """The device memory auto sizing counts for one row of `tokens` tokens (needs `measure`)."""
         slice_tokens, fixed_bytes = self._row_parts(tokens, generation)
         return slice_tokens * self.row_cost.bytes_per_token + fixed_bytes
+
+    def prefill_rows(self, tokens: int, rows: int) -> int:
+        """How many of a generation batch's `rows` prompts, all of `tokens` tokens, one forward prefills
+        together where the batch was sized with prefill_alone: with a fixed batch size all of them, with
+        auto sizing as many as MEMORY_SHARE of the memory free now holds beside every row's state and
+        logits (at least one)."""
+        if self.fixed is not None:
+            return rows
+        slice_tokens, fixed_bytes = self._row_parts(tokens, generation=True)
+        room = MEMORY_SHARE * self._free_memory() - rows * fixed_bytes  # type: ignore[misc]
+        slice_bytes = slice_tokens * self.row_cost.bytes_per_token
+        together = int(room // slice_bytes) if slice_bytes > 0 else rows
+        return max(1, min(rows, together))
 
     def _row_parts(self, tokens: int, generation: bool) -> tuple[int, float]:
         """(tokens of the row's forward slice, the bytes it costs beside them: state and logits)."""

@@ -191,6 +191,13 @@ class Generator:
         self.prefill_ahead = cuda_graphs
         self.last_prefills_ahead = 0  # batches of the last generate_until prefilled while another decoded
 
+    @property
+    def prefills_alone(self) -> bool:
+        """Whether a batch's prompts are prefilled one forward at a time (a recurrent fla model without
+        shared_prefill; prompts of one length together as far as memory allows, see _prefill), so that
+        the batch is sized by its rows' states and one forward."""
+        return self.runtime.recurrent and not self.shared_prefill
+
     def eos_ids(self) -> set[int]:
         """Token ids that end an answer: the tokenizer's EOS and the model's generation_config ones."""
         eos_token_id = self.codec.eot_token_id
@@ -292,7 +299,7 @@ class Generator:
         for i in range(len(prepared)):
             groups[group_key(i)].append(i)
         grouped = []
-        rows_for = self.sizer.rows_for(generation=True)
+        rows_for = self.sizer.rows_for(generation=True, prefill_alone=self.prefills_alone)
         for indices in groups.values():
             for sub in batches([len(prepared[i][0]) for i in indices], rows_for,
                                any_length=self.runtime.recurrent):
@@ -341,7 +348,8 @@ class Generator:
         memory (the sizer's row cost) fits in what is free now; elsewhere (only where asked for) always."""
         if self.runtime.device.type != "cuda":
             return True
-        return self.sizer.fits_now([len(prompt) for prompt in prompts], generation=True)
+        return self.sizer.fits_now([len(prompt) for prompt in prompts], generation=True,
+                                   prefill_alone=self.prefills_alone)
 
     def decode_graph(self, cache: Any, batch: int) -> Any:
         """The captured decode step for `batch` rows, started from `cache`: captured once per batch
@@ -359,15 +367,20 @@ class Generator:
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, Any, list[list[int]]]:
         """(logits at the last prefilled position of each row, the cache of all rows, each row's prompt
-        tokens left for the decode steps to feed). Prompts of one length take one pass. Otherwise (recurrent
-        fla models only, see _batches) each prompt is prefilled alone, or with shared_prefill each run of
-        rows in prefill_groups together up to its shortest prompt."""
+        tokens left for the decode steps to feed). Prompts of one length take one pass, or where the batch
+        was sized for prefills one at a time (prefills_alone) as few passes as the free memory allows.
+        Otherwise (recurrent fla models only, see _batches) each prompt is prefilled alone, or with
+        shared_prefill each run of rows in prefill_groups together up to its shortest prompt."""
         tensor = self.runtime.tensor
         lengths = [len(p) for p in prompts]
         if len(set(lengths)) == 1:
-            _, _, logits, cache = self.scorer.run(tensor(prompts), lengths[0])
-            return logits, cache, [[] for _ in prompts]
-        groups = prefill_groups(lengths) if self.shared_prefill else [[i] for i in range(len(prompts))]
+            together = self.sizer.prefill_rows(lengths[0], len(prompts)) if self.prefills_alone else len(prompts)
+            groups = [list(range(start, min(start + together, len(prompts))))
+                      for start in range(0, len(prompts), together)]
+        elif self.shared_prefill:
+            groups = prefill_groups(lengths)
+        else:
+            groups = [[i] for i in range(len(prompts))]
         logits_parts, caches, tails = [], [], []
         for group in groups:
             shortest = min(lengths[i] for i in group)

@@ -39,6 +39,11 @@ def test_auto_batch_size_counts_rows_state_and_cap():
     assert auto_batch_size(10**15, 10, 100, cap=48) == 32  # the largest power of two under the cap
     assert auto_batch_size(1000, 10, 100, cap=64) == 1  # exactly one row
     assert auto_batch_size(10**6, 10, 0.0, cap=16) == 16  # nothing measured per row: the cap
+    # one_forward: one row's forward (1000 bytes) beside every row's state: 9 rows of 1000 bytes fit
+    assert auto_batch_size(10_000, 10, 100, cap=64, fixed_bytes_per_row=1000, one_forward=True) == 8
+    assert auto_batch_size(10_000, 10, 100, cap=64, one_forward=True) == 64  # no state: the cap
+    with pytest.raises(MemoryError, match="one row of 200 tokens"):
+        auto_batch_size(10_000, 200, 100, cap=64, one_forward=True)  # the forward alone does not fit
 
 
 def test_auto_batch_size_refuses_when_one_row_does_not_fit():
@@ -107,9 +112,11 @@ def _model():
                                           use_short_conv=True)).double().eval()
 
 
-def test_auto_adapter_sizes_generation_batches_by_their_longest_prompt(auto_lm):
-    # Byte tokens, no BOS: 40, 39, 30, 20, 19, 18, 17, 12, 8 tokens. Longest first, 100 / tokens rows:
-    # 40 -> 2 rows; 30 -> 2 (with 20); 19 -> 4 (19, 18, 17, 12); 8 -> 8 (only one prompt left).
+def test_auto_adapter_sizes_shared_prefill_batches_by_their_longest_prompt(auto_lm):
+    # Byte tokens, no BOS: 40, 39, 30, 20, 19, 18, 17, 12, 8 tokens. A shared prefill runs the rows'
+    # forwards together, so each row counts one: longest first, 100 / tokens rows: 40 -> 2 rows; 30 -> 2
+    # (with 20); 19 -> 4 (19, 18, 17, 12); 8 -> 8 (only one prompt left).
+    auto_lm.generator.shared_prefill = True
     prompts = ["x" * n for n in (8, 40, 17, 30, 19, 12, 39, 20, 18)]
     requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 6}), i)
                 for i, p in enumerate(prompts)]
@@ -121,6 +128,41 @@ def test_auto_adapter_sizes_generation_batches_by_their_longest_prompt(auto_lm):
     assert batch_sizes_meta(auto_lm, auto_lm.batch_size) == {
         "batch_size": 4, "batch_sizes_run": {"4": 1, "2": 2, "1": 1}}
     assert batch_sizes_meta(single, single.batch_size) == {"batch_size": 1, "batch_sizes_run": {"1": 9}}
+
+
+def test_auto_adapter_sizes_generation_batches_by_state_and_one_forward(auto_lm, monkeypatch):
+    """Prompts prefilled one at a time (the default): a batch holds one prompt's forward beside every
+    row's state (twice: the cache and the decode graph's copy), here 1000 bytes a token and 2 * 5000 a row."""
+    monkeypatch.setattr(adapter_module, "measure_row_cost", lambda *args, **kwargs: RowCost(1000, 5000))
+    prompts = ["x" * n for n in (8, 40, 17, 30, 19, 12, 39, 20, 18)]
+    requests = [Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 6}), i)
+                for i, p in enumerate(prompts)]
+    texts = auto_lm.generate_until(requests)
+    # 40 tokens: (100000 - 40000) // 10000 = 6 rows -> 4 (40, 39, 30, 20); 19: 8 rows, 5 prompts left
+    assert auto_lm.batch_sizes_run == {4: 1, 5: 1}
+    single = CCQEvalLM(model=auto_lm.model, tokenizer=byte_tokenizer(), batch_size=1, chunk_size=64)
+    assert texts == single.generate_until(requests)
+
+
+def test_auto_adapter_prefills_prompts_of_one_length_in_forwards_that_fit(auto_lm, monkeypatch):
+    """Prompts of one length share a prefill forward only as far as the memory beside the batch's
+    states holds their slices: 30 tokens at 1000 bytes, 4 rows of 10000 bytes in 100000 -> 2 per forward."""
+    monkeypatch.setattr(adapter_module, "measure_row_cost", lambda *args, **kwargs: RowCost(1000, 5000))
+    forward_rows = []
+    run = auto_lm.scorer.run
+
+    def counted_run(ids, *args, **kwargs):
+        forward_rows.append(ids.shape[0])
+        return run(ids, *args, **kwargs)
+
+    monkeypatch.setattr(auto_lm.scorer, "run", counted_run)
+    requests = [Instance("generate_until", {}, (letter * 30, {"until": [], "max_gen_toks": 6}), i)
+                for i, letter in enumerate("abcdef")]
+    texts = auto_lm.generate_until(requests)
+    assert auto_lm.batch_sizes_run == {4: 1, 2: 1}  # (100000 - 30000) // 10000 = 7 rows -> 4
+    assert forward_rows == [2, 2, 2]
+    single = CCQEvalLM(model=auto_lm.model, tokenizer=byte_tokenizer(), batch_size=1, chunk_size=64)
+    assert texts == single.generate_until(requests)
 
 
 def test_auto_adapter_sizes_scoring_batches_by_their_length(auto_lm):
@@ -153,6 +195,10 @@ def test_fits_now_counts_a_further_batch_against_the_memory_free_now():
                        free_memory=lambda: free[0])
     # generation: 50 * 10 + 2 * 500 = 1500 bytes a row; 6 rows fit in 10000, 7 do not
     assert sizer.fits_now([50] * 6, generation=True) and not sizer.fits_now([50] * 7, generation=True)
+    # prompts prefilled one at a time: one 50-token forward and 1000 bytes a row; 9 rows fit, 10 do not
+    assert sizer.fits_now([50] * 9, generation=True, prefill_alone=True)
+    assert not sizer.fits_now([50] * 10, generation=True, prefill_alone=True)
+    assert sizer.prefill_rows(50, 9) == 9  # a fixed batch size: one forward takes every prompt
     free[0] /= 2  # memory taken since (a batch decoding): read again at each call
     assert not sizer.fits_now([50] * 6, generation=True) and sizer.fits_now([50] * 3, generation=True)
     assert sizer.rows_for(generation=True)(50) == 1  # the fixed size still decides the batches

@@ -105,3 +105,29 @@ def test_auto_row_cost_covers_what_a_batch_allocates(arch: str, generation: bool
     used = torch.cuda.max_memory_allocated() - before
     del out
     assert 0 < used <= planned, f"{used / 2**20:.0f} MiB used, {planned / 2**20:.0f} MiB planned"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", sorted(ROW_COST_MODELS))
+def test_auto_prefill_alone_cost_covers_what_a_batch_allocates(arch: str) -> None:
+    """A generation batch whose prompts are prefilled one at a time (the default) is sized as one forward
+    slice beside every row's state and logits: that must bound what its prefill allocates, the stacked
+    cache and the logits kept, 16 prompts of 3000 to 4096 tokens."""
+    torch.manual_seed(0)
+    model = ROW_COST_MODELS[arch]().to(device="cuda", dtype=torch.bfloat16).eval()
+    lm = CCQEvalLM(model=model, tokenizer=byte_tokenizer(), max_length=8192)
+    assert lm.batch_size_auto and lm.generator.prefills_alone
+    lengths = [4096 - 73 * row for row in range(16)]
+    prompts = [torch.randint(0, 384, (length,)).tolist() for length in lengths]
+    planned = lm.sizer.planned_batch_bytes(lengths, generation=True, prefill_alone=True)
+    assert planned < len(lengths) * lm.sizer.planned_row_bytes(lengths[0], generation=True)
+    lm.generator._prefill(prompts)  # once first: kernels first met at these shapes autotune
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = lm.generator._prefill(prompts)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - before
+    del out
+    assert 0 < used <= planned, f"{used / 2**20:.0f} MiB used, {planned / 2**20:.0f} MiB planned"
